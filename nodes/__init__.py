@@ -1,0 +1,1 @@
+"""Everything that knows ComfyUI: node classes, the run lifecycle, model adapters, statistics publishing."""

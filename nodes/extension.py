@@ -1,0 +1,13 @@
+"""The V3 extension that registers this pack's nodes with ComfyUI."""
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io
+
+
+class OmniHooksExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return []
+
+
+async def comfy_entrypoint() -> OmniHooksExtension:
+    return OmniHooksExtension()

@@ -1,0 +1,1 @@
+"""Shared test support: finding ComfyUI, building tiny real models, driving a real server."""
