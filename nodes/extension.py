@@ -7,7 +7,3 @@ from comfy_api.latest import ComfyExtension, io
 class OmniHooksExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         return []
-
-
-async def comfy_entrypoint() -> OmniHooksExtension:
-    return OmniHooksExtension()

@@ -1,0 +1,25 @@
+"""omni_hooks: a host-agnostic hook library for diffusion transformers (torch, numpy and the standard library only).
+
+Every torch module gets at most one ``HookRegistry``; hooks run ``pre_forward`` in name order, at most one hook per
+module overrides ``forward``, ``post_forward`` runs in reverse. That rule is what lets caches, offload and sequence
+parallel compose on one model.
+"""
+from .base import (
+    BaseState,
+    HookRegistry,
+    ModelHook,
+    StateManager,
+    module_has_active_hooks,
+    overrides_forward,
+    sort_hooks_after_call,
+)
+
+__all__ = [
+    "BaseState",
+    "HookRegistry",
+    "ModelHook",
+    "StateManager",
+    "module_has_active_hooks",
+    "overrides_forward",
+    "sort_hooks_after_call",
+]

@@ -1,0 +1,298 @@
+"""The hook registry: one per torch module, hooks ordered by name, at most one forward override.
+
+Design after vllm-omni ``vllm_omni/diffusion/hooks/base.py`` (post PR #2689, which made TeaCache and CPU offload
+compose) with the fixes listed in hook-library-spec.md §2.6: registration validates before it mutates, a duplicate
+name never leaves a stale override behind, and ``HookRegistry.reset()`` restores the module exactly.
+
+Dispatch contract (``HookRegistry.dispatch``):
+  1. ``pre_forward`` of every hook in name order, the forward-overriding hook last;
+  2. the overriding hook's ``new_forward`` if there is one, else the module's original forward;
+  3. ``post_forward`` in the reverse of step 1's order.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import torch
+
+REGISTRY_ATTR = "_hook_registry"
+ORIGINAL_FORWARD_ATTR = "_omni_original_forward"
+# Set when the module already had an instance-level ``forward`` before we wrapped it, so reset() puts it back.
+INSTANCE_FORWARD_ATTR = "_omni_instance_forward"
+
+
+class BaseState:
+    """A container of per-context hook state. ``reset()`` returns it to its initial values."""
+
+    def reset(self) -> None:
+        pass
+
+
+class StateManager:
+    """One state object per context name ("cond", "uncond", ...), created on first use.
+
+    A falsy context name means ``"default"``. ``get_state()`` never raises.
+    """
+
+    DEFAULT_CONTEXT = "default"
+
+    def __init__(self, state_cls: type[BaseState], init_args: tuple = (), init_kwargs: dict | None = None):
+        self._state_cls = state_cls
+        self._init_args = init_args
+        self._init_kwargs = init_kwargs or {}
+        self._states: dict[str, BaseState] = {}
+        self._context = self.DEFAULT_CONTEXT
+
+    def set_context(self, name: str | None) -> None:
+        self._context = name or self.DEFAULT_CONTEXT
+
+    @property
+    def current_context(self) -> str | None:
+        """The active context name, or None when it is the default one."""
+        return None if self._context == self.DEFAULT_CONTEXT else self._context
+
+    def get_state(self) -> BaseState:
+        state = self._states.get(self._context)
+        if state is None:
+            state = self._state_cls(*self._init_args, **self._init_kwargs)
+            self._states[self._context] = state
+        return state
+
+    def contexts(self) -> list[str]:
+        """Names of the contexts that currently hold a state."""
+        return list(self._states)
+
+    def reset(self) -> None:
+        """Reset every state, forget them all, and return to the default context."""
+        for state in self._states.values():
+            state.reset()
+        self._states.clear()
+        self._context = self.DEFAULT_CONTEXT
+
+
+class _ForwardRef:
+    """What a hook's ``fn_ref`` points at: the module's original (unhooked) forward."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._module = module
+
+    @property
+    def original_forward(self) -> Callable[..., Any]:
+        return getattr(self._module, ORIGINAL_FORWARD_ATTR)
+
+
+class ModelHook:
+    """A hook on one module's forward.
+
+    ``pre_forward`` may rewrite the call's arguments, ``post_forward`` the output. A hook *overrides forward* iff its
+    class defines ``new_forward``; the registry then calls it with the arguments after every ``pre_forward``
+    (its own included) in place of the module's forward, and still calls its ``post_forward`` itself; so a
+    ``new_forward`` must never call its own pre/post. The original forward is ``self.fn_ref.original_forward``.
+    """
+
+    fn_ref: _ForwardRef | None = None
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Called once, by ``register_hook``, before the hook is stored."""
+        return module
+
+    def deinitialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Called when the hook is removed from the module."""
+        return module
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        return output
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("By default, hooks do not implement new_forward")
+
+    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Clear per-generation state."""
+        return module
+
+
+def overrides_forward(hook: ModelHook) -> bool:
+    return type(hook).new_forward is not ModelHook.new_forward
+
+
+def sort_hooks_after_call(method: Callable) -> Callable:
+    """Run a registry method that adds or removes hooks, then re-sort the hooks (only if it returned normally)."""
+
+    @functools.wraps(method)
+    def wrapper(self: "HookRegistry", *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        self.update_sorted_hooks()
+        return result
+
+    return wrapper
+
+
+class _WrappedForward:
+    """Installed as the instance attribute ``module.forward``; sends calls through the module's registry."""
+
+    def __init__(self, module: torch.nn.Module, original: Callable[..., Any]):
+        self._module = module
+        self.__signature__ = inspect.signature(original)
+        self.__wrapped__ = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        registry = self._module.__dict__.get(REGISTRY_ATTR)
+        if registry is None or not registry._hooks:
+            return getattr(self._module, ORIGINAL_FORWARD_ATTR)(*args, **kwargs)
+        return registry.dispatch(*args, **kwargs)
+
+
+class HookRegistry:
+    """The hooks of one module. Create with ``HookRegistry.get_or_create(module)``."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self._hooks: dict[str, ModelHook] = {}
+        self._sorted_hooks: list[ModelHook] = []
+        self._new_fwd_impl_hook: ModelHook | None = None
+        self._new_fwd_impl_name: str | None = None
+
+    # -- construction -------------------------------------------------------------------------------------------
+
+    @classmethod
+    def get_or_create(cls, module: torch.nn.Module) -> "HookRegistry":
+        """The module's registry, creating it (and wrapping ``module.forward``) on first use."""
+        registry = module.__dict__.get(REGISTRY_ATTR)
+        if registry is not None:
+            return registry
+        registry = cls(module)
+        if ORIGINAL_FORWARD_ATTR not in module.__dict__:
+            if "forward" in module.__dict__:
+                module.__dict__[INSTANCE_FORWARD_ATTR] = module.__dict__["forward"]
+            original = module.forward
+            module.__dict__[ORIGINAL_FORWARD_ATTR] = original
+            module.__dict__["forward"] = _WrappedForward(module, original)
+        module.__dict__[REGISTRY_ATTR] = registry
+        return registry
+
+    check_if_exists_or_initialize = get_or_create
+
+    # -- mutation -----------------------------------------------------------------------------------------------
+
+    @sort_hooks_after_call
+    def register_hook(self, name: str | ModelHook, hook: ModelHook | str | None = None, *,
+                      replace: bool = False) -> str:
+        """Register ``hook`` under ``name`` (diffusers' ``register_hook(hook, name)`` order is accepted too).
+
+        Raises ValueError for a name already registered (unless ``replace``) and RuntimeError, naming both hooks,
+        when ``hook`` overrides forward and another hook on this module already does. Either error leaves the
+        registry exactly as it was: the hook is not stored and ``initialize_hook`` is not called.
+        """
+        if isinstance(name, ModelHook):
+            name, hook = hook, name
+        if name is None:
+            name = getattr(hook, "_HOOK_NAME", None)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"A hook needs a non-empty string name, got {name!r}")
+        if not isinstance(hook, ModelHook):
+            raise TypeError(f"Expected a ModelHook for {name!r}, got {type(hook).__name__}")
+        replacing = name in self._hooks
+        if replacing and not replace:
+            raise ValueError(f"A hook named {name!r} is already registered on {type(self.module).__name__}")
+        if overrides_forward(hook) and self._new_fwd_impl_hook is not None and self._new_fwd_impl_name != name:
+            raise RuntimeError(
+                f"Cannot have multiple hooks that override forward active simultaneously on "
+                f"{type(self.module).__name__}: {self._new_fwd_impl_name!r} ({type(self._new_fwd_impl_hook).__name__}) "
+                f"is registered, {name!r} ({type(hook).__name__}) cannot be added"
+            )
+        if replacing:
+            self._remove(name)
+        self.module = hook.initialize_hook(self.module) or self.module
+        hook.fn_ref = _ForwardRef(self.module)
+        self._hooks[name] = hook
+        if overrides_forward(hook):
+            self._new_fwd_impl_hook = hook
+            self._new_fwd_impl_name = name
+        return name
+
+    @sort_hooks_after_call
+    def remove_hook(self, name: str) -> None:
+        """Remove a hook by name (unknown names are ignored). The forward wrapper stays; ``reset()`` removes it."""
+        self._remove(name)
+
+    def _remove(self, name: str) -> None:
+        hook = self._hooks.pop(name, None)
+        if hook is None:
+            return
+        if hook is self._new_fwd_impl_hook:
+            self._new_fwd_impl_hook = None
+            self._new_fwd_impl_name = None
+        hook.deinitialize_hook(self.module)
+
+    def update_sorted_hooks(self) -> None:
+        """Order hooks by name (code-point order), the forward-overriding hook last."""
+        self._sorted_hooks = [hook for name, hook in sorted(self._hooks.items())
+                              if hook is not self._new_fwd_impl_hook]
+        if self._new_fwd_impl_hook is not None:
+            self._sorted_hooks.append(self._new_fwd_impl_hook)
+
+    def get_hook(self, name: str) -> ModelHook | None:
+        return self._hooks.get(name)
+
+    def reset_hook(self, name: str) -> None:
+        hook = self._hooks.get(name)
+        if hook is not None:
+            hook.reset_state(self.module)
+
+    def reset_all_hooks(self) -> None:
+        for hook in self._hooks.values():
+            hook.reset_state(self.module)
+
+    def reset(self) -> None:
+        """Reset and remove every hook and restore the module exactly: its forward, signature, no attribute of ours.
+
+        Idempotent; after it, ``HookRegistry.get_or_create(module)`` starts afresh.
+        """
+        for name in list(self._hooks):
+            self._hooks[name].reset_state(self.module)
+            self._remove(name)
+        self._sorted_hooks = []
+        module_dict = self.module.__dict__
+        if module_dict.get(REGISTRY_ATTR) is self:
+            del module_dict[REGISTRY_ATTR]
+            module_dict.pop(ORIGINAL_FORWARD_ATTR, None)
+            module_dict.pop("forward", None)
+            if INSTANCE_FORWARD_ATTR in module_dict:
+                module_dict["forward"] = module_dict.pop(INSTANCE_FORWARD_ATTR)
+
+    # -- calling ------------------------------------------------------------------------------------------------
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        """Run a forward call through the hooks (see the module docstring for the order)."""
+        hooks = self._sorted_hooks
+        if not hooks:
+            return getattr(self.module, ORIGINAL_FORWARD_ATTR)(*args, **kwargs)
+        module = self.module
+        for hook in hooks:
+            args, kwargs = hook.pre_forward(module, *args, **kwargs)
+            args = tuple(args)
+        override = self._new_fwd_impl_hook
+        if override is not None:
+            output = override.new_forward(module, *args, **kwargs)
+        else:
+            output = getattr(module, ORIGINAL_FORWARD_ATTR)(*args, **kwargs)
+        for hook in reversed(hooks):
+            output = hook.post_forward(module, output)
+        return output
+
+    def __repr__(self) -> str:
+        names = [n for n, h in sorted(self._hooks.items()) if h is not self._new_fwd_impl_hook]
+        if self._new_fwd_impl_name is not None:
+            names.append(self._new_fwd_impl_name + " (forward)")
+        return f"HookRegistry({type(self.module).__name__}: {', '.join(names) or 'no hooks'})"
+
+
+def module_has_active_hooks(module: torch.nn.Module) -> bool:
+    """True iff the module has a registry holding at least one hook."""
+    registry = module.__dict__.get(REGISTRY_ATTR)
+    return registry is not None and bool(registry._hooks)
