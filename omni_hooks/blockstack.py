@@ -1,0 +1,69 @@
+"""How a diffusion transformer's block stack is called, described once and shared by the caches.
+
+A cache that skips the stack needs to know: the blocks in execution order, the module that receives the stack's
+image-stream output (the "tail": a final layer or output norm), where the image stream sits in the head block's and
+the tail's arguments, and what a block returns when it is skipped (its image/text inputs passed through unchanged).
+The model's own forward does everything else, embeddings, loops, slicing, unpatchify, so nothing of it is copied.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+ArgsKwargs = tuple[tuple, dict]
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A tensor argument found by keyword ``name`` or else at position ``index``."""
+
+    name: str
+    index: int
+
+    def get(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        if self.name in kwargs:
+            return kwargs[self.name]
+        return args[self.index]
+
+    def replace(self, args: tuple, kwargs: dict, value: torch.Tensor) -> ArgsKwargs:
+        if self.name in kwargs:
+            return args, {**kwargs, self.name: value}
+        args = list(args)
+        args[self.index] = value
+        return tuple(args), kwargs
+
+
+SkipFn = Callable[[torch.nn.Module, tuple, dict], Any]
+
+
+@dataclass
+class BlockStack:
+    """The block stack of one diffusion transformer instance.
+
+    ``blocks[0]`` is the head block (caches decide there). ``skip_block(block, args, kwargs)`` returns what ``block``
+    would return if it were the identity on its streams. The tail's image-stream input must have the same shape as
+    the head's image-stream input for a residual to be reusable; caches check that and fall back to computing.
+    """
+
+    blocks: Sequence[torch.nn.Module]
+    tail: torch.nn.Module
+    head_hidden: TensorArg
+    tail_hidden: TensorArg
+    skip_block: SkipFn
+    # Blocks that modify their input in place need the head input cloned before they run.
+    clone_head_input: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise ValueError("A BlockStack needs at least one block")
+
+
+def skip_returning(*names_or_indices: TensorArg) -> SkipFn:
+    """A ``skip_block`` that returns the given arguments unchanged: one tensor, or a tuple of them in that order."""
+
+    if len(names_or_indices) == 1:
+        only = names_or_indices[0]
+        return lambda block, args, kwargs: only.get(args, kwargs)
+    return lambda block, args, kwargs: tuple(a.get(args, kwargs) for a in names_or_indices)

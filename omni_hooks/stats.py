@@ -1,0 +1,126 @@
+"""Per-run cache statistics: every decision a cache made, and the totals a log line or a UI panel shows."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class BranchDecision:
+    """One branch's part of one model evaluation."""
+
+    branch: str            # "cond", "uncond", "cond.1", ...
+    computed: bool
+    reason: str            # "first", "forced", "window", "shape", "threshold", "reuse", "calibrate", "disabled"
+    metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
+    threshold: float
+
+
+@dataclass
+class EvaluationRecord:
+    """One call of the diffusion model: the step it belongs to and each branch's decision."""
+
+    step: int | None
+    total_steps: int | None
+    computed: bool
+    branches: list[BranchDecision]
+    seconds: float = 0.0
+
+
+@dataclass
+class CacheRunStats:
+    """Everything one sampling run's cache did. Cheap to update; ``summary()`` is for logs and the stats panel."""
+
+    kind: str                       # "teacache" / "magcache"
+    model: str                      # a human-readable model family/variant
+    threshold: float
+    evaluations: list[EvaluationRecord] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    cache_bytes: int = 0
+
+    def record(self, record: EvaluationRecord) -> None:
+        self.evaluations.append(record)
+
+    def warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+    @property
+    def computed(self) -> int:
+        return sum(1 for e in self.evaluations if e.computed)
+
+    @property
+    def reused(self) -> int:
+        return sum(1 for e in self.evaluations if not e.computed)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.reused / len(self.evaluations) if self.evaluations else 0.0
+
+    @property
+    def model_seconds(self) -> float:
+        return sum(e.seconds for e in self.evaluations)
+
+    def estimated_seconds_saved(self) -> float:
+        """Reused evaluations times the mean time of a computed one (reused ones cost almost nothing)."""
+        computed = [e.seconds for e in self.evaluations if e.computed]
+        if not computed:
+            return 0.0
+        return self.reused * sum(computed) / len(computed)
+
+    def why_nothing_was_reused(self) -> str | None:
+        """When no evaluation was reused: the most likely cause, in words a user can act on."""
+        if not self.evaluations or self.reused:
+            return None
+        reasons = [b.reason for e in self.evaluations for b in e.branches]
+        if self.threshold <= 0:
+            return "threshold is 0, so every step is computed"
+        if all(r in ("first", "forced", "window", "calibrate") for r in reasons):
+            return ("every step was forced (first/last steps or outside start/end percent); "
+                    "use more steps or widen the start/end window")
+        if "shape" in reasons and reasons.count("shape") * 2 >= len(reasons):
+            return "the latent shape changed between steps, so no residual could be reused"
+        return ("the accumulated change always exceeded the threshold; raise the threshold, or the model may be "
+                "few-step/distilled, where caching has little to skip")
+
+    def summary(self) -> dict[str, Any]:
+        total = len(self.evaluations)
+        per_branch: dict[str, dict[str, int]] = {}
+        for e in self.evaluations:
+            for b in e.branches:
+                counts = per_branch.setdefault(b.branch, {"computed": 0, "reused": 0})
+                counts["computed" if b.computed else "reused"] += 1
+        model_seconds = self.model_seconds
+        saved = self.estimated_seconds_saved()
+        warnings = list(self.warnings)
+        nothing = self.why_nothing_was_reused()
+        if nothing:
+            warnings.append(f"nothing was reused: {nothing}")
+        return {
+            "kind": self.kind,
+            "model": self.model,
+            "threshold": self.threshold,
+            "evaluations": total,
+            "computed": self.computed,
+            "reused": self.reused,
+            "hit_rate": self.hit_rate,
+            "branches": per_branch,
+            "model_seconds": model_seconds,
+            "estimated_seconds_saved": saved,
+            "estimated_speedup": (model_seconds + saved) / model_seconds if model_seconds > 0 else 1.0,
+            "cache_bytes": self.cache_bytes,
+            "warnings": warnings,
+        }
+
+    def log_line(self) -> str:
+        s = self.summary()
+        branches = ", ".join(f"{name} {c['reused']}/{c['computed'] + c['reused']}"
+                             for name, c in sorted(s["branches"].items()))
+        line = (f"{self.kind} ({self.model}, threshold {self.threshold:g}): reused {s['reused']}/{s['evaluations']} "
+                f"model evaluations ({branches}); ~{s['estimated_speedup']:.2f}x in the model")
+        if s["warnings"]:
+            line += "; " + "; ".join(s["warnings"])
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"summary": self.summary(), "evaluations": [asdict(e) for e in self.evaluations]}

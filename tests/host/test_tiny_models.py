@@ -1,0 +1,85 @@
+"""The tiny per-family models of ``omnitest.tiny_models`` build and sample with ComfyUI's own sampler."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytestmark = pytest.mark.host
+
+FAMILIES = (
+    "wan21_t2v", "wan21_i2v", "wan21_vace", "wan22_ti2v", "flux", "flux_schnell", "flux_kontext", "chroma",
+    "hunyuan_video", "ltxv", "qwen_image", "lumina2", "hidream",
+)
+DISTILLED = {"flux", "flux_schnell", "flux_kontext", "hunyuan_video"}
+BASE_MODEL_CLASS = {
+    "wan21_t2v": "WAN21", "wan21_i2v": "WAN21", "wan21_vace": "WAN21_Vace", "wan22_ti2v": "WAN22",
+    "flux": "Flux", "flux_schnell": "Flux", "flux_kontext": "Flux", "chroma": "Chroma",
+    "hunyuan_video": "HunyuanVideo", "ltxv": "LTXV", "qwen_image": "QwenImage", "lumina2": "Lumina2",
+    "hidream": "HiDream",
+}
+# Generous bound for a shared 2-core CI runner; observed ~0.02-0.05 s per 3-step run (first run ~0.3 s).
+MAX_SECONDS = 5.0
+
+
+@pytest.fixture(scope="module")
+def tm():
+    from omnitest import tiny_models
+
+    return tiny_models
+
+
+def test_family_list_is_the_api(tm):
+    assert tm.FAMILIES == FAMILIES
+
+
+def test_unknown_name_is_a_key_error(tm):
+    with pytest.raises(KeyError):
+        tm.build_case("sd15")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_builds_and_samples_deterministically(tm, name):
+    import torch
+    import comfy.model_patcher
+
+    t0 = time.perf_counter()
+    case = tm.build_case(name)
+    build_s = time.perf_counter() - t0
+
+    assert case.name == name
+    assert isinstance(case.patcher, comfy.model_patcher.ModelPatcher)
+    assert type(case.patcher.model).__name__ == BASE_MODEL_CLASS[name]
+    assert case.patcher.load_device == torch.device("cpu") and case.patcher.offload_device == torch.device("cpu")
+    assert case.latent.shape[1] == case.patcher.model.latent_format.latent_channels
+    assert case.latent.ndim == 4 + (case.patcher.model.latent_format.latent_dimensions == 3)
+    assert (case.cfg == 1.0) if name in DISTILLED else (case.cfg > 1.0)
+    pos_before = case.positive[0][0].clone()
+
+    t1 = time.perf_counter()
+    out = tm.sample(case, steps=3)
+    sample_s = time.perf_counter() - t1
+    again = tm.sample(case, steps=3)
+    other_seed = tm.sample(case, steps=3, seed=1)
+
+    assert out.shape == case.latent.shape
+    assert out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, again)
+    assert not torch.equal(out, other_seed)
+    noise = tm.comfy.sample.prepare_noise(case.latent, 0)
+    assert not torch.allclose(out, noise)  # the model did something
+    assert torch.equal(case.positive[0][0], pos_before)
+    assert build_s < MAX_SECONDS and sample_s < MAX_SECONDS, (build_s, sample_s)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_same_seed_same_weights(tm, name):
+    import torch
+
+    a = tm.build_case(name, seed=3).diffusion_model.state_dict()
+    b = tm.build_case(name, seed=3).diffusion_model.state_dict()
+    c = tm.build_case(name, seed=4).diffusion_model.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)

@@ -1,0 +1,362 @@
+"""Tiny real diffusion models built in-process from ComfyUI's own model classes, one per family.
+
+Every case is a real ``comfy.model_base.BaseModel`` subclass (``WAN21``, ``WAN21_Vace``, ``WAN22``, ``Flux``,
+``Chroma``, ``HunyuanVideo``, ``LTXV``, ``QwenImage``, ``Lumina2``, ``HiDream``) around the real diffusion
+``nn.Module`` (``WanModel``, ``Flux``, ...), shrunk to hidden sizes of 64 with 1-2 blocks of each kind and narrow
+text widths, wrapped in a ``comfy.model_patcher.ModelPatcher`` on CPU. Sampling goes through
+``comfy.sample.sample`` - ComfyUI's own KSampler, CFG, conds batching, wrappers and model loading.
+
+How a case is built (the steps of ``comfy.sd.load_diffusion_model_state_dict``, minus state-dict detection,
+which cannot shrink most of these families on ComfyUI 0.3.64):
+
+1. a small ``unet_config`` is written by hand per family;
+2. ``comfy.model_detection.model_config_from_unet_config`` picks the ``comfy.supported_models`` class
+   the host would pick for it (checked against the expected class name);
+3. ``set_inference_dtype(float32, manual_cast)`` then ``get_model({}, "")`` builds the BaseModel;
+4. every parameter is filled deterministically from ``seed`` (the host's ``load_model_weights`` step);
+5. ``ModelPatcher(model, load_device=cpu, offload_device=cpu)``.
+
+Import only after ComfyUI's root is on ``sys.path`` (``tests/host/conftest.py`` does that).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+import comfy.clip_vision
+import comfy.model_detection
+import comfy.model_management
+import comfy.model_patcher
+import comfy.sample
+
+__all__ = ["FAMILIES", "TinyCase", "build_case", "sample"]
+
+Conditioning = list  # ComfyUI CONDITIONING: [[cross_attn_tensor, {extra keys}], ...]
+
+#: Every case name ``build_case`` accepts, in a stable order.
+FAMILIES: tuple[str, ...] = (
+    "wan21_t2v",
+    "wan21_i2v",
+    "wan21_vace",
+    "wan22_ti2v",
+    "flux",
+    "flux_schnell",
+    "flux_kontext",
+    "chroma",
+    "hunyuan_video",
+    "ltxv",
+    "qwen_image",
+    "lumina2",
+    "hidream",
+)
+
+
+@dataclass
+class TinyCase:
+    """One tiny model plus inputs that sample it the way the matching ComfyUI workflow would.
+
+    Contract:
+      * ``patcher`` is a fresh ``ModelPatcher`` (load and offload device CPU, float32) around a model nobody
+        else holds; tests that patch must sample a ``patcher.clone()``, as nodes do.
+      * ``positive`` / ``negative`` are CONDITIONING lists with the widths and extra keys this model needs;
+        they differ from each other, have equal token counts (so CFG batches cond and uncond in one forward)
+        and are never mutated by sampling.
+      * ``latent`` has the model's latent shape (channels, 4-D image or 5-D ``[B, C, T, H, W]`` video).
+        It is what the empty-latent / image-to-video node would output: zeros, except ``wan22_ti2v`` whose
+        first frame is an encoded start image; ``noise_mask`` is then the node's ``noise_mask`` (0 = keep).
+      * ``cfg`` is > 1 unless the family is guidance/step distilled (Flux dev/schnell/Kontext, HunyuanVideo).
+      * ``config_name`` is the ``comfy.supported_models`` class used; ``unet_config`` the config it was given.
+    """
+
+    name: str
+    patcher: comfy.model_patcher.ModelPatcher
+    positive: Conditioning
+    negative: Conditioning
+    latent: torch.Tensor
+    cfg: float
+    steps: int = 4
+    noise_mask: Optional[torch.Tensor] = None
+    config_name: str = ""
+    unet_config: dict = field(default_factory=dict)
+
+    @property
+    def diffusion_model(self) -> torch.nn.Module:
+        """The diffusion ``nn.Module`` (``patcher.model.diffusion_model``), shared by every clone."""
+        return self.patcher.model.diffusion_model
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def _randn(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(shape, generator=g) * scale
+
+
+def _cond(g: torch.Generator, tokens: int, width: int, **extra: Any) -> Conditioning:
+    """One conditioning entry: ``[[randn(1, tokens, width), extra]]``."""
+    return [[_randn(g, 1, tokens, width), dict(extra)]]
+
+
+def _pair(g: torch.Generator, tokens: int, width: int, extra: Callable[[], dict]) -> tuple[Conditioning, Conditioning]:
+    """Positive and negative conditioning of equal shape; ``extra()`` builds each entry's extra dict."""
+    return _cond(g, tokens, width, **extra()), _cond(g, tokens, width, **extra())
+
+
+def _clip_vision_output(g: torch.Generator, tokens: int) -> comfy.clip_vision.Output:
+    """A CLIP-vision output as ``CLIPVisionEncode`` returns it; Wan i2v reads ``penultimate_hidden_states``."""
+    out = comfy.clip_vision.Output()
+    out["penultimate_hidden_states"] = _randn(g, 1, tokens, 1280)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Family specs: (supported_models class name, unet_config, inputs builder, cfg)
+
+_Inputs = tuple[Conditioning, Conditioning, torch.Tensor, Optional[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    config_name: str
+    unet_config: dict
+    inputs: Callable[[torch.Generator], _Inputs]
+    cfg: float
+
+
+def _wan_config(**over: Any) -> dict:
+    cfg = {
+        "image_model": "wan2.1", "model_type": "t2v", "patch_size": (1, 2, 2), "in_dim": 16, "out_dim": 16,
+        "dim": 64, "ffn_dim": 128, "freq_dim": 256, "text_dim": 32, "num_heads": 2, "num_layers": 2,
+        "window_size": (-1, -1), "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6,
+    }
+    cfg.update(over)
+    return cfg
+
+
+def _wan_t2v_inputs(g: torch.Generator) -> _Inputs:
+    pos, neg = _pair(g, 8, 32, dict)
+    return pos, neg, torch.zeros(1, 16, 2, 8, 8), None  # EmptyHunyuanLatentVideo(64x64, length 5)
+
+
+def _wan_i2v_inputs(g: torch.Generator) -> _Inputs:
+    # WanImageToVideo: concat_latent_image (VAE-encoded start image + grey frames), concat_mask (0 = given
+    # frame) and the CLIP-vision output, on both positive and negative.
+    concat = _randn(g, 1, 16, 2, 8, 8)
+    mask = torch.ones(1, 1, 2, 8, 8)
+    mask[:, :, :1] = 0.0
+    clip = _clip_vision_output(g, 4)
+    extra = lambda: {"concat_latent_image": concat, "concat_mask": mask, "clip_vision_output": clip}  # noqa: E731
+    pos, neg = _pair(g, 8, 32, extra)
+    return pos, neg, torch.zeros(1, 16, 2, 8, 8), None
+
+
+def _wan_vace_inputs(g: torch.Generator) -> _Inputs:
+    # WanVaceToVideo: vace_frames [B, 32, T, H, W] (inactive + reactive latents), vace_mask [B, 64, T, H, W],
+    # vace_strength; lists, one item per control video.
+    frames = [_randn(g, 1, 32, 2, 8, 8)]
+    vmask = [torch.ones(1, 64, 2, 8, 8)]
+    extra = lambda: {"vace_frames": frames, "vace_mask": vmask, "vace_strength": [1.0]}  # noqa: E731
+    pos, neg = _pair(g, 8, 32, extra)
+    return pos, neg, torch.zeros(1, 16, 2, 8, 8), None
+
+
+def _wan22_ti2v_inputs(g: torch.Generator) -> _Inputs:
+    # Wan22ImageToVideoLatent with a start image: first latent frame given, noise_mask 0 there, 1 elsewhere
+    # (WAN22.process_timestep then makes per-token timesteps).
+    latent = torch.zeros(1, 48, 2, 4, 4)
+    latent[:, :, :1] = _randn(g, 1, 48, 1, 4, 4)
+    mask = torch.ones(1, 1, 2, 4, 4)
+    mask[:, :, :1] = 0.0
+    pos, neg = _pair(g, 8, 32, dict)
+    return pos, neg, latent, mask
+
+
+def _flux_config(guidance_embed: bool) -> dict:
+    return {
+        "image_model": "flux", "in_channels": 16, "out_channels": 16, "patch_size": 2, "vec_in_dim": 32,
+        "context_in_dim": 32, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1,
+        "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 10000, "qkv_bias": True,
+        "guidance_embed": guidance_embed,
+    }
+
+
+def _flux_inputs(g: torch.Generator) -> _Inputs:
+    pos, neg = _pair(g, 8, 32, lambda: {"pooled_output": _randn(g, 1, 32), "guidance": 3.5})
+    return pos, neg, torch.zeros(1, 16, 8, 8), None  # EmptySD3LatentImage(64x64)
+
+
+def _flux_schnell_inputs(g: torch.Generator) -> _Inputs:
+    pos, neg = _pair(g, 8, 32, lambda: {"pooled_output": _randn(g, 1, 32)})
+    return pos, neg, torch.zeros(1, 16, 8, 8), None
+
+
+def _flux_kontext_inputs(g: torch.Generator) -> _Inputs:
+    # ReferenceLatent: reference_latents = [VAE-encoded image]; FluxGuidance 2.5.
+    ref = [_randn(g, 1, 16, 8, 8)]
+    pos, neg = _pair(g, 8, 32, lambda: {"pooled_output": _randn(g, 1, 32), "guidance": 2.5, "reference_latents": ref})
+    return pos, neg, torch.zeros(1, 16, 8, 8), None
+
+
+def _chroma_inputs(g: torch.Generator) -> _Inputs:
+    # T5-only text encoder: pooled_output is None.
+    pos, neg = _pair(g, 8, 32, lambda: {"pooled_output": None})
+    return pos, neg, torch.zeros(1, 16, 8, 8), None
+
+
+def _hunyuan_video_inputs(g: torch.Generator) -> _Inputs:
+    pos, neg = _pair(g, 8, 32, lambda: {"pooled_output": _randn(g, 1, 32), "guidance": 6.0})
+    return pos, neg, torch.zeros(1, 16, 2, 8, 8), None
+
+
+def _ltxv_inputs(g: torch.Generator) -> _Inputs:
+    # LTXV's T5 encoder returns an attention mask; LTXVConditioning sets frame_rate.
+    ones = torch.ones(1, 8, dtype=torch.long)
+    pos, neg = _pair(g, 8, 32, lambda: {"attention_mask": ones, "frame_rate": 25.0})
+    return pos, neg, torch.zeros(1, 128, 2, 4, 4), None  # EmptyLTXVLatentVideo(128x128, length 9)
+
+
+def _qwen_image_inputs(g: torch.Generator) -> _Inputs:
+    pos, neg = _pair(g, 8, 32, dict)
+    return pos, neg, torch.zeros(1, 16, 1, 8, 8), None  # EmptySD3LatentImage after fix_empty_latent_channels
+
+
+def _lumina2_inputs(g: torch.Generator) -> _Inputs:
+    # The Gemma encoder returns attention_mask; all ones -> model gets num_tokens only.
+    ones = torch.ones(1, 8, dtype=torch.long)
+    pos, neg = _pair(g, 8, 32, lambda: {"attention_mask": ones})
+    return pos, neg, torch.zeros(1, 16, 8, 8), None
+
+
+def _hidream_inputs(g: torch.Generator) -> _Inputs:
+    # cross_attn = T5 [1, L, 32]; conditioning_llama3 = [1, n_llama_layers, L2, 48]; pooled_output [1, 32].
+    pos, neg = _pair(g, 8, 32, lambda: {"pooled_output": _randn(g, 1, 32), "conditioning_llama3": _randn(g, 1, 2, 6, 48)})
+    return pos, neg, torch.zeros(1, 16, 8, 8), None
+
+
+_SPECS: dict[str, _Spec] = {
+    "wan21_t2v": _Spec("WAN21_T2V", _wan_config(), _wan_t2v_inputs, 5.0),
+    "wan21_i2v": _Spec("WAN21_I2V", _wan_config(model_type="i2v", in_dim=36), _wan_i2v_inputs, 5.0),
+    "wan21_vace": _Spec("WAN21_Vace", _wan_config(model_type="vace", vace_layers=2, vace_in_dim=96), _wan_vace_inputs, 5.0),
+    "wan22_ti2v": _Spec("WAN22_T2V", _wan_config(in_dim=48, out_dim=48), _wan22_ti2v_inputs, 5.0),
+    "flux": _Spec("Flux", _flux_config(True), _flux_inputs, 1.0),
+    "flux_schnell": _Spec("FluxSchnell", _flux_config(False), _flux_schnell_inputs, 1.0),
+    "flux_kontext": _Spec("Flux", _flux_config(True), _flux_kontext_inputs, 1.0),
+    "chroma": _Spec("Chroma", {
+        "image_model": "chroma", "in_channels": 64, "out_channels": 64, "patch_size": 2, "context_in_dim": 32,
+        "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1, "depth_single_blocks": 1,
+        "axes_dim": [8, 12, 12], "theta": 10000, "qkv_bias": True, "in_dim": 64, "out_dim": 64,
+        "hidden_dim": 32, "n_layers": 1,
+    }, _chroma_inputs, 4.0),
+    "hunyuan_video": _Spec("HunyuanVideo", {
+        "image_model": "hunyuan_video", "in_channels": 16, "out_channels": 16, "patch_size": [1, 2, 2],
+        "vec_in_dim": 32, "context_in_dim": 32, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2,
+        "depth": 1, "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 256, "qkv_bias": True,
+        "guidance_embed": True, "byt5": False, "meanflow": False,
+    }, _hunyuan_video_inputs, 1.0),
+    "ltxv": _Spec("LTXV", {
+        "image_model": "ltxv", "in_channels": 128, "num_layers": 2, "attention_head_dim": 32,
+        "num_attention_heads": 2, "cross_attention_dim": 64, "caption_channels": 32,
+    }, _ltxv_inputs, 3.0),
+    "qwen_image": _Spec("QwenImage", {
+        "image_model": "qwen_image", "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 2,
+        "attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 32,
+        "axes_dims_rope": (8, 12, 12),
+    }, _qwen_image_inputs, 2.5),
+    "lumina2": _Spec("Lumina2", {
+        "image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 64, "n_layers": 2,
+        "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 1, "multiple_of": 32, "qk_norm": True,
+        "cap_feat_dim": 32, "axes_dims": [8, 12, 12], "axes_lens": [300, 512, 512],
+    }, _lumina2_inputs, 4.0),
+    "hidream": _Spec("HiDream", {
+        "image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 1,
+        "num_single_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+        "caption_channels": [32, 48], "text_emb_dim": 32, "num_routed_experts": 4, "num_activated_experts": 2,
+        "axes_dims_rope": [16, 8, 8], "max_resolution": [128, 128], "llama_layers": [0, 1],
+    }, _hidream_inputs, 5.0),
+}
+
+assert tuple(_SPECS) == FAMILIES
+
+
+# --------------------------------------------------------------------------------------------------
+# Building
+
+
+@torch.no_grad()
+def _fill_parameters(module: torch.nn.Module, seed: int) -> None:
+    """Deterministic weights with O(1) activations: matrices/convs ~ N(0, 1/fan_in), 1-D weights/scales
+    (norm gains) ~ 1 + N(0, 0.1), everything else (biases) ~ N(0, 0.1). Depends only on ``seed`` and the
+    parameter order, never on the global RNG."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in module.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if p.ndim >= 2:
+            val = torch.randn(p.shape, generator=g) / math.sqrt(max(1, p[0].numel()))
+        elif leaf in ("weight", "scale"):
+            val = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        else:
+            val = 0.1 * torch.randn(p.shape, generator=g)
+        p.copy_(val.to(dtype=p.dtype, device=p.device))
+
+
+def _build_patcher(spec: _Spec, seed: int) -> comfy.model_patcher.ModelPatcher:
+    model_config = comfy.model_detection.model_config_from_unet_config(dict(spec.unet_config))
+    if model_config is None or type(model_config).__name__ != spec.config_name:
+        got = None if model_config is None else type(model_config).__name__
+        raise RuntimeError(f"unet_config matched supported_models.{got}, expected {spec.config_name}")
+
+    cpu = torch.device("cpu")
+    unet_dtype = torch.float32
+    manual_cast_dtype = comfy.model_management.unet_manual_cast(unet_dtype, cpu, model_config.supported_inference_dtypes)
+    model_config.set_inference_dtype(unet_dtype, manual_cast_dtype)
+
+    model = model_config.get_model({}, "")
+    model = model.to(cpu)
+    _fill_parameters(model.diffusion_model, seed)
+    for name, buf in model.diffusion_model.named_buffers():  # none today; an uninitialised one would be a bug
+        if buf.is_floating_point() and not torch.isfinite(buf).all():
+            raise RuntimeError(f"non-finite buffer {name} in tiny model")
+    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+
+
+def build_case(name: str, seed: int = 0) -> TinyCase:
+    """Build the tiny model ``name`` (one of ``FAMILIES``) and its inputs, all determined by ``seed``.
+
+    Two calls with the same arguments give bit-identical weights and inputs. Raises ``KeyError`` for an
+    unknown name and ``RuntimeError`` if the host's model matcher picks a different config class.
+    """
+    try:
+        spec = _SPECS[name]
+    except KeyError:
+        raise KeyError(f"unknown tiny model {name!r}; choose from {FAMILIES}") from None
+    patcher = _build_patcher(spec, seed)
+    g = torch.Generator(device="cpu").manual_seed(10_000 + seed)
+    positive, negative, latent, noise_mask = spec.inputs(g)
+    return TinyCase(name=name, patcher=patcher, positive=positive, negative=negative, latent=latent,
+                    cfg=spec.cfg, noise_mask=noise_mask, config_name=spec.config_name,
+                    unet_config=dict(spec.unet_config))
+
+
+def sample(case: TinyCase, model: Optional[comfy.model_patcher.ModelPatcher] = None, steps: Optional[int] = None,
+           cfg: Optional[float] = None, sampler_name: str = "euler", scheduler: str = "simple",
+           denoise: float = 1.0, seed: int = 0) -> torch.Tensor:
+    """Sample ``case`` with ComfyUI's own KSampler path, as the ``KSampler`` node does.
+
+    ``model`` defaults to ``case.patcher`` (pass a clone carrying patches/wrappers), ``steps`` to
+    ``case.steps``, ``cfg`` to ``case.cfg``. Noise is ``comfy.sample.prepare_noise(case.latent, seed)``;
+    ``case.noise_mask`` is passed as the denoise mask. Runs under ``torch.inference_mode`` like the
+    executor. Returns the sampled latent (CPU, same shape as ``case.latent``); deterministic for equal
+    arguments. Never mutates ``case``'s conditioning or latent.
+    """
+    model = case.patcher if model is None else model
+    steps = case.steps if steps is None else steps
+    cfg = case.cfg if cfg is None else cfg
+    with torch.inference_mode():
+        noise = comfy.sample.prepare_noise(case.latent, seed)
+        return comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, case.positive, case.negative,
+                                   case.latent, denoise=denoise, noise_mask=case.noise_mask, disable_pbar=True,
+                                   seed=seed)
