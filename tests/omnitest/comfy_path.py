@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-PACK_ROOT = Path(__file__).resolve().parent.parent
+PACK_ROOT = Path(__file__).resolve().parents[2]
 
 
 def comfyui_path() -> Path | None:
