@@ -15,7 +15,9 @@ class TeaCacheCoefficients:
     family: str
     coefficients: tuple[float, float, float, float, float]
     threshold: float
-    signal: str = "default"      # Wan: "default" = time embedding e, "ret" = 6-way projection e0
+    # Wan: "default" = time embedding e, "ret" = 6-way projection e0; Lumina2: "default" = time embedding t,
+    # "modulated" = layers[0] modulated input; HiDream: "default" = timestep embedding, "hidden" = head image tokens
+    signal: str = "default"
     ret_steps: int = 1           # steps always computed at the start
     start_percent: float = 0.0
     end_percent: float = 1.0
@@ -41,6 +43,7 @@ PUBLISHED: dict[str, TeaCacheCoefficients] = {c.key: c for c in [
     # source: ali-vilab TeaCache4Lumina2/teacache_lumina2.py @7c10efc line 72; script threshold 0.3
     TeaCacheCoefficients("lumina2_official_v1", "lumina2",
                          (393.76566581, -603.50993606, 209.10239044, -23.00726601, 0.86377344), 0.3,
+                         signal="modulated",  # fitted on layers[0].norm1(x, temb)[0], not on t like lumina_2
                          note="ali-vilab/TeaCache TeaCache4Lumina2/teacache_lumina2.py @7c10efc line 72"),
     # source: welltop hunyuan_video (= ali-vilab TeaCache4HunyuanVideo line 102); README 0.15
     TeaCacheCoefficients("hunyuan_video", "hunyuan_video",
@@ -51,10 +54,10 @@ PUBLISHED: dict[str, TeaCacheCoefficients] = {c.key: c for c in [
                          0.35, start_percent=0.1, note=f"{_WELLTOP}['hidream_i1_full']; welltop README"),
     # source: welltop hidream_i1_dev; README 1.0
     TeaCacheCoefficients("hidream_i1_dev", "hidream", (1.39997273, -4.30130469, 5.01534416, -2.20504164, 0.93942874),
-                         1.0, note=f"{_WELLTOP}['hidream_i1_dev']; welltop README"),
+                         1.0, signal="hidden", note=f"{_WELLTOP}['hidream_i1_dev']; welltop README"),
     # source: welltop hidream_i1_fast; README 1.5, end 0.9
     TeaCacheCoefficients("hidream_i1_fast", "hidream", (2.26509623, -6.88864563, 7.61123826, -3.10849353, 0.99927602),
-                         1.5, end_percent=0.9, note=f"{_WELLTOP}['hidream_i1_fast']; welltop README"),
+                         1.5, end_percent=0.9, signal="hidden", note=f"{_WELLTOP}['hidream_i1_fast']; welltop README"),
     # source: welltop wan2.1_t2v_1.3B (= ali-vilab TeaCache4Wan2.1/teacache_generate.py line 890); README 0.08
     TeaCacheCoefficients("wan2.1_t2v_1.3B", "wan", (2396.76752, -1311.10545, 201.331979, -8.29855975, 0.137887774),
                          0.08, note=f"{_WELLTOP}['wan2.1_t2v_1.3B']; welltop README"),

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
+from .teacache_calibrate_node import TeaCacheCalibrate
 from .teacache_node import ApplyTeaCache
 
 
 class OmniHooksExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [ApplyTeaCache]
+        return [ApplyTeaCache, TeaCacheCalibrate]

@@ -153,9 +153,20 @@ def _outer_sample(executor, cache: AppliedCache, session_factory, args, kwargs):
 
 
 def _transformer_options(args: tuple, kwargs: dict) -> dict:
-    if args and isinstance(args[-1], dict):
-        return args[-1]
-    return kwargs.get("transformer_options") or {}
+    """The ``transformer_options`` of a DIFFUSION_MODEL call.
+
+    By keyword when given so (Lumina2 passes it in ``**kwargs``), else the last positional dict: it is not always the
+    last argument (LTXV passes ``keyframe_idxs`` after it) and Flux, Chroma, HunyuanVideo and HiDream pass the
+    ControlNet ``control`` dict positionally, but always before it.
+    """
+    options = kwargs.get("transformer_options")
+    if isinstance(options, dict):
+        return options
+    dicts = [a for a in args if isinstance(a, dict)]
+    for candidate in reversed(dicts):  # prefer the one that carries our run, should a model ever order them otherwise
+        if SESSION_KEY in candidate:
+            return candidate
+    return dicts[-1] if dicts else {}
 
 
 def _diffusion_model(executor, *args, **kwargs):

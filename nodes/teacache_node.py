@@ -51,6 +51,9 @@ def resolve_coefficients(adapter: ModelAdapter, model_variant: str) -> TeaCacheC
     name = calibration_files.parse_option(model_variant)
     if name is not None:
         data = calibration_files.load("teacache", name)
+        if data.get("family", adapter.family) != adapter.family:
+            raise ValueError(f"{NODE_TITLE}: calibration {name!r} was made on a {data['family']} model, but this "
+                             f"MODEL is {adapter.describe()}. Calibrate this model, or choose another variant.")
         return TeaCacheCoefficients(key=model_variant, family=data.get("family", adapter.family),
                                     coefficients=tuple(data["coefficients"]),
                                     threshold=float(data.get("recommended_threshold", 0.2)),
@@ -79,6 +82,7 @@ class TeaCacheSession(CacheSession):
             start_percent=settings.start_percent, end_percent=settings.end_percent,
             cache_device=torch.device(device) if device is not None else None, calibrate=settings.calibrate)
         self.run: TeaCacheRun | None = None
+        self.calibration_pairs: list[tuple[float, float]] = []
 
     def install(self, diffusion_model: torch.nn.Module) -> None:
         stack = self.adapter.build_stack(diffusion_model)
@@ -94,6 +98,7 @@ class TeaCacheSession(CacheSession):
     def remove(self) -> None:
         if self.run is not None:
             self.stats.cache_bytes = max(self.stats.cache_bytes, self.run.cache_bytes())
+            self.calibration_pairs.extend(self.run.calibration_pairs())
             self.run.remove()
         self.installed_on = None
 

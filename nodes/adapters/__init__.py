@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import torch
 
-from . import wan
+from . import chroma, flux, hidream, hunyuan_video, lumina2, ltxv, qwen_image, wan
 from .base import ModelAdapter, UnsupportedModelError
 
-_DETECTORS = [wan.detect]
-SUPPORTED_FAMILIES = "Wan 2.1/2.2"
+# Each detector checks the diffusion model's own class (model_base.Chroma subclasses model_base.Flux, but
+# ldm.chroma.model.Chroma and ldm.flux.model.Flux are unrelated classes); Chroma still goes before Flux so that no
+# future subclassing can let the Flux detector shadow it.
+_DETECTORS = [wan.detect, chroma.detect, flux.detect, hunyuan_video.detect, ltxv.detect, qwen_image.detect,
+              lumina2.detect, hidream.detect]
+SUPPORTED_FAMILIES = ("Wan 2.1/2.2, Flux (dev, schnell, Kontext), Chroma, HunyuanVideo, LTX-Video, Qwen-Image, "
+                      "Lumina Image 2.0, HiDream-I1")
 
 
 def detect_adapter(patcher) -> ModelAdapter:

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from ...omni_hooks.blockstack import BlockStack
+from ...omni_hooks.blockstack import BlockStack, SkipFn
 from ...omni_hooks.teacache import ModulatedInput
 from ..coefficients import PUBLISHED, TeaCacheCoefficients
 
@@ -37,3 +37,28 @@ class ModelAdapter:
 
     def describe(self) -> str:
         return f"{self.family} ({self.variant})"
+
+
+def call_arg(args: tuple, kwargs: dict, name: str, index: int, default=None):
+    """An argument of a block call, by keyword ``name`` or else at position ``index`` (``default`` if absent)."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if index < len(args) else default
+
+
+def skip_by_type(skips: dict[type, SkipFn], inner: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+                 ) -> SkipFn:
+    """A ``skip_block`` for stacks of several block types: the skip of the first type ``block`` is an instance of.
+
+    ``inner(block)`` picks the module whose type decides (for wrapper blocks such as HiDream's ``HiDreamImageBlock``).
+    """
+    items = list(skips.items())
+
+    def skip(block: torch.nn.Module, args: tuple, kwargs: dict):
+        probe = inner(block) if inner is not None else block
+        for cls, fn in items:
+            if isinstance(probe, cls):
+                return fn(block, args, kwargs)
+        raise TypeError(f"no skip rule for block type {type(probe).__name__}")
+
+    return skip

@@ -183,3 +183,37 @@ def test_a_reused_step_is_its_block0_input_plus_the_cached_residual(env, wan):
         assert torch.equal(calls[i]["out"], expected)
         checked += 1
     assert checked > 0
+
+
+def test_calibrate_writes_a_file_that_apply_teacache_offers_and_uses(env, wan):
+    import json
+
+    from omnitest.pack import pack_module, run_node
+
+    calibrate = pack_module("nodes.teacache_calibrate_node").TeaCacheCalibrate
+    files = pack_module("nodes.calibration_files")
+    latent = {"samples": wan.latent}
+    out_latent, text = run_node(calibrate, model=wan.patcher, seed=0, steps=16, cfg=3.0, sampler_name="euler",
+                                scheduler="simple", positive=wan.positive, negative=wan.negative,
+                                latent_image=latent, name="tiny wan")
+    data = json.loads(text)
+    assert data["family"] == "wan" and len(data["coefficients"]) == 5 and data["points"] == 2 * 15
+    assert "calibration: tiny wan" in env.teacache.variant_options()
+    assert files.load("teacache", "tiny wan")["coefficients"] == data["coefficients"]
+    # every step was computed: the calibration run equals plain sampling
+    assert torch.equal(out_latent["samples"], env.tiny.sample(wan, steps=16, cfg=3.0))
+    reused = []
+    for thresh in [0.1, 0.5, 2.0]:
+        env.tiny.sample(wan, model=env.apply(wan.patcher, rel_l1_thresh=thresh, variant="calibration: tiny wan"),
+                        steps=16, cfg=3.0)
+        reused.append(last_run(env)["summary"]["reused"])
+    assert reused == sorted(reused) and reused[-1] > 0
+
+
+def test_a_calibration_file_of_another_family_is_refused(env, wan):
+    from omnitest.pack import pack_module
+
+    pack_module("nodes.calibration_files").save("teacache", "a flux one", {"family": "flux",
+                                                                          "coefficients": [0, 0, 0, 1, 0]})
+    with pytest.raises(ValueError, match="made on a flux model"):
+        env.apply(wan.patcher, rel_l1_thresh=0.2, variant="calibration: a flux one")

@@ -8,8 +8,9 @@
     <base>/user/comfyui.db, <base>/output/..., <base>/logs/server-<n>.log
 
 and runs ``<sys.executable> main.py --cpu --listen 127.0.0.1 --port <free port> --base-directory <base>
---disable-api-nodes`` from the ComfyUI checkout. Startup waits for ``GET /system_stats``; every failure message
-carries the tail of the server log. The process is always stopped: ``stop()``/``close()``/``with``, an ``atexit``
+--disable-api-nodes`` (+ ``--database-url`` in the base dir, so nothing is written into the checkout's user/, and
+``OMP_NUM_THREADS=1`` unless ``threads=None``) from the ComfyUI checkout. Startup waits for
+``GET /system_stats``; every failure message carries the tail of the server log. The process is always stopped: ``stop()``/``close()``/``with``, an ``atexit``
 hook, and on Linux ``PR_SET_PDEATHSIG`` (the server gets SIGTERM if the test process dies).
 
 ``ComfyClient`` is a small HTTP + websocket client: ``queue(prompt) -> prompt_id`` (``PromptRejected`` on HTTP 400),
@@ -137,7 +138,7 @@ class ComfyServer:
     def __init__(self, base_dir: str | os.PathLike | None = None, *, comfy_root: str | os.PathLike | None = None,
                  port: int | None = None, extra_args: Iterable[str] = (),
                  custom_nodes: Mapping[str, str | os.PathLike] | None = None,
-                 tiny_wan_blocks: int = 2, startup_timeout: float = 120.0,
+                 tiny_wan_blocks: int = 2, startup_timeout: float = 120.0, threads: int | None = 1,
                  python: str = sys.executable, env: Mapping[str, str] | None = None):
         root = Path(comfy_root) if comfy_root is not None else comfyui_path()
         if root is None or not (Path(root) / "main.py").is_file():
@@ -151,6 +152,7 @@ class ComfyServer:
             PACK_DIR_NAME: REPO_ROOT, TEST_PACK_DIR_NAME: TEST_PACK_SOURCE}
         self.tiny_wan_blocks = tiny_wan_blocks
         self.startup_timeout = startup_timeout
+        self.threads = threads
         self.python = python
         self.env = dict(env) if env is not None else None
         self.proc: subprocess.Popen | None = None
@@ -219,7 +221,11 @@ class ComfyServer:
         self._log_file = open(self.log_path, "wb")
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONUNBUFFERED"] = "1"
-        env.pop("COMFYUI_PATH", None)
+        if self.threads is not None:
+            # One intra-op thread: as fast for the tiny models, and immune to the ~40x slowdown that 2 OpenMP
+            # threads on 2 cores suffer as soon as another process (a parallel pytest run) takes a core.
+            for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                env[var] = str(self.threads)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.command(), cwd=self.comfy_root, stdin=subprocess.DEVNULL,
                                      stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
@@ -291,7 +297,11 @@ class ComfyServer:
         return self.proc is not None and self.proc.poll() is None
 
     def __enter__(self) -> "ComfyServer":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
 
     def __exit__(self, *exc) -> None:
         self.close()

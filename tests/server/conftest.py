@@ -42,8 +42,8 @@ def comfy(comfy_server):
         try:
             if comfy_server.is_running():
                 client.clear_queue()
-                if client.queue_state().get("queue_running"):
-                    client.interrupt()
+                for item in client.queue_state().get("queue_running", []):
+                    client.interrupt(item[1])  # item: [number, prompt_id, prompt, extra_data, outputs]
                 client.wait_idle(timeout=60)
         finally:
             client.close()

@@ -1,0 +1,55 @@
+"""Chroma (comfy/ldm/chroma/model.py: Chroma); Chroma Radiance is not supported.
+
+Flux's stack layout with Chroma's own blocks: ``double_blocks`` (``block(img=, txt=, vec=(img_mods, txt_mods), pe=,
+...)`` -> (img, txt), updating ``img`` and ``txt`` in place with ``addcmul_``), ``img = cat((txt, img), 1)``,
+``single_blocks`` (``block(img, vec=mod, ...)`` -> x, in place), text tokens sliced off, ``final_layer(img, vec=)``.
+Blocks listed in ``skip_mmdit`` / ``skip_dit`` are never called, so they are left out of the stack.
+
+Chroma Radiance (a subclass) has no ``final_layer``: its stack output goes through a per-patch NeRF head that
+reshapes it, so there is no module whose input is the stack output with the head input's shape.
+"""
+from __future__ import annotations
+
+import comfy.ldm.chroma.layers as chroma_layers
+import comfy.ldm.chroma.model as chroma_model
+import torch
+
+from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.teacache import ModulatedInput
+from .base import ModelAdapter, call_arg, skip_by_type
+
+IMG = TensorArg("img", 0)
+TXT = TensorArg("txt", 1)
+X = TensorArg("x", 0)
+
+
+def _stack(dm: torch.nn.Module) -> BlockStack:
+    skip_mmdit = set(getattr(dm, "skip_mmdit", []) or [])
+    skip_dit = set(getattr(dm, "skip_dit", []) or [])
+    blocks = [b for i, b in enumerate(dm.double_blocks) if i not in skip_mmdit]
+    blocks += [b for i, b in enumerate(dm.single_blocks) if i not in skip_dit]
+    # Double blocks update img in place (`img.addcmul_`): the head input must be cloned before they run.
+    return BlockStack(blocks=blocks, tail=dm.final_layer, head_hidden=IMG, tail_hidden=X, clone_head_input=True,
+                      skip_block=skip_by_type({chroma_layers.DoubleStreamBlock: skip_returning(IMG, TXT),
+                                               chroma_layers.SingleStreamBlock: skip_returning(X)}))
+
+
+def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+    def compute(block, args, kwargs, captured):
+        # vec = ((img_mod1, img_mod2), (txt_mod1, txt_mod2)), slices of the Approximator output for this block
+        img_mod1 = call_arg(args, kwargs, "vec", 3)[0][0]
+        return torch.addcmul(img_mod1.shift, 1 + img_mod1.scale, block.img_norm1(IMG.get(args, kwargs)))
+    return ModulatedInput(compute=compute)
+
+
+def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | None:
+    if type(dm) is not chroma_model.Chroma:  # excludes ChromaRadiance (see the module docstring)
+        return None
+    skip_mmdit = set(getattr(dm, "skip_mmdit", []) or [])
+    if not hasattr(dm, "final_layer") or all(i in skip_mmdit for i in range(len(dm.double_blocks))):
+        return None
+    return ModelAdapter(
+        family="chroma", variant="Chroma", build_stack=_stack, build_modulated_input=_modulated_input,
+        teacache_key=None,
+        notes=["no TeaCache coefficients are published for Chroma (ali-vilab/TeaCache#72): run TeaCache Calibrate "
+               "once on this model and choose its calibration file"])

@@ -1,0 +1,70 @@
+"""Flux dev / schnell / Kontext / Fill (comfy/ldm/flux/model.py: Flux).
+
+forward_orig runs ``double_blocks`` (``block(img=, txt=, vec=, pe=, attn_mask=, transformer_options=)`` -> (img, txt)),
+then ``img = cat((txt, img), 1)`` through ``single_blocks`` (``block(img, vec=, ...)`` -> img), slices the text
+tokens off and calls ``final_layer(img, vec)``. The head's ``img`` and the tail's ``img`` have the same tokens (Kontext
+reference tokens are appended to ``img`` before the stack and are still there at the tail).
+"""
+from __future__ import annotations
+
+import comfy.ldm.flux.layers as flux_layers
+import comfy.ldm.flux.model as flux_model
+import torch
+
+from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.teacache import ModulatedInput
+from .base import ModelAdapter, call_arg, skip_by_type
+
+IMG = TensorArg("img", 0)
+TXT = TensorArg("txt", 1)
+X = TensorArg("x", 0)  # single blocks and final_layer take the image stream as their first argument
+
+
+def flux_img_modulated(block: torch.nn.Module, img: torch.Tensor, vec: torch.Tensor, modulation_dims=None
+                       ) -> torch.Tensor:
+    """The TeaCache signal of a Flux-layout double block: ``img_norm1(img) * (1 + img_mod1.scale) + img_mod1.shift``.
+
+    Exactly the first modulation the block computes (ali-vilab TeaCache4FLUX, welltop ComfyUI-TeaCache), from the
+    block's own ``img_mod`` and ``img_norm1``. ``apply_mod`` only writes in place into the fresh norm output.
+    """
+    img_mod1, _ = block.img_mod(vec)
+    return flux_layers.apply_mod(block.img_norm1(img), 1 + img_mod1.scale, img_mod1.shift, modulation_dims)
+
+
+def _stack(dm: torch.nn.Module) -> BlockStack:
+    # Single blocks add in place (`x += ...`) and ControlNet adds into `img` after each double block in place (on a
+    # skipped call that `img` is the head input itself), so the head input is cloned.
+    return BlockStack(blocks=[*dm.double_blocks, *dm.single_blocks], tail=dm.final_layer, head_hidden=IMG,
+                      tail_hidden=X, clone_head_input=True,
+                      skip_block=skip_by_type({flux_layers.DoubleStreamBlock: skip_returning(IMG, TXT),
+                                               flux_layers.SingleStreamBlock: skip_returning(X)}))
+
+
+def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+    def compute(block, args, kwargs, captured):
+        return flux_img_modulated(block, IMG.get(args, kwargs), call_arg(args, kwargs, "vec", 2))
+    return ModulatedInput(compute=compute)
+
+
+def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | None:
+    if type(dm) is not flux_model.Flux:  # ControlNetFlux subclasses Flux but is never a MODEL's diffusion model
+        return None
+    if not len(dm.double_blocks) or not hasattr(dm, "final_layer"):
+        return None
+    notes: list[str] = []
+    if dm.params.guidance_embed:
+        variant = "Flux dev"
+        if dm.params.in_channels != 16:
+            variant += f" (in_channels {dm.params.in_channels}: Fill/Depth/Canny)"
+        key = "flux"
+        notes.append("Flux Kontext has the same weights shape as Flux dev: if this is Kontext, choose the "
+                     "'flux-kontext' model_variant (its coefficients and its 0.2-0.9 window differ)")
+    else:
+        # No coefficients are published for schnell (a 1-4 step model: with the first and last step always
+        # computed there is almost nothing to skip). The dev polynomial is not silently reused.
+        variant = "Flux schnell (no guidance embedding)"
+        key = None
+        notes.append("no TeaCache coefficients are published for Flux schnell or other models without guidance "
+                     "embedding; choose 'flux' to use the Flux dev coefficients, or run TeaCache Calibrate")
+    return ModelAdapter(family="flux", variant=variant, build_stack=_stack, build_modulated_input=_modulated_input,
+                        teacache_key=key, notes=notes)

@@ -1,0 +1,55 @@
+"""HiDream-I1 Full / Dev / Fast and E1 (comfy/ldm/hidream/model.py: HiDreamImageTransformer2DModel).
+
+The blocks are ``HiDreamImageBlock`` wrappers whose ``.block`` is the real block. ``_forward`` runs
+``double_stream_blocks`` (``block(image_tokens=, image_tokens_masks=, text_tokens=, adaln_input=, rope=, ...)``
+-> (image_tokens, text_tokens)), concatenates the text and runs ``single_stream_blocks`` (same keywords,
+``text_tokens=None``, -> image_tokens), keeps the image tokens and calls ``final_layer(hidden_states, adaln_input)``.
+All blocks are out of place.
+
+Two published signals, each matching the polynomials fitted on it:
+  * ``default`` - the timestep embedding ``t_embedder(t)`` (before the pooled embedding is added), what ali-vilab
+    TeaCache4HiDream-I1 and welltop measure for ``hidream_i1_full``;
+  * ``hidden`` - the image tokens entering the first block (``x_embedder`` output), what welltop measures for
+    ``hidream_i1_dev`` and ``hidream_i1_fast``.
+"""
+from __future__ import annotations
+
+import comfy.ldm.hidream.model as hidream_model
+import torch
+
+from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.teacache import ModulatedInput
+from .base import ModelAdapter, skip_by_type
+
+IMAGE = TensorArg("image_tokens", 0)
+TEXT = TensorArg("text_tokens", 2)
+X = TensorArg("x", 0)  # final_layer(hidden_states, adaln_input)
+
+
+def _stack(dm: torch.nn.Module) -> BlockStack:
+    skip = skip_by_type({hidream_model.HiDreamImageTransformerBlock: skip_returning(IMAGE, TEXT),
+                         hidream_model.HiDreamImageSingleTransformerBlock: skip_returning(IMAGE)},
+                        inner=lambda wrapper: wrapper.block)
+    return BlockStack(blocks=[*dm.double_stream_blocks, *dm.single_stream_blocks], tail=dm.final_layer,
+                      head_hidden=IMAGE, tail_hidden=X, skip_block=skip, clone_head_input=False)
+
+
+def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+    if signal == "hidden":
+        return ModulatedInput(compute=lambda block, args, kwargs, captured: IMAGE.get(args, kwargs))
+
+    def compute(block, args, kwargs, captured):
+        # `captured` is the (batch-expanded) timestep that entered t_embedder; its output is not kept by the model
+        # (only t + pooled embedding reaches the blocks), so the small time MLP is evaluated once more here.
+        return dm.t_embedder(captured, IMAGE.get(args, kwargs).dtype)
+    return ModulatedInput(compute=compute, capture=dm.t_embedder)
+
+
+def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | None:
+    if not isinstance(dm, hidream_model.HiDreamImageTransformer2DModel) or not len(dm.double_stream_blocks):
+        return None
+    return ModelAdapter(
+        family="hidream", variant="HiDream-I1", build_stack=_stack, build_modulated_input=_modulated_input,
+        teacache_key="hidream_i1_full",
+        notes=["HiDream-I1 Full, Dev and Fast have the same weights shape: the Full coefficients are used; for Dev "
+               "or Fast choose 'hidream_i1_dev' or 'hidream_i1_fast' (a wrong choice gives blocky images)"])

@@ -1,0 +1,55 @@
+"""LTX-Video (comfy/ldm/lightricks/model.py: LTXVModel).
+
+``_forward`` runs ``transformer_blocks`` (``block(x, context=, attention_mask=, timestep=, pe=, ...)`` -> x, updating
+x in place with ``x += ...``) and then, inline, ``norm_out(x)``, the final scale/shift, ``proj_out`` and unpatchify.
+``norm_out`` is the first module to receive the stack output, so it is the tail.
+
+Note: this model's forward passes ``keyframe_idxs`` *after* ``transformer_options`` to the DIFFUSION_MODEL wrapper.
+"""
+from __future__ import annotations
+
+import comfy.ldm.common_dit
+import comfy.ldm.lightricks.model as ltxv_model
+import torch
+
+from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.teacache import ModulatedInput
+from .base import ModelAdapter, call_arg
+
+X = TensorArg("x", 0)
+NORM_INPUT = TensorArg("input", 0)  # norm_out(x): a LayerNorm called positionally
+
+# inner_dim of the released checkpoints: 2B (0.9.x) and 13B (0.9.7+)
+_SIZES = {2048: "2B", 4096: "13B"}
+
+
+def _stack(dm: torch.nn.Module) -> BlockStack:
+    # Blocks add into x in place: clone the head input.
+    return BlockStack(blocks=list(dm.transformer_blocks), tail=dm.norm_out, head_hidden=X, tail_hidden=NORM_INPUT,
+                      skip_block=skip_returning(X), clone_head_input=True)
+
+
+def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+    def compute(block, args, kwargs, captured):
+        # The block's first modulation: rms_norm(x) * (1 + scale_msa) + shift_msa from its scale_shift_table and the
+        # (per-sample or per-token) timestep projection, as ali-vilab TeaCache4LTX-Video / welltop compute it.
+        x = X.get(args, kwargs)
+        timestep = call_arg(args, kwargs, "timestep", 3)
+        table = block.scale_shift_table
+        ada = table[None, None].to(device=x.device, dtype=x.dtype) + timestep.reshape(
+            x.shape[0], timestep.shape[1], table.shape[0], -1)
+        shift_msa, scale_msa = ada.unbind(dim=2)[:2]
+        return comfy.ldm.common_dit.rms_norm(x) * (1 + scale_msa) + shift_msa
+    return ModulatedInput(compute=compute)
+
+
+def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | None:
+    if not isinstance(dm, ltxv_model.LTXVModel) or not len(dm.transformer_blocks):
+        return None
+    size = _SIZES.get(dm.inner_dim)
+    notes: list[str] = []
+    if size != "2B":
+        notes.append("the LTX-Video coefficients were fitted on LTX-Video 0.9.1 (2B); for this "
+                     f"{size or f'inner_dim {dm.inner_dim}'} model TeaCache Calibrate gives a better fit")
+    return ModelAdapter(family="ltxv", variant=f"LTX-Video {size or f'inner_dim {dm.inner_dim}'}", build_stack=_stack,
+                        build_modulated_input=_modulated_input, teacache_key="ltxv", notes=notes)

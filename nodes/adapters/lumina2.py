@@ -1,0 +1,48 @@
+"""Lumina Image 2.0 (comfy/ldm/lumina/model.py: NextDiT).
+
+``_forward`` runs ``patchify_and_embed`` (its ``context_refiner`` / ``noise_refiner`` layers are the same block class
+but are not part of the cached stack), then ``layers`` (``layer(x, mask, freqs_cis, adaln_input, ...)`` -> x, out of
+place) over the joint ``[caption | image]`` sequence, then ``final_layer(x, adaln_input)``.
+
+Two published signals, each matching the polynomial fitted on it:
+  * ``default`` - the time embedding ``t`` (= ``adaln_input``), what welltop-cn/ComfyUI-TeaCache measures and fitted
+    its ``lumina_2`` coefficients on;
+  * ``modulated`` - ``layers[0]``'s first modulation ``attention_norm1(x) * (1 + scale_msa)``, what ali-vilab
+    TeaCache4Lumina2 measures (``layers[0].norm1(input_to_main_loop, temb)``) for ``lumina2_official_v1``.
+"""
+from __future__ import annotations
+
+import comfy.ldm.lumina.model as lumina_model
+import torch
+
+from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.teacache import ModulatedInput
+from .base import ModelAdapter
+
+X = TensorArg("x", 0)
+ADALN = TensorArg("adaln_input", 3)
+
+
+def _stack(dm: torch.nn.Module) -> BlockStack:
+    # Out-of-place blocks and no ControlNet path: the head input is never modified, no clone needed.
+    return BlockStack(blocks=list(dm.layers), tail=dm.final_layer, head_hidden=X, tail_hidden=X,
+                      skip_block=skip_returning(X), clone_head_input=False)
+
+
+def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+    if signal == "modulated":
+        def compute(block, args, kwargs, captured):
+            scale_msa = block.adaLN_modulation(ADALN.get(args, kwargs)).chunk(4, dim=1)[0]
+            return lumina_model.modulate(block.attention_norm1(X.get(args, kwargs)), scale_msa)
+        return ModulatedInput(compute=compute)
+    return ModulatedInput(compute=lambda block, args, kwargs, captured: ADALN.get(args, kwargs))
+
+
+def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | None:
+    if not isinstance(dm, lumina_model.NextDiT) or not len(dm.layers) or not dm.layers[0].modulation:
+        return None
+    return ModelAdapter(
+        family="lumina2", variant=f"Lumina Image 2.0 (dim {dm.dim})", build_stack=_stack,
+        build_modulated_input=_modulated_input, teacache_key="lumina_2",
+        notes=["the welltop 'lumina_2' and the official ali-vilab 'lumina2_official_v1' coefficients disagree; "
+               "'lumina_2' is used unless you choose the other"])

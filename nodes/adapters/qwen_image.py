@@ -1,0 +1,48 @@
+"""Qwen-Image / Qwen-Image-Edit (comfy/ldm/qwen_image/model.py: QwenImageTransformer2DModel).
+
+``_forward`` runs ``transformer_blocks`` (``block(hidden_states=, encoder_hidden_states=, encoder_hidden_states_mask=,
+temb=, image_rotary_emb=, ...)`` -> **(encoder_hidden_states, hidden_states)**, out of place), then
+``norm_out(hidden_states, temb)`` and ``proj_out``. Edit reference latents are appended to ``hidden_states`` before
+the stack and are still there at ``norm_out``.
+"""
+from __future__ import annotations
+
+import comfy.ldm.qwen_image.model as qwen_model
+import torch
+
+from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.teacache import ModulatedInput
+from .base import ModelAdapter, call_arg
+
+HIDDEN = TensorArg("hidden_states", 0)
+ENCODER = TensorArg("encoder_hidden_states", 1)
+X = TensorArg("x", 0)  # norm_out(hidden_states, temb)
+
+
+def _stack(dm: torch.nn.Module) -> BlockStack:
+    # Blocks are out of place, but ControlNet adds into the block output in place (`hidden_states[:, :n] += add`);
+    # on a skipped call that tensor is the head input itself, so the head input is cloned.
+    return BlockStack(blocks=list(dm.transformer_blocks), tail=dm.norm_out, head_hidden=HIDDEN, tail_hidden=X,
+                      skip_block=skip_returning(ENCODER, HIDDEN), clone_head_input=True)
+
+
+def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+    def compute(block, args, kwargs, captured):
+        # img_norm1(hidden) * (1 + scale1) + shift1 from block 0's img_mod(temb), as vllm-omni's Qwen-Image extractor
+        temb = call_arg(args, kwargs, "temb", 3)
+        img_mod1 = block.img_mod(temb).chunk(2, dim=-1)[0]
+        shift, scale, _gate = img_mod1.chunk(3, dim=-1)
+        return torch.addcmul(shift.unsqueeze(1), block.img_norm1(HIDDEN.get(args, kwargs)), 1 + scale.unsqueeze(1))
+    return ModulatedInput(compute=compute)
+
+
+def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | None:
+    if type(dm) is not qwen_model.QwenImageTransformer2DModel:  # QwenImageControlNetModel subclasses it
+        return None
+    if not len(dm.transformer_blocks) or not hasattr(dm, "norm_out"):
+        return None
+    return ModelAdapter(
+        family="qwen_image", variant="Qwen-Image", build_stack=_stack, build_modulated_input=_modulated_input,
+        teacache_key="qwen_image",
+        notes=["Qwen-Image and Qwen-Image-Edit have the same weights shape; the coefficients (vllm-omni) were "
+               "fitted on Qwen-Image"])
