@@ -1,12 +1,11 @@
 """TeaCache: skip the block stack while the modulated input has changed little since the last computed step."""
+from ..stack_cache import CallInfo
 from .config import TeaCacheConfig
 from .hook import (
-    CallInfo,
     ModulatedInput,
     TeaCacheBlockHook,
     TeaCacheHook,
     TeaCacheRun,
-    TeaCacheTailHook,
     apply_teacache_hook,
     fit_coefficients,
     relative_l1,
@@ -21,7 +20,6 @@ __all__ = [
     "TeaCacheHook",
     "TeaCacheRun",
     "TeaCacheState",
-    "TeaCacheTailHook",
     "apply_teacache_hook",
     "fit_coefficients",
     "relative_l1",

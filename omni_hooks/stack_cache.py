@@ -1,0 +1,280 @@
+"""The mechanics every block-stack cache shares: decide at the head block, pass blocks through, fix up at the tail.
+
+Per model call (bracketed by the host with ``begin_call``/``end_call``):
+  * the head hook (on ``blocks[0]``) asks the cache's policy (``decide``) whether to compute, per branch;
+  * on a skip, every block returns its inputs unchanged (``BlockStack.skip_block``) and the tail module's image-stream
+    input becomes *head input + cached residual*: the residual is added exactly once, however many blocks there are;
+  * on a compute, the tail stores ``tail input - head input`` per branch (the residual the next skip reuses).
+The stack is skipped only when every branch of the call may skip. Outside a call every hook passes through.
+
+TeaCache and MagCache differ only in ``decide`` (and what they record while calibrating).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .base import BaseState, HookRegistry, ModelHook, StateManager, module_has_active_hooks
+from .blockstack import BlockStack
+from .stats import BranchDecision, CacheRunStats, EvaluationRecord
+
+
+@dataclass
+class CallInfo:
+    """What the host knows about one model call: one branch key (and display label) per batch chunk, and the step."""
+
+    branches: list[str]
+    labels: list[str]
+    step: int | None = None
+    total_steps: int | None = None
+
+
+@dataclass
+class CachedResidualState(BaseState):
+    """Per-branch fields the shared mechanics use; each cache's state class extends this."""
+
+    previous_residual: torch.Tensor | None = None
+    # shape of the head input the residual was measured on: a skip is only valid for the same shape
+    residual_input_shape: torch.Size | None = None
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+@dataclass
+class ActiveCall:
+    info: CallInfo
+    keys: list[str]
+    labels: list[str]
+    chunk: int
+    started: float
+    record: EvaluationRecord | None = None
+    skipping: bool = False
+    head_input: torch.Tensor | None = None
+    captured: torch.Tensor | None = None
+    scratch: dict[str, Any] = field(default_factory=dict)  # per-call values a policy hands to its tail callback
+
+
+@dataclass
+class Decision:
+    """One branch's verdict from a policy: ``reason`` "reuse" means it may skip; anything else means compute."""
+
+    reason: str
+    metric: float | None = None
+
+
+class StackCacheRun:
+    """Shared state of one cache's hooks on one model for one sampling run. Subclasses implement ``decide_branches``.
+
+    ``hook_names`` = (head, block, tail, capture) registry names; the capture hook is only installed when
+    ``capture_module`` is given (its first positional input is stored as ``ActiveCall.captured``).
+    """
+
+    hook_names: tuple[str, str, str, str]
+    head_hook_cls: type["StackHeadHook"]
+    block_hook_cls: type["StackBlockHook"]
+
+    def __init__(self, stack: BlockStack, state_cls: type[CachedResidualState], threshold: float,
+                 cache_device: torch.device | None, stats: CacheRunStats,
+                 capture_module: torch.nn.Module | None = None):
+        self.stack = stack
+        self.threshold = threshold
+        self.cache_device = cache_device
+        self.states = StateManager(state_cls)
+        self.stats = stats
+        self.capture_module = capture_module
+        self._call: ActiveCall | None = None
+        self._installed: list[tuple[torch.nn.Module, str]] = []
+
+    # -- policy ---------------------------------------------------------------------------------------------------
+
+    def decide_branches(self, call: ActiveCall, head: torch.nn.Module, args: tuple, kwargs: dict,
+                        hidden: torch.Tensor, size: int) -> list[Decision]:
+        """One Decision per branch of ``call`` (chunks of ``size`` along dim 0). May update branch states."""
+        raise NotImplementedError
+
+    def after_decision(self, call: ActiveCall, compute: bool) -> None:
+        """Called once per call after the verdict (e.g. to reset accumulators of computed branches)."""
+
+    def on_residual(self, call: ActiveCall, key: str, residual: torch.Tensor, output: torch.Tensor) -> None:
+        """Called per branch after a computed call stored its residual (calibration hooks in here)."""
+
+    # -- host interface -------------------------------------------------------------------------------------------
+
+    def begin_call(self, info: CallInfo) -> None:
+        self._call = ActiveCall(info=info, keys=list(info.branches), labels=list(info.labels),
+                                chunk=len(info.branches), started=time.perf_counter())
+
+    def end_call(self) -> EvaluationRecord | None:
+        """Close the current call; returns its record (with the seconds spent) if the head block ran."""
+        call, self._call = self._call, None
+        if call is None or call.record is None:
+            return None
+        call.record.seconds = time.perf_counter() - call.started
+        self.stats.record(call.record)
+        return call.record
+
+    def branch_state(self, key: str):
+        self.states.set_context(key)
+        return self.states.get_state()
+
+    def cache_bytes(self) -> int:
+        total = 0
+        for key in self.states.contexts():
+            for value in vars(self.branch_state(key)).values():
+                if isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+        return total
+
+    # -- the call -------------------------------------------------------------------------------------------------
+
+    def decide(self, head: torch.nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor) -> bool:
+        """Decide for the current call; True means compute the blocks."""
+        call = self._call
+        batch = hidden.shape[0]
+        if call.chunk == 0 or batch % call.chunk:
+            # chunks unknown or inconsistent: treat the whole batch as one branch
+            call.keys = ["|".join(call.keys) or "default"]
+            call.labels = ["+".join(call.labels) or "all"]
+            call.chunk = 1
+        size = batch // call.chunk
+        decisions = self.decide_branches(call, head, args, kwargs, hidden, size)
+        for i, key in enumerate(call.keys):
+            st = self.branch_state(key)
+            if decisions[i].reason == "reuse" and (
+                    st.previous_residual is None or st.residual_input_shape != hidden[i * size:(i + 1) * size].shape):
+                decisions[i] = Decision("shape" if st.previous_residual is not None else "first", decisions[i].metric)
+        compute = any(d.reason != "reuse" for d in decisions)
+        self.after_decision(call, compute)
+        call.record = EvaluationRecord(
+            step=call.info.step, total_steps=call.info.total_steps, computed=compute,
+            branches=[BranchDecision(branch=call.labels[i], computed=compute,
+                                     reason="other-branch" if compute and d.reason == "reuse" else d.reason,
+                                     metric=d.metric, threshold=self.threshold)
+                      for i, d in enumerate(decisions)])
+        call.skipping = not compute
+        return compute
+
+    def reused_hidden(self, head_input: torch.Tensor) -> torch.Tensor:
+        """The stack output of a skipped call: its head input plus each branch's cached residual."""
+        residuals = [self.branch_state(k).previous_residual for k in self._call.keys]
+        residual = residuals[0] if len(residuals) == 1 else torch.cat([r.to(head_input.device) for r in residuals])
+        return head_input + residual.to(device=head_input.device, dtype=head_input.dtype)
+
+    def store_residual(self, head_input: torch.Tensor, output: torch.Tensor) -> None:
+        """After a computed call: keep ``output - head_input`` per branch (on ``cache_device`` if set)."""
+        call = self._call
+        if output.shape != head_input.shape:
+            self.stats.warn(f"the stack output shape {tuple(output.shape)} differs from its input "
+                            f"{tuple(head_input.shape)}; such calls are always computed")
+            return
+        size = output.shape[0] // call.chunk
+        residual = (output - head_input).detach()
+        for i, key in enumerate(call.keys):
+            st = self.branch_state(key)
+            part = residual[i * size:(i + 1) * size]
+            st.previous_residual = part.to(self.cache_device) if self.cache_device is not None else part
+            st.residual_input_shape = head_input[i * size:(i + 1) * size].shape
+            self.on_residual(call, key, part, output[i * size:(i + 1) * size].detach())
+        self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache_bytes())
+
+    # -- hooks ----------------------------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Register the hooks on the stack's modules. Raises RuntimeError (changing nothing) on a conflict."""
+        head, block, tail, capture = self.hook_names
+        plan: list[tuple[torch.nn.Module, str, ModelHook]] = [(self.stack.blocks[0], head, self.head_hook_cls(self))]
+        plan += [(b, block, self.block_hook_cls(self)) for b in self.stack.blocks[1:]]
+        plan.append((self.stack.tail, tail, StackTailHook(self)))
+        if self.capture_module is not None:
+            plan.append((self.capture_module, capture, StackCaptureHook(self)))
+        try:
+            for module, name, hook in plan:
+                HookRegistry.get_or_create(module).register_hook(name, hook)
+                self._installed.append((module, name))
+        except Exception:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        """Remove every hook this run installed; a module left without hooks is restored exactly."""
+        for module, name in reversed(self._installed):
+            registry = HookRegistry.get_or_create(module)
+            registry.remove_hook(name)
+            if not module_has_active_hooks(module):
+                registry.reset()
+        self._installed.clear()
+        self._call = None
+        self.states.reset()
+
+
+class StackHeadHook(ModelHook):
+    """On the head block: ask the policy, then run the block or pass its inputs through."""
+
+    def __init__(self, run: StackCacheRun):
+        self.run = run
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        run = self.run
+        call = run._call
+        if call is None:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        stack = run.stack
+        hidden = stack.head_hidden.get(args, kwargs)
+        compute = run.decide(module, args, kwargs, hidden)
+        call.head_input = hidden.clone() if stack.clone_head_input else hidden
+        if compute:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        return stack.skip_block(module, args, kwargs)
+
+    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.run.states.reset()
+        return module
+
+
+class StackBlockHook(ModelHook):
+    """On every other block: pass the inputs through while the current call is skipping."""
+
+    def __init__(self, run: StackCacheRun):
+        self.run = run
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        call = self.run._call
+        if call is not None and call.skipping:
+            return self.run.stack.skip_block(module, args, kwargs)
+        return self.fn_ref.original_forward(*args, **kwargs)
+
+
+class StackTailHook(ModelHook):
+    """On the module after the stack: store the residual after a computed call, add it after a skipped one."""
+
+    def __init__(self, run: StackCacheRun):
+        self.run = run
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        run = self.run
+        call = run._call
+        if call is None or call.head_input is None:
+            return args, kwargs
+        head_input, call.head_input = call.head_input, None
+        tail = run.stack.tail_hidden
+        if call.skipping:
+            return tail.replace(args, kwargs, run.reused_hidden(head_input))
+        run.store_residual(head_input, tail.get(args, kwargs))
+        return args, kwargs
+
+
+class StackCaptureHook(ModelHook):
+    """On a module the model calls before the head block: remember its first input for the policy."""
+
+    def __init__(self, run: StackCacheRun):
+        self.run = run
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        call = self.run._call
+        if call is not None and args:
+            call.captured = args[0]
+        return args, kwargs
