@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
+from .magcache_calibrate_node import MagCacheCalibrate
+from .magcache_node import ApplyMagCache
 from .teacache_calibrate_node import TeaCacheCalibrate
 from .teacache_node import ApplyTeaCache
 
 
 class OmniHooksExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [ApplyTeaCache, TeaCacheCalibrate]
+        return [ApplyTeaCache, TeaCacheCalibrate, ApplyMagCache, MagCacheCalibrate]

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import comfy.model_management
 import comfy.model_patcher
 import comfy.patcher_extension as pe
 import torch
@@ -110,7 +111,11 @@ class CacheSession:
     stats: CacheRunStats
     installed_on: torch.nn.Module | None = None
     labels: dict[str, str] = field(default_factory=dict)
-    schedule_len: int = 0
+    # set by stats_store.run_started: which run, prompt and sampler node this is
+    run_id: str = ""
+    prompt_id: str | None = None
+    sampler_node_id: str | None = None
+    started_at: float | None = None
 
     def label_of(self, uuid: str, cond_or_uncond: int) -> str:
         """"cond"/"uncond", with ".1", ".2" for further cond entries of the same kind (areas, multiple conds)."""
@@ -142,14 +147,20 @@ def _outer_sample(executor, cache: AppliedCache, session_factory, args, kwargs):
     session = session_factory(guider.model_patcher, cache)
     guider.model_options["transformer_options"][SESSION_KEY] = session
     stats_store.run_started(session)
+    status = "error"
     try:
-        return executor(*args, **kwargs)
+        result = executor(*args, **kwargs)
+        status = "success"
+        return result
+    except comfy.model_management.InterruptProcessingException:
+        status = "interrupted"
+        raise
     finally:
         try:
             session.remove()
         finally:
             guider.model_options = original_options
-            stats_store.run_finished(session)
+            stats_store.run_finished(session, status)
 
 
 def _transformer_options(args: tuple, kwargs: dict) -> dict:

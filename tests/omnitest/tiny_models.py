@@ -323,19 +323,25 @@ def _build_patcher(spec: _Spec, seed: int) -> comfy.model_patcher.ModelPatcher:
     return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
 
 
-def build_case(name: str, seed: int = 0) -> TinyCase:
+def build_case(name: str, seed: int = 0, unet_overrides: Optional[dict] = None,
+               latent_shape: Optional[tuple[int, ...]] = None) -> TinyCase:
     """Build the tiny model ``name`` (one of ``FAMILIES``) and its inputs, all determined by ``seed``.
 
-    Two calls with the same arguments give bit-identical weights and inputs. Raises ``KeyError`` for an
-    unknown name and ``RuntimeError`` if the host's model matcher picks a different config class.
+    ``unet_overrides`` changes the config (e.g. a wider, deeper Wan for benchmarks); ``latent_shape`` replaces the
+    empty latent's shape. Two calls with the same arguments give bit-identical weights and inputs. Raises
+    ``KeyError`` for an unknown name and ``RuntimeError`` if the host's model matcher picks a different config class.
     """
     try:
         spec = _SPECS[name]
     except KeyError:
         raise KeyError(f"unknown tiny model {name!r}; choose from {FAMILIES}") from None
+    if unet_overrides:
+        spec = _Spec(spec.config_name, {**spec.unet_config, **unet_overrides}, spec.inputs, spec.cfg)
     patcher = _build_patcher(spec, seed)
     g = torch.Generator(device="cpu").manual_seed(10_000 + seed)
     positive, negative, latent, noise_mask = spec.inputs(g)
+    if latent_shape is not None:
+        latent = torch.zeros(latent_shape)
     return TinyCase(name=name, patcher=patcher, positive=positive, negative=negative, latent=latent,
                     cfg=spec.cfg, noise_mask=noise_mask, config_name=spec.config_name,
                     unet_config=dict(spec.unet_config))
