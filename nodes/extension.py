@@ -1,8 +1,9 @@
-"""The V3 extension that registers this pack's nodes with ComfyUI."""
+"""The V3 extension that registers this pack's nodes (and its HTTP routes) with ComfyUI."""
 from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
+from . import stats_store
 from .magcache_calibrate_node import MagCacheCalibrate
 from .magcache_node import ApplyMagCache
 from .teacache_calibrate_node import TeaCacheCalibrate
@@ -12,3 +13,7 @@ from .teacache_node import ApplyTeaCache
 class OmniHooksExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         return [ApplyTeaCache, TeaCacheCalibrate, ApplyMagCache, MagCacheCalibrate]
+
+
+# Routes must exist before ComfyUI's server adds its routes, which happens after custom nodes are loaded.
+stats_store.register_routes()

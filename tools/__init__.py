@@ -1,0 +1,1 @@
+"""Developer tools: the README's demo."""
