@@ -55,4 +55,12 @@ def load(kind: str, name: str) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"calibration file {path} does not exist (was it deleted or made on another machine?); "
                          f"run the calibrate node again or choose another variant")
-    return json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"calibration file {path} cannot be read ({e}); run the calibrate node again "
+                         f"or choose another variant") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"calibration file {path} does not hold a JSON object; run the calibrate node again "
+                         f"or choose another variant")
+    return data

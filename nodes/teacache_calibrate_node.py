@@ -62,7 +62,9 @@ class TeaCacheCalibrate(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, name: str = "", **kwargs) -> bool | str:
+    def validate_inputs(cls, name: str = "") -> bool | str:
+        # Only ``name``: with **kwargs ComfyUI would skip the min/max checks of every other input and repeat this
+        # message once per input.
         try:
             calibration_files.check_name(name)
         except ValueError as e:

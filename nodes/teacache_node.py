@@ -1,6 +1,7 @@
 """Apply TeaCache: the node, its settings, and the per-run session that drives omni_hooks' TeaCache."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,7 @@ from ..omni_hooks.stats import CacheRunStats
 from ..omni_hooks.teacache import CallInfo, TeaCacheConfig, TeaCacheRun, apply_teacache_hook
 from . import calibration_files
 from .adapters import ModelAdapter, UnsupportedModelError, detect_adapter
-from .coefficients import PUBLISHED, TeaCacheCoefficients
+from .coefficients import PUBLISHED, TeaCacheCoefficients, for_family
 from .lifecycle import AppliedCache, CacheSession, StepInfo, attach_cache
 
 NODE_ID = "OmniHooks.ApplyTeaCache"
@@ -50,14 +51,14 @@ def resolve_coefficients(adapter: ModelAdapter, model_variant: str) -> TeaCacheC
         return found
     name = calibration_files.parse_option(model_variant)
     if name is not None:
-        data = calibration_files.load("teacache", name)
+        try:
+            data = calibration_files.load("teacache", name)
+        except ValueError as e:
+            raise ValueError(f"{NODE_TITLE}: {e}") from None
         if data.get("family", adapter.family) != adapter.family:
             raise ValueError(f"{NODE_TITLE}: calibration {name!r} was made on a {data['family']} model, but this "
                              f"MODEL is {adapter.describe()}. Calibrate this model, or choose another variant.")
-        return TeaCacheCoefficients(key=model_variant, family=data.get("family", adapter.family),
-                                    coefficients=tuple(data["coefficients"]),
-                                    threshold=float(data.get("recommended_threshold", 0.2)),
-                                    signal=data.get("signal", "default"), note=f"calibrated: {name}")
+        return _calibrated(adapter, model_variant, name, data)
     found = PUBLISHED.get(model_variant)
     if found is None:
         raise ValueError(f"{NODE_TITLE}: unknown model_variant {model_variant!r}; choose one from the list")
@@ -65,6 +66,31 @@ def resolve_coefficients(adapter: ModelAdapter, model_variant: str) -> TeaCacheC
         raise ValueError(f"{NODE_TITLE}: model_variant {model_variant!r} is for {found.family} models, but this MODEL "
                          f"is {adapter.describe()}. Choose 'auto' or a {adapter.family} variant.")
     return found
+
+
+def _calibrated(adapter: ModelAdapter, model_variant: str, name: str, data: dict) -> TeaCacheCoefficients:
+    """The coefficient set of a calibration file's contents; a clear error for a malformed file."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{NODE_TITLE}: calibration {name!r} ({calibration_files.directory('teacache')}) {what}; "
+                          f"run TeaCache Calibrate again, or choose another variant.")
+
+    coefficients = data.get("coefficients")
+    if (not isinstance(coefficients, list) or len(coefficients) != 5
+            or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
+                       for c in coefficients)):
+        raise bad(f"has no valid 'coefficients' (5 finite numbers expected, got {str(coefficients)[:80]})")
+    signal = data.get("signal", "default")
+    signals = {"default", *(c.signal for c in for_family(adapter.family))}
+    if signal not in signals:
+        raise bad(f"has signal {str(signal)[:40]!r}, which {adapter.family} models do not have "
+                  f"(one of {sorted(signals)})")
+    try:
+        threshold = float(data.get("recommended_threshold", 0.2))
+    except (TypeError, ValueError):
+        raise bad("has a 'recommended_threshold' that is not a number") from None
+    return TeaCacheCoefficients(key=model_variant, family=data.get("family", adapter.family),
+                                coefficients=tuple(float(c) for c in coefficients), threshold=threshold,
+                                signal=signal, note=f"calibrated: {name}")
 
 
 class TeaCacheSession(CacheSession):
@@ -114,6 +140,8 @@ def settings_for(model, rel_l1_thresh: float, start_percent: float, end_percent:
                                              coefficients=(0.0, 0.0, 0.0, 1.0, 0.0), threshold=0.0)
     else:
         coefficients = resolve_coefficients(adapter, model_variant)
+    if cache_device not in CACHE_DEVICES:
+        raise ValueError(f"{NODE_TITLE}: unknown cache_device {cache_device!r}; choose one of {CACHE_DEVICES}")
     if not 0.0 <= start_percent <= end_percent <= 1.0:
         raise ValueError(f"{NODE_TITLE}: start_percent ({start_percent}) must not be above end_percent ({end_percent})")
     threshold = coefficients.threshold if rel_l1_thresh == RECOMMENDED else rel_l1_thresh

@@ -72,10 +72,10 @@ function liveView(live) {
   const box = el("div", { class: "omni-live" },
     el("div", { style: "font-weight:600" }, `${live.kind} · ${live.model}`),
     el("div", { class: "omni-counters", style: "margin:4px 0" },
-      el("span", { class: "omni-reused" }, `reused ${c.reused}`), " / ",
-      el("span", { class: "omni-evaluations" }, `${c.evaluations} evaluations`), " · hit rate ",
-      el("span", { class: "omni-hit-rate" }, formatPercent(c.hitRate)), " · est. ",
-      el("span", { class: "omni-speedup" }, formatSpeedup(summary ? summary.estimated_speedup : c.speedup)),
+      el("span", { class: "omni-count-reused" }, `reused ${c.reused}`), " / ",
+      el("span", { class: "omni-count-evaluations" }, `${c.evaluations} evaluations`), " · hit rate ",
+      el("span", { class: "omni-count-hit-rate" }, formatPercent(c.hitRate)), " · est. ",
+      el("span", { class: "omni-count-speedup" }, formatSpeedup(summary ? summary.estimated_speedup : c.speedup)),
       live.finished ? ` · ${live.status ?? "done"}` : ` · running (step ${live.evaluations.at(-1)?.step ?? "?"}`
         + `${live.total_steps ? `/${live.total_steps}` : ""})`),
     summary ? el("div", { style: "font-size:11px;opacity:.8" },
@@ -119,6 +119,7 @@ function hitRateBadge(node) {
     const rate = state.hitRateByNode[String(node.id)];
     const text = rate == null ? "" : `hit ${formatPercent(rate)}`;
     return {
+      text,
       height: 20,
       getWidth(ctx) { return text ? ctx.measureText(text).width + 12 : 0; },
       draw(ctx, x, y) {

@@ -1,0 +1,310 @@
+"""Check ComfyUI workflow files against a server's ``/object_info`` (no comfy import).
+
+Two formats:
+* UI (what the frontend saves and the template browser opens): ``nodes`` with ``widgets_values`` in widget order,
+  ``links`` as ``[id, origin_id, origin_slot, target_id, target_slot, type]``;
+* API (what ``POST /prompt`` takes): ``{node_id: {"class_type", "inputs", "_meta": {"title"}}}``.
+
+``widget_layout(info)`` reproduces the frontend's (1.27) widget list of a node definition: one widget per
+INT/FLOAT/STRING/BOOLEAN/COMBO input in ``input_order`` (required, then optional; ``forceInput`` ones excluded), plus
+the frontend-only "control_after_generate" combo right after an INT that has ``control_after_generate`` (or, when
+that key is absent, is named ``seed``/``noise_seed``) or a COMBO that has it. Its value is saved in
+``widgets_values`` but never sent to the server. Upload widgets (``image_upload`` & co.) are not modelled and raise.
+
+``validate_ui`` / ``validate_api`` return a list of problems (empty = valid); ``ui_to_api`` converts like the
+frontend's "Export (API)". ``missing_ok(input_name, value)`` decides which combo values may be absent from the
+server's options (model files the test server does not have).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
+FRONTEND_ONLY_NODES = frozenset({"Note", "MarkdownNote"})  # frontend-only: never sent to the server
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
+UPLOAD_KEYS = ("image_upload", "video_upload", "audio_upload", "animated_image_upload", "upload")
+ACTIVE_MODE = 0  # LiteGraph node modes: 0 always, 2 never (muted), 4 bypassed
+
+MissingOk = Callable[[str, Any], bool]
+
+
+class UnsupportedWidget(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Widget:
+    name: str                 # the input name, or "<input>.control_after_generate" for the frontend-only control
+    input_name: str | None    # None: a frontend-only widget (not an input of the node)
+    kind: str                 # INT, FLOAT, STRING, BOOLEAN, COMBO or CONTROL
+    options: Mapping[str, Any] = field(default_factory=dict)
+    choices: tuple | None = None
+
+
+def spec_kind(spec: list) -> tuple[str | None, dict, tuple | None]:
+    """(widget kind or None for a socket-only type, options, combo choices) of an /object_info input spec."""
+    type_, options = spec[0], (spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {})
+    if isinstance(type_, list):
+        return "COMBO", options, tuple(type_)
+    if type_ == "COMBO":
+        return "COMBO", options, tuple(options.get("options", []))
+    if type_ in WIDGET_TYPES:
+        return type_, options, None
+    return None, options, None
+
+
+def input_specs(info: Mapping[str, Any]) -> dict[str, tuple[str, list]]:
+    """input name -> (category, spec), required before optional, in ``input_order`` (hidden inputs left out)."""
+    result = {}
+    for category in ("required", "optional"):
+        for name in info.get("input_order", {}).get(category, list(info["input"].get(category, {}))):
+            result[name] = (category, info["input"][category][name])
+    return result
+
+
+def widget_layout(info: Mapping[str, Any]) -> list[Widget]:
+    widgets = []
+    for name, (_, spec) in input_specs(info).items():
+        kind, options, choices = spec_kind(spec)
+        if kind is None or options.get("forceInput"):
+            continue
+        if any(options.get(k) for k in UPLOAD_KEYS):
+            raise UnsupportedWidget(f"{info.get('name')}.{name}: upload widgets are not modelled")
+        widgets.append(Widget(name, name, kind, options, choices))
+        control = options.get("control_after_generate", name in ("seed", "noise_seed") if kind == "INT" else False)
+        if control and kind in ("INT", "COMBO"):
+            widgets.append(Widget(f"{name}.control_after_generate", None, "CONTROL", {}, CONTROL_VALUES))
+    return widgets
+
+
+def check_value(widget: Widget, value: Any, missing_ok: MissingOk | None = None) -> str | None:
+    """None if ``value`` is valid for ``widget``, else what is wrong."""
+    o = widget.options
+    if widget.kind in ("INT", "FLOAT"):
+        number_types = (int,) if widget.kind == "INT" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, number_types):
+            return f"{widget.name}: {value!r} is not {widget.kind}"
+        if "min" in o and value < o["min"]:
+            return f"{widget.name}: {value} < min {o['min']}"
+        if "max" in o and value > o["max"]:
+            return f"{widget.name}: {value} > max {o['max']}"
+        return None
+    if widget.kind == "STRING":
+        return None if isinstance(value, str) else f"{widget.name}: {value!r} is not a string"
+    if widget.kind == "BOOLEAN":
+        return None if isinstance(value, bool) else f"{widget.name}: {value!r} is not a boolean"
+    if widget.kind in ("COMBO", "CONTROL"):
+        if value in widget.choices:
+            return None
+        if widget.kind == "COMBO" and missing_ok is not None and missing_ok(widget.input_name, value):
+            return None
+        shown = list(widget.choices) if len(widget.choices) <= 30 else f"{len(widget.choices)} options"
+        return f"{widget.name}: {value!r} not in {shown}"
+    return f"{widget.name}: unknown widget kind {widget.kind}"
+
+
+def types_compatible(output_type: Any, input_type: Any) -> bool:
+    if output_type == "*" or input_type == "*":
+        return True
+    if not isinstance(output_type, str) or not isinstance(input_type, str):
+        return output_type == input_type
+    return bool(set(output_type.split(",")) & set(input_type.split(",")))
+
+
+# --------------------------------------------------------------------------------------------------- UI format
+
+def ui_nodes(workflow: Mapping[str, Any]) -> dict[int, dict]:
+    return {n["id"]: n for n in workflow["nodes"]}
+
+
+def ui_links(workflow: Mapping[str, Any]) -> dict[int, list]:
+    return {link[0]: link for link in workflow["links"]}
+
+
+def node_title(node: Mapping[str, Any], object_info: Mapping[str, Any]) -> str:
+    info = object_info.get(node["type"], {})
+    return node.get("title") or info.get("display_name") or node["type"]
+
+
+def validate_ui(workflow: Mapping[str, Any], object_info: Mapping[str, Any],
+                missing_ok: MissingOk | None = None) -> list[str]:
+    problems: list[str] = []
+    nodes_list, links_list = workflow.get("nodes", []), workflow.get("links", [])
+    ids = [n["id"] for n in nodes_list]
+    if len(ids) != len(set(ids)):
+        problems.append(f"duplicate node ids {ids}")
+    link_ids = [link[0] for link in links_list]
+    if len(link_ids) != len(set(link_ids)):
+        problems.append(f"duplicate link ids {link_ids}")
+    if ids and workflow.get("last_node_id", 0) < max(ids):
+        problems.append(f"last_node_id {workflow.get('last_node_id')} < largest node id {max(ids)}")
+    if link_ids and workflow.get("last_link_id", 0) < max(link_ids):
+        problems.append(f"last_link_id {workflow.get('last_link_id')} < largest link id {max(link_ids)}")
+    nodes, links = ui_nodes(workflow), ui_links(workflow)
+
+    for link in links_list:
+        if len(link) != 6:
+            problems.append(f"link {link}: not [id, origin_id, origin_slot, target_id, target_slot, type]")
+            continue
+        lid, src, src_slot, dst, dst_slot, ltype = link
+        if src not in nodes or dst not in nodes:
+            problems.append(f"link {lid}: node {src} or {dst} does not exist")
+            continue
+        outs, ins = nodes[src].get("outputs", []), nodes[dst].get("inputs", [])
+        if src_slot >= len(outs) or lid not in (outs[src_slot].get("links") or []):
+            problems.append(f"link {lid}: not listed in output {src_slot} of node {src}")
+        elif not types_compatible(outs[src_slot]["type"], ltype):
+            problems.append(f"link {lid}: type {ltype} but output {src_slot} of node {src} is {outs[src_slot]['type']}")
+        if dst_slot >= len(ins) or ins[dst_slot].get("link") != lid:
+            problems.append(f"link {lid}: not the link of input {dst_slot} of node {dst}")
+        elif not types_compatible(ltype, ins[dst_slot]["type"]):
+            problems.append(f"link {lid}: type {ltype} into input {ins[dst_slot]['name']} ({ins[dst_slot]['type']}) "
+                            f"of node {dst}")
+
+    for node in nodes_list:
+        where = f"node {node['id']} ({node['type']})"
+        for slot, inp in enumerate(node.get("inputs", [])):
+            lid = inp.get("link")
+            if lid is not None and (lid not in links or links[lid][3] != node["id"] or links[lid][4] != slot):
+                problems.append(f"{where}: input {inp['name']} names link {lid}, which does not end there")
+        for slot, out in enumerate(node.get("outputs", [])):
+            for lid in out.get("links") or []:
+                if lid not in links or links[lid][1] != node["id"] or links[lid][2] != slot:
+                    problems.append(f"{where}: output {slot} lists link {lid}, which does not start there")
+        if node.get("mode", ACTIVE_MODE) != ACTIVE_MODE:
+            problems.append(f"{where}: mode {node.get('mode')} (muted/bypassed nodes are not expected in examples)")
+        if node["type"] in FRONTEND_ONLY_NODES:
+            values = node.get("widgets_values", [])
+            if node.get("inputs") or node.get("outputs") or len(values) != 1 or not isinstance(values[0], str):
+                problems.append(f"{where}: a note has one text widget and no sockets")
+            continue
+        info = object_info.get(node["type"])
+        if info is None:
+            problems.append(f"{where}: node type not on the server")
+            continue
+        problems.extend(_validate_ui_node(node, info, where, missing_ok))
+    return problems
+
+
+def _validate_ui_node(node, info, where, missing_ok) -> list[str]:
+    problems = []
+    specs = input_specs(info)
+    try:
+        layout = widget_layout(info)
+    except UnsupportedWidget as e:
+        return [f"{where}: {e}"]
+    widget_inputs = {w.input_name for w in layout if w.input_name}
+    linked = set()
+    for inp in node.get("inputs", []):
+        name = inp["name"]
+        if name not in specs:
+            problems.append(f"{where}: input {name!r} is not an input of {node['type']} ({list(specs)})")
+            continue
+        kind, _, _ = spec_kind(specs[name][1])
+        declared = specs[name][1][0] if kind != "COMBO" else "COMBO"
+        if kind is None and inp.get("type") != declared:
+            problems.append(f"{where}: input {name} has type {inp.get('type')}, the server says {declared}")
+        if inp.get("link") is not None:
+            linked.add(name)
+    for name, (category, spec) in specs.items():
+        if category == "required" and name not in widget_inputs and name not in linked:
+            problems.append(f"{where}: required input {name} is not connected")
+    outputs = node.get("outputs", [])
+    if [o.get("type") for o in outputs] != list(info["output"]):
+        problems.append(f"{where}: outputs {[o.get('type') for o in outputs]} != server's {info['output']}")
+    values = node.get("widgets_values", [])
+    if not isinstance(values, list):
+        return problems + [f"{where}: widgets_values is not a list: {values!r}"]
+    if len(values) != len(layout):
+        problems.append(f"{where}: {len(values)} widgets_values {values} for widgets {[w.name for w in layout]}")
+        return problems
+    for widget, value in zip(layout, values):
+        bad = check_value(widget, value, missing_ok)
+        if bad:
+            problems.append(f"{where}: {bad}")
+    model_names = {m.get("name") for m in node.get("properties", {}).get("models", [])}
+    if model_names - set(v for v in values if isinstance(v, str)):
+        problems.append(f"{where}: properties.models {sorted(model_names)} not among the widget values {values}")
+    return problems
+
+
+def ui_to_api(workflow: Mapping[str, Any], object_info: Mapping[str, Any]) -> dict[str, dict]:
+    """The API prompt the frontend would queue for this UI workflow (active nodes only, frontend-only ones left out)."""
+    nodes, links = ui_nodes(workflow), ui_links(workflow)
+    prompt: dict[str, dict] = {}
+    for node in sorted(workflow["nodes"], key=lambda n: n["id"]):
+        if node["type"] in FRONTEND_ONLY_NODES or node.get("mode", ACTIVE_MODE) != ACTIVE_MODE:
+            continue
+        info = object_info[node["type"]]
+        inputs: dict[str, Any] = {}
+        for widget, value in zip(widget_layout(info), node.get("widgets_values", [])):
+            if widget.input_name is not None:
+                inputs[widget.input_name] = value
+        for inp in node.get("inputs", []):
+            lid = inp.get("link")
+            if lid is not None:
+                src = links[lid][1]
+                if nodes[src].get("mode", ACTIVE_MODE) != ACTIVE_MODE:
+                    raise ValueError(f"node {node['id']}: input {inp['name']} comes from an inactive node {src}")
+                inputs[inp["name"]] = [str(src), links[lid][2]]
+        ordered = {name: inputs[name] for name in input_specs(info) if name in inputs}
+        prompt[str(node["id"])] = {"inputs": ordered, "class_type": node["type"],
+                                   "_meta": {"title": node_title(node, object_info)}}
+    return prompt
+
+
+# --------------------------------------------------------------------------------------------------- API format
+
+def validate_api(prompt: Mapping[str, Any], object_info: Mapping[str, Any],
+                 missing_ok: MissingOk | None = None) -> list[str]:
+    problems = []
+    for nid, node in prompt.items():
+        where = f"node {nid} ({node.get('class_type')})"
+        info = object_info.get(node.get("class_type"))
+        if info is None:
+            problems.append(f"{where}: node type not on the server")
+            continue
+        specs = input_specs(info)
+        widgets = {w.input_name: w for w in widget_layout(info) if w.input_name}
+        inputs = node.get("inputs", {})
+        for name in inputs:
+            if name not in specs:
+                problems.append(f"{where}: unknown input {name!r}")
+        for name, (category, spec) in specs.items():
+            if name not in inputs:
+                if category == "required":
+                    problems.append(f"{where}: required input {name} missing")
+                continue
+            value = inputs[name]
+            if isinstance(value, list):
+                if len(value) != 2 or not isinstance(value[0], str) or value[0] not in prompt:
+                    problems.append(f"{where}: input {name}: bad link {value}")
+                    continue
+                source = object_info.get(prompt[value[0]].get("class_type"), {})
+                outputs = list(source.get("output", []))
+                if not isinstance(value[1], int) or not 0 <= value[1] < len(outputs):
+                    problems.append(f"{where}: input {name}: node {value[0]} has no output {value[1]}")
+                    continue
+                kind, _, _ = spec_kind(spec)
+                declared = spec[0] if kind is None else (kind if kind != "COMBO" else "COMBO")
+                if kind is None and not types_compatible(outputs[value[1]], declared):
+                    problems.append(f"{where}: input {name} ({declared}) linked to a {outputs[value[1]]} output")
+            elif name in widgets:
+                bad = check_value(widgets[name], value, missing_ok)
+                if bad:
+                    problems.append(f"{where}: {bad}")
+            else:
+                problems.append(f"{where}: input {name} ({spec[0]}) needs a link, got {value!r}")
+    return problems
+
+
+def upstream(prompt: Mapping[str, Any], node_id: str, input_name: str) -> list[str]:
+    """The chain of node ids feeding ``input_name`` of ``node_id`` through each node's first link input of the same
+    name (e.g. the MODEL chain of a sampler): [direct source, its source, ..., the loader]."""
+    chain = []
+    value = prompt[node_id]["inputs"].get(input_name)
+    while isinstance(value, list):
+        chain.append(value[0])
+        value = prompt[value[0]]["inputs"].get(input_name)
+    return chain
