@@ -76,6 +76,7 @@ class StackCacheRun:
     hook_names: tuple[str, str, str, str]
     head_hook_cls: type["StackHeadHook"]
     block_hook_cls: type["StackBlockHook"]
+    tail_hook_cls: type["StackTailHook"] | None = None  # None: StackTailHook
 
     def __init__(self, stack: BlockStack, state_cls: type[CachedResidualState], threshold: float,
                  cache_device: torch.device | None, stats: CacheRunStats,
@@ -188,7 +189,7 @@ class StackCacheRun:
         head, block, tail, capture = self.hook_names
         plan: list[tuple[torch.nn.Module, str, ModelHook]] = [(self.stack.blocks[0], head, self.head_hook_cls(self))]
         plan += [(b, block, self.block_hook_cls(self)) for b in self.stack.blocks[1:]]
-        plan.append((self.stack.tail, tail, StackTailHook(self)))
+        plan.append((self.stack.tail, tail, (self.tail_hook_cls or StackTailHook)(self)))
         if self.capture_module is not None:
             plan.append((self.capture_module, capture, StackCaptureHook(self)))
         try:

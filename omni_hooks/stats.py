@@ -11,7 +11,8 @@ class BranchDecision:
 
     branch: str            # "cond", "uncond", "cond.1", ...
     computed: bool
-    reason: str            # "first", "forced", "window", "shape", "threshold", "reuse", "calibrate", "disabled"
+    reason: str            # "first", "forced", "window", "retention", "shape", "threshold", "max-skips", "reuse",
+    #                        "calibrate", "disabled", "other-branch"
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
 
@@ -75,9 +76,11 @@ class CacheRunStats:
         reasons = [b.reason for e in self.evaluations for b in e.branches]
         if self.threshold <= 0:
             return "threshold is 0, so every step is computed"
-        if all(r in ("first", "forced", "window", "calibrate") for r in reasons):
-            return ("every step was forced (first/last steps or outside start/end percent); "
+        if all(r in ("first", "forced", "window", "retention", "calibrate") for r in reasons):
+            return ("every step was forced (first/last steps, retention steps or outside start/end percent); "
                     "use more steps or widen the start/end window")
+        if all(r in ("first", "forced", "window", "retention", "calibrate", "max-skips") for r in reasons):
+            return "the maximum number of consecutive skips (K) allowed none (K = 0 computes every step)"
         if "shape" in reasons and reasons.count("shape") * 2 >= len(reasons):
             return "the latent shape changed between steps, so no residual could be reused"
         return ("the accumulated change always exceeded the threshold; raise the threshold, or the model may be "

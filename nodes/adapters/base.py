@@ -21,7 +21,8 @@ class ModelAdapter:
 
     ``teacache_key`` is the published coefficient set that fits the detected variant (None when none is published
     or the weights cannot tell which one fits); ``notes`` are facts the user should see (e.g. "720p i2v uses
-    the same weights shape as 480p: choose the variant").
+    the same weights shape as 480p: choose the variant"). ``magcache_key`` / ``magcache_notes`` are the same for
+    MagCache's published curves.
     """
 
     family: str
@@ -30,6 +31,9 @@ class ModelAdapter:
     build_modulated_input: Callable[[torch.nn.Module, str], ModulatedInput]
     teacache_key: str | None = None
     notes: list[str] = field(default_factory=list)
+    # the published MagCache curve that fits (nodes/magcache_curves.py), and what the user should know about it
+    magcache_key: str | None = None
+    magcache_notes: list[str] = field(default_factory=list)
 
     @property
     def teacache_coefficients(self) -> TeaCacheCoefficients | None:

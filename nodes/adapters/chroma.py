@@ -52,4 +52,5 @@ def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | N
         family="chroma", variant="Chroma", build_stack=_stack, build_modulated_input=_modulated_input,
         teacache_key=None,
         notes=["no TeaCache coefficients are published for Chroma (ali-vilab/TeaCache#72): run TeaCache Calibrate "
-               "once on this model and choose its calibration file"])
+               "once on this model and choose its calibration file"],
+        magcache_key="chroma")

@@ -52,7 +52,12 @@ def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | N
     if not len(dm.double_blocks) or not hasattr(dm, "final_layer"):
         return None
     notes: list[str] = []
+    magcache_key, magcache_notes = None, ["no MagCache curve is published for Flux schnell or other models without "
+                                          "guidance embedding: choose 'flux', or run MagCache Calibrate"]
     if dm.params.guidance_embed:
+        magcache_key = "flux"
+        magcache_notes = ["Flux Kontext has the same weights shape as Flux dev: if this is Kontext, choose "
+                          "'flux_kontext_official' (28 steps) or 'flux_kontext' (ComfyUI-MagCache's 20-step curve)"]
         variant = "Flux dev"
         if dm.params.in_channels != 16:
             variant += f" (in_channels {dm.params.in_channels}: Fill/Depth/Canny)"
@@ -67,4 +72,4 @@ def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | N
         notes.append("no TeaCache coefficients are published for Flux schnell or other models without guidance "
                      "embedding; choose 'flux' to use the Flux dev coefficients, or run TeaCache Calibrate")
     return ModelAdapter(family="flux", variant=variant, build_stack=_stack, build_modulated_input=_modulated_input,
-                        teacache_key=key, notes=notes)
+                        teacache_key=key, notes=notes, magcache_key=magcache_key, magcache_notes=magcache_notes)

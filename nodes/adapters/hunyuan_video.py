@@ -49,17 +49,22 @@ def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | N
         return None
     notes: list[str] = []
     key = "hunyuan_video"
+    magcache_key, magcache_notes = "hunyuan_video", ["the 'hunyuan_video' curve was calibrated at 720p; below 720p "
+                                                     "choose 'hunyuan_video_544p_official'"]
     if isinstance(base_model, comfy.model_base.HunyuanImage21) or len(dm.patch_size) != 3:
         variant = "HunyuanImage 2.1" + (" refiner" if isinstance(base_model, comfy.model_base.HunyuanImage21Refiner)
                                         else "")
         key = None
         notes.append("no TeaCache coefficients are published for HunyuanImage 2.1: run TeaCache Calibrate once")
+        magcache_key, magcache_notes = None, ["the HunyuanVideo curves do not fit HunyuanImage 2.1"]
     elif isinstance(base_model, (comfy.model_base.HunyuanVideoI2V, comfy.model_base.HunyuanVideoSkyreelsI2V)):
         variant = "HunyuanVideo I2V" if isinstance(base_model, comfy.model_base.HunyuanVideoI2V) \
             else "HunyuanVideo SkyReels I2V"
         notes.append("the HunyuanVideo coefficients were fitted on the T2V model; they are used for I2V as in "
                      "welltop-cn/ComfyUI-TeaCache")
+        magcache_notes.append("the MagCache curves were calibrated on HunyuanVideo T2V")
     else:
         variant = "HunyuanVideo T2V"
     return ModelAdapter(family="hunyuan_video", variant=variant, build_stack=_stack,
-                        build_modulated_input=_modulated_input, teacache_key=key, notes=notes)
+                        build_modulated_input=_modulated_input, teacache_key=key, notes=notes,
+                        magcache_key=magcache_key, magcache_notes=magcache_notes)

@@ -45,4 +45,7 @@ def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | N
         family="qwen_image", variant="Qwen-Image", build_stack=_stack, build_modulated_input=_modulated_input,
         teacache_key="qwen_image",
         notes=["Qwen-Image and Qwen-Image-Edit have the same weights shape; the coefficients (vllm-omni) were "
-               "fitted on Qwen-Image"])
+               "fitted on Qwen-Image"],
+        magcache_key="qwen_image",
+        magcache_notes=["Qwen-Image and Qwen-Image-Edit have the same weights shape: for Edit choose "
+                        "'qwen_image_edit_official'; 'qwen_image_official' is the official 50-step Qwen-Image curve"])
