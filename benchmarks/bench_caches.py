@@ -1,8 +1,9 @@
 """Caches side by side on one in-process Wan model big enough that the transformer dominates the sampling time.
 
 Wan 2.1 T2V architecture (ComfyUI's own WanModel) at dim 512, 8 blocks, 4 heads, 30 euler steps, cfg 5, on a
-[1, 16, 3, 32, 32] latent (768 tokens). The weights are random, so published polynomials do not fit it: the bench first
-runs TeaCache Calibrate on the same model and schedule (as a user would for a new model) and uses that file.
+[1, 16, 3, 32, 32] latent (768 tokens). The weights are random, so published coefficients and curves do not fit it:
+the bench first runs TeaCache Calibrate and MagCache Calibrate on the same model and schedule (as a user would for a
+new model) and uses those files.
 Every configuration is timed in this one process, interleaved, best of ``--repeats``.
 
 Run: .venv/bin/python benchmarks/bench_caches.py        (needs a ComfyUI checkout; prints markdown)
@@ -58,24 +59,32 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--thresholds", type=float, nargs="*", default=[0.0, 0.05, 0.1, 0.2, 0.4])
+    parser.add_argument("--mag-thresholds", type=float, nargs="*", default=[0.0, 0.03, 0.06, 0.12, 0.24])
     opts = parser.parse_args()
     folder_paths.set_user_directory(tempfile.mkdtemp(prefix="omnihooks-bench-"))
     teacache = pack_module("nodes.teacache_node")
     calibrate = pack_module("nodes.teacache_calibrate_node")
+    magcache = pack_module("nodes.magcache_node")
+    mag_calibrate = pack_module("nodes.magcache_calibrate_node")
     runs = pack_module("nodes.stats_store")
 
     case = tiny_models.build_case("wan21_t2v", unet_overrides=WAN_BENCH, latent_shape=LATENT)
     sample = lambda model=None: tiny_models.sample(case, model=model, steps=STEPS, cfg=CFG)  # noqa: E731
     sample()  # warm-up: loads the model, first-call allocations
-    run_node(calibrate.TeaCacheCalibrate, model=case.patcher, seed=0, steps=STEPS, cfg=CFG, sampler_name="euler",
-             scheduler="simple", positive=case.positive, negative=case.negative,
-             latent_image={"samples": case.latent}, name="bench")
+    for calibrate_node in (calibrate.TeaCacheCalibrate, mag_calibrate.MagCacheCalibrate):
+        run_node(calibrate_node, model=case.patcher, seed=0, steps=STEPS, cfg=CFG, sampler_name="euler",
+                 scheduler="simple", positive=case.positive, negative=case.negative,
+                 latent_image={"samples": case.latent}, name="bench")
 
     configs = [("no node", None)] + [
         (f"TeaCache {t:g}", run_node(teacache.ApplyTeaCache, model=case.patcher, rel_l1_thresh=t, start_percent=0.0,
                                      end_percent=1.0, cache_device="compute device",
                                      model_variant="calibration: bench")[0])
-        for t in opts.thresholds]
+        for t in opts.thresholds] + [
+        (f"MagCache {t:g} (K 2, retention 0.2)",
+         run_node(magcache.ApplyMagCache, model=case.patcher, threshold=t, max_skip_steps=2, retention_ratio=0.2,
+                  start_percent=0.0, end_percent=1.0, cache_device="compute device", curve="calibration: bench")[0])
+        for t in opts.mag_thresholds]
     results = {label: {"seconds": math.inf} for label, _ in configs}
     for _ in range(opts.repeats):  # interleaved, so drift on the machine hits every config alike
         for label, model in configs:
@@ -96,10 +105,11 @@ def main() -> None:
         err = (r["out"] - base["out"]).abs().max().item()
         print(f"| {label} | {r.get('computed', STEPS)}/{STEPS} | {r['seconds']:.2f} | "
               f"{base['seconds'] / r['seconds']:.2f}x | {err:.3g} | {psnr(r['out'], base['out']):.1f} |")
-    zero = results.get("TeaCache 0")
-    if zero is not None:
-        print(f"\nOverhead at threshold 0 (every step computed, hooks installed): "
-              f"{(zero['seconds'] / base['seconds'] - 1) * 100:+.1f}% vs no node")
+    for label in ("TeaCache 0", "MagCache 0 (K 2, retention 0.2)"):
+        zero = results.get(label)
+        if zero is not None:
+            print(f"\n{label.split()[0]} overhead at threshold 0 (every step computed, hooks installed): "
+                  f"{(zero['seconds'] / base['seconds'] - 1) * 100:+.1f}% vs no node")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ hooks pass through outside a call of ours.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 import logging
 
-import comfy.samplers
-import nodes as comfy_nodes  # ComfyUI's nodes.py (this pack's own nodes/ package is only imported relatively)
 from comfy_api.latest import io
 
 from ..omni_hooks.magcache import interleave
 from ..omni_hooks.magcache.interp import COND, UNCOND, branch_base
 from . import calibration_files
 from .adapters import detect_adapter
-from .lifecycle import AppliedCache, attach_cache
+from .lifecycle import AppliedCache
+from .node_inputs import calibration_sampler_inputs, sample_calibrating, validate_calibration_name
 from .magcache_node import KIND, MagCacheSession, settings_for
 
 NODE_ID = "OmniHooks.MagCacheCalibrate"
@@ -57,22 +56,12 @@ class MagCacheCalibrate(io.ComfyNode):
                          "its spread and the cosine distance), then saves that curve under 'name'. Apply MagCache "
                          "lists it as 'calibration: <name>'. Use the sampler settings you will generate with."),
             inputs=[
-                io.Model.Input("model", tooltip="The MODEL to calibrate (without a cache node)."),
-                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
-                             tooltip="The random seed used for creating the noise."),
-                io.Int.Input("steps", default=30, min=MIN_STEPS, max=10000,
-                             tooltip="Sampling steps; the curve gets one ratio per step and branch (Apply MagCache "
-                             "interpolates it to other step counts)."),
-                io.Float.Input("cfg", default=5.0, min=0.0, max=100.0, step=0.1, round=0.01,
-                               tooltip="Classifier-free guidance scale; above 1 calibrates cond and uncond curves."),
-                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS,
-                               tooltip="The sampler you will generate with; one that evaluates the model once per "
-                               "step (euler, ...) gives exactly one ratio per step."),
-                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS,
-                               tooltip="The scheduler you will generate with."),
-                io.Conditioning.Input("positive", tooltip="A representative positive prompt."),
-                io.Conditioning.Input("negative", tooltip="A representative negative prompt."),
-                io.Latent.Input("latent_image", tooltip="A latent of the size you will generate at."),
+                *calibration_sampler_inputs(
+                    MIN_STEPS, steps_tooltip="Sampling steps; the curve gets one ratio per step and branch (Apply "
+                    "MagCache interpolates it to other step counts).",
+                    cfg_tooltip="Classifier-free guidance scale; above 1 calibrates cond and uncond curves.",
+                    sampler_tooltip="The sampler you will generate with; one that evaluates the model once per "
+                    "step (euler, ...) gives exactly one ratio per step."),
                 io.String.Input("name", default="my-model",
                                 tooltip="File name for the curve (letters, digits, space . _ -); saved in ComfyUI's "
                                 "user directory under omni_hooks/magcache/. An existing file of that name is "
@@ -89,12 +78,9 @@ class MagCacheCalibrate(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, name: str = "", **kwargs) -> bool | str:
-        try:
-            calibration_files.check_name(name)
-        except ValueError as e:
-            return f"{NODE_TITLE}: {e}"
-        return True
+    def validate_inputs(cls, name: str = "") -> bool | str:
+        # Only ``name``: with **kwargs ComfyUI would skip the min/max checks of every other input.
+        return validate_calibration_name(NODE_TITLE, name)
 
     @classmethod
     def execute(cls, model, seed: int, steps: int, cfg: float, sampler_name: str, scheduler: str, positive,
@@ -102,18 +88,9 @@ class MagCacheCalibrate(io.ComfyNode):
         name = calibration_files.check_name(name)
         adapter = detect_adapter(model)
         settings = settings_for(model, 0.0, 0, 0.0, 0.0, 1.0, "compute device", "auto", calibrate=True)
-        sessions: list[MagCacheSession] = []
-
-        def session_factory(patcher, cache):
-            session = MagCacheSession(patcher, cache)
-            sessions.append(session)
-            return session
-
         cache = AppliedCache(kind=KIND, node_title=NODE_TITLE, node_id=cls.hidden.unique_id, settings=settings)
-        calibrating = attach_cache(model, cache, session_factory)
-        # common_ksampler is the KSampler node's path: same noise, and the progress bar with previews
-        (latent,) = comfy_nodes.common_ksampler(calibrating, seed, steps, cfg, sampler_name, scheduler, positive,
-                                                negative, latent_image)
+        latent, sessions = sample_calibrating(model, cache, MagCacheSession, seed, steps, cfg, sampler_name,
+                                              scheduler, positive, negative, latent_image)
         result: dict[str, dict[str, list[float]]] = {}
         for session in sessions:
             result.update(session.calibration)

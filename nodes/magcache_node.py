@@ -26,7 +26,7 @@ from . import calibration_files
 from .adapters import ModelAdapter, UnsupportedModelError, detect_adapter
 from .lifecycle import AppliedCache, CacheSession, StepInfo, attach_cache
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
-from .teacache_node import CACHE_DEVICES
+from .node_inputs import cache_device_for, cache_device_input, check_cache_device
 
 NODE_ID = "OmniHooks.ApplyMagCache"
 NODE_TITLE = "Apply MagCache"
@@ -131,8 +131,7 @@ def settings_for(model, threshold: float, max_skip_steps: int, retention_ratio: 
         label, curves = "calibrate", {}
     else:
         label, curves = resolve_curve(adapter, curve)
-    if cache_device not in CACHE_DEVICES:
-        raise ValueError(f"{NODE_TITLE}: unknown cache_device {cache_device!r}; choose one of {CACHE_DEVICES}")
+    check_cache_device(NODE_TITLE, cache_device)
     if not 0.0 <= start_percent <= end_percent <= 1.0:
         raise ValueError(f"{NODE_TITLE}: start_percent ({start_percent}) must not be above end_percent ({end_percent})")
     settings = MagCacheSettings(
@@ -164,8 +163,7 @@ class MagCacheSession(CacheSession):
                                                           threshold=settings.threshold))
         self.patcher = patcher
         self.adapter = detect_adapter(patcher)
-        device = patcher.offload_device if settings.cache_device == "offload device" else None
-        self.config = _config(settings, torch.device(device) if device is not None else None)
+        self.config = _config(settings, cache_device_for(patcher, settings.cache_device))
         self.run: MagCacheRun | None = None
         self.calibration: dict[str, dict[str, list[float]]] = {}
 
@@ -219,9 +217,7 @@ class ApplyMagCache(io.ComfyNode):
                 io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01,
                                tooltip="Caching stops after this fraction of this sampler's steps; later steps are "
                                "always computed."),
-                io.Combo.Input("cache_device", options=CACHE_DEVICES, default=CACHE_DEVICES[0],
-                               tooltip="Where the cached residuals live. 'offload device' (usually system RAM) "
-                               "saves VRAM for long videos at the cost of a copy per reused step."),
+                cache_device_input(),
                 io.Combo.Input("curve", options=curve_options(), default="auto",
                                tooltip="The magnitude-ratio curve. 'auto' picks the published one for the detected "
                                "model; choose one when the weights cannot tell (Wan I2V 720p vs 480p, Flux Kontext, "

@@ -4,14 +4,13 @@ from __future__ import annotations
 import json
 import logging
 
-import comfy.samplers
-import nodes as comfy_nodes  # ComfyUI's nodes.py (this pack's own nodes/ package is only imported relatively)
 from comfy_api.latest import io
 
 from ..omni_hooks.teacache import fit_coefficients
 from . import calibration_files
 from .adapters import detect_adapter
-from .lifecycle import AppliedCache, attach_cache
+from .lifecycle import AppliedCache
+from .node_inputs import calibration_sampler_inputs, sample_calibrating, validate_calibration_name
 from .teacache_node import TeaCacheSession, settings_for
 
 NODE_ID = "OmniHooks.TeaCacheCalibrate"
@@ -32,21 +31,11 @@ class TeaCacheCalibrate(io.ComfyNode):
                          "under 'name'. Apply TeaCache lists it as 'calibration: <name>'. Use the sampler settings "
                          "you will generate with; more steps and prompts give a better fit."),
             inputs=[
-                io.Model.Input("model", tooltip="The MODEL to calibrate (without a cache node)."),
-                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
-                             tooltip="The random seed used for creating the noise."),
-                io.Int.Input("steps", default=30, min=MIN_STEPS, max=10000,
-                             tooltip=f"Sampling steps; each step gives one calibration point per branch "
-                             f"(at least {MIN_STEPS})."),
-                io.Float.Input("cfg", default=5.0, min=0.0, max=100.0, step=0.1, round=0.01,
-                               tooltip="Classifier-free guidance scale; above 1 calibrates cond and uncond."),
-                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS,
-                               tooltip="The sampler you will generate with."),
-                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS,
-                               tooltip="The scheduler you will generate with."),
-                io.Conditioning.Input("positive", tooltip="A representative positive prompt."),
-                io.Conditioning.Input("negative", tooltip="A representative negative prompt."),
-                io.Latent.Input("latent_image", tooltip="A latent of the size you will generate at."),
+                *calibration_sampler_inputs(
+                    MIN_STEPS, steps_tooltip=f"Sampling steps; each step gives one calibration point per branch "
+                    f"(at least {MIN_STEPS}).",
+                    cfg_tooltip="Classifier-free guidance scale; above 1 calibrates cond and uncond.",
+                    sampler_tooltip="The sampler you will generate with."),
                 io.String.Input("name", default="my-model",
                                 tooltip="File name for the fitted coefficients (letters, digits, space . _ -); "
                                 "saved in ComfyUI's user directory under omni_hooks/teacache/. An existing file "
@@ -65,11 +54,7 @@ class TeaCacheCalibrate(io.ComfyNode):
     def validate_inputs(cls, name: str = "") -> bool | str:
         # Only ``name``: with **kwargs ComfyUI would skip the min/max checks of every other input and repeat this
         # message once per input.
-        try:
-            calibration_files.check_name(name)
-        except ValueError as e:
-            return f"{NODE_TITLE}: {e}"
-        return True
+        return validate_calibration_name(NODE_TITLE, name)
 
     @classmethod
     def execute(cls, model, seed: int, steps: int, cfg: float, sampler_name: str, scheduler: str, positive,
@@ -77,17 +62,9 @@ class TeaCacheCalibrate(io.ComfyNode):
         name = calibration_files.check_name(name)
         adapter = detect_adapter(model)
         settings = settings_for(model, 0.0, 0.0, 1.0, "compute device", "auto", calibrate=True)
-        sessions: list[TeaCacheSession] = []
-
-        def session_factory(patcher, cache):
-            session = TeaCacheSession(patcher, cache)
-            sessions.append(session)
-            return session
-
         cache = AppliedCache(kind="teacache", node_title=NODE_TITLE, node_id=cls.hidden.unique_id, settings=settings)
-        calibrating = attach_cache(model, cache, session_factory)
-        (latent,) = comfy_nodes.common_ksampler(calibrating, seed, steps, cfg, sampler_name, scheduler, positive,
-                                                negative, latent_image)
+        latent, sessions = sample_calibrating(model, cache, TeaCacheSession, seed, steps, cfg, sampler_name,
+                                              scheduler, positive, negative, latent_image)
         pairs = [p for s in sessions for p in s.calibration_pairs]
         try:
             coefficients = fit_coefficients(pairs)

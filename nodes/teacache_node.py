@@ -13,11 +13,11 @@ from . import calibration_files
 from .adapters import ModelAdapter, UnsupportedModelError, detect_adapter
 from .coefficients import PUBLISHED, TeaCacheCoefficients, for_family
 from .lifecycle import AppliedCache, CacheSession, StepInfo, attach_cache
+from .node_inputs import cache_device_for, cache_device_input, check_cache_device
 
 NODE_ID = "OmniHooks.ApplyTeaCache"
 NODE_TITLE = "Apply TeaCache"
 RECOMMENDED = -1.0
-CACHE_DEVICES = ["compute device", "offload device"]
 
 
 @dataclass(frozen=True)
@@ -102,11 +102,10 @@ class TeaCacheSession(CacheSession):
                                                           threshold=settings.rel_l1_thresh))
         self.patcher = patcher
         self.adapter = detect_adapter(patcher)
-        device = patcher.offload_device if settings.cache_device == "offload device" else None
         self.config = TeaCacheConfig(
             rel_l1_thresh=settings.rel_l1_thresh, coefficients=settings.coefficients, ret_steps=settings.ret_steps,
             start_percent=settings.start_percent, end_percent=settings.end_percent,
-            cache_device=torch.device(device) if device is not None else None, calibrate=settings.calibrate)
+            cache_device=cache_device_for(patcher, settings.cache_device), calibrate=settings.calibrate)
         self.run: TeaCacheRun | None = None
         self.calibration_pairs: list[tuple[float, float]] = []
 
@@ -140,8 +139,7 @@ def settings_for(model, rel_l1_thresh: float, start_percent: float, end_percent:
                                              coefficients=(0.0, 0.0, 0.0, 1.0, 0.0), threshold=0.0)
     else:
         coefficients = resolve_coefficients(adapter, model_variant)
-    if cache_device not in CACHE_DEVICES:
-        raise ValueError(f"{NODE_TITLE}: unknown cache_device {cache_device!r}; choose one of {CACHE_DEVICES}")
+    check_cache_device(NODE_TITLE, cache_device)
     if not 0.0 <= start_percent <= end_percent <= 1.0:
         raise ValueError(f"{NODE_TITLE}: start_percent ({start_percent}) must not be above end_percent ({end_percent})")
     threshold = coefficients.threshold if rel_l1_thresh == RECOMMENDED else rel_l1_thresh
@@ -177,9 +175,7 @@ class ApplyTeaCache(io.ComfyNode):
                 io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01,
                                tooltip="Caching stops after this fraction of the steps; later steps are always "
                                "computed. The first and last steps are always computed."),
-                io.Combo.Input("cache_device", options=CACHE_DEVICES, default=CACHE_DEVICES[0],
-                               tooltip="Where the cached residuals live. 'offload device' (usually system RAM) "
-                               "saves VRAM for long videos at the cost of a copy per reused step."),
+                cache_device_input(),
                 io.Combo.Input("model_variant", options=variant_options(), default="auto",
                                tooltip="Which published coefficients to use. 'auto' picks them from the model's "
                                "class and size; choose one when the weights cannot tell (Wan I2V 720p vs 480p, "

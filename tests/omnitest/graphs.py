@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 from omnitest.server import TINY_WAN_NAME
@@ -167,3 +168,20 @@ def tiny_wan_graph(patches: Iterable[PatchSpec] = (), *, seed: int = 1, steps: i
         result.save_original = g.node("SaveLatent", node_id=7, samples=result.sampler_original.out(0),
                                       filename_prefix=prefix + "_original")
     return result
+
+
+def delay_output(prompt: Mapping[str, Any], sampler_id: str, save_id: str, new_ids: Sequence[str] = ("8", "9")
+                 ) -> dict[str, dict]:
+    """A copy of ``prompt`` with two zero-second OmniTest.Wait nodes between a sampler and its SaveLatent (the latent
+    is unchanged).
+
+    ComfyUI picks the next node among the ready ones by its distance to an output node (1 or 2 hops first); three
+    hops push this sampler behind the other chain, whether or not ComfyUI still caches that chain's patch node. Used
+    with ``compare_original`` to run the patched and the original sampler in both orders."""
+    prompt = json.loads(json.dumps(prompt))
+    source = [sampler_id, 0]
+    for nid in new_ids:
+        prompt[nid] = {"class_type": WAIT, "inputs": {"latent": source, "seconds": 0.0}}
+        source = [nid, 0]
+    prompt[save_id]["inputs"]["samples"] = source
+    return prompt
