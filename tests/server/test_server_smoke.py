@@ -28,8 +28,21 @@ def _check_pack_imported(server) -> None:
     assert times.get(test_pack, (0, True))[1] is False, f"test pack not imported: {times}"
 
 
+PACK_NODES = {"OmniHooks.ApplyTeaCache", "OmniHooks.TeaCacheCalibrate", "OmniHooks.ApplyMagCache",
+              "OmniHooks.MagCacheCalibrate"}
+# What ComfyUI 0.3.64's loader logs when a pack loads only partly (nodes.py load_custom_node, comfy_config parsing)
+LOADER_WARNINGS = ("Error while calling comfy_entrypoint", "did not return a ComfyExtension",
+                   "did not return a list of nodes", "Unable to parse pyproject.toml", "Skip ", "is not callable",
+                   "already registered")
+
+
 def test_pack_imports_cleanly(comfy_server, comfy):
     _check_pack_imported(comfy_server)
+    log = comfy_server.log_text()
+    assert not [line for line in log.splitlines() if any(w in line for w in LOADER_WARNINGS)], log
+    assert PACK_NODES <= set(comfy.object_info())
+    assert comfy.get("/omni_hooks/runs").status_code == 200 and comfy.get("/api/omni_hooks/runs").status_code == 200
+    assert "/extensions/ComfyUI-OmniHooks/omni_hooks_stats.js" in comfy.get_json("/extensions")
     # the test-only nodes are registered (proves the custom_nodes links and V1 loading work)
     info = comfy.object_info("OmniTest.ZeroConditioning")
     assert set(info["input"]["required"]) == {"tokens", "dim", "pooled_dim"}
