@@ -169,6 +169,7 @@ class StackCacheRun:
         """After a computed call: keep ``output - head_input`` per branch (on ``cache_device`` if set)."""
         call = self._call
         if output.shape != head_input.shape:
+            self.stats.stack_shape_mismatch = True
             self.stats.warn(f"the stack output shape {tuple(output.shape)} differs from its input "
                             f"{tuple(head_input.shape)}; such calls are always computed")
             return

@@ -38,6 +38,8 @@ class CacheRunStats:
     evaluations: list[EvaluationRecord] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     cache_bytes: int = 0
+    # set when the block stack's output had another shape than its input, so no residual could be kept
+    stack_shape_mismatch: bool = False
 
     def record(self, record: EvaluationRecord) -> None:
         self.evaluations.append(record)
@@ -81,6 +83,9 @@ class CacheRunStats:
                     "use more steps or widen the start/end window")
         if all(r in ("first", "forced", "window", "retention", "calibrate", "max-skips") for r in reasons):
             return "the maximum number of consecutive skips (K) allowed none (K = 0 computes every step)"
+        if self.stack_shape_mismatch:
+            return ("the block stack's output has another shape than its input for this model and input (e.g. "
+                    "reference-latent tokens), so its residual cannot be reused")
         if "shape" in reasons and reasons.count("shape") * 2 >= len(reasons):
             return "the latent shape changed between steps, so no residual could be reused"
         return ("the accumulated change always exceeded the threshold; raise the threshold, or the model may be "

@@ -307,3 +307,22 @@ def test_fit_recovers_a_known_polynomial_and_refuses_too_few_points():
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TeaCacheConfig(**kwargs)
+
+
+def test_a_stack_whose_output_changes_shape_is_always_computed_and_says_why():
+    class Slicing(ToyDiT):
+        def forward(self, x, timestep):
+            t = self.time_proj(timestep[:, None])
+            h = self.embed(x)
+            for block in self.blocks:
+                h = block(h, t=t)
+            return self.tail(h[:, 1:])  # e.g. reference tokens dropped before the final layer
+
+    model = Slicing()
+    x = torch.randn(1, 5, 8)
+    expected = [model(x, torch.full((1,), ts)) for ts in TIMESTEPS]
+    run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(0.5, ALWAYS_REUSE), signal_from_time_embedding())
+    got = run_steps(model, run, TIMESTEPS, x)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert run.stats.reused == 0 and run.stats.stack_shape_mismatch
+    assert "another shape than its input" in run.stats.why_nothing_was_reused()
