@@ -25,6 +25,10 @@ full schedule nor the switch step is known inside the run. Therefore:
   * the user says which expert a MODEL is by the part they choose (the weights cannot tell: both experts, and
     Wan 2.1 14B, have the same shape). The parts assume the switch sits where the calibration had it; a workflow
     that switches much earlier or later stretches the part over its segment.
+"Where the calibration had it" is a noise level, not a step fraction: ComfyUI's own Wan 2.2 14B templates (20 steps,
+shift 8, switch at step 10, i.e. half the steps) switch at sigma 0.889, next to the official boundaries (T2V 0.875,
+reached at step 26 of 40 with shift 12; I2V 0.900, step 15 of 40 with shift 5), so each part covers its expert's
+phase there even though the official switch is at 65% (T2V) or 37.5% (I2V) of the steps.
 The official I2V script never skips in the high-noise phase; to match it, put Apply MagCache on the low-noise model
 only (the high-noise I2V part is offered for experimentation).
 """

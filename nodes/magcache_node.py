@@ -9,6 +9,15 @@ segment of a schedule (KSamplerAdvanced start/end, split sigmas) counts its segm
 interpolated to the segment's length. That is the Wan 2.2 A14B rule (see ``nodes/magcache_curves.py``): each expert's
 Apply MagCache takes its own part of the official curve, "(high noise)" or "(low noise)", and applies retention and
 start/end to its own steps.
+
+ComfyUI's own Wan 2.2 14B T2V template (20 steps, shift 8, KSamplerAdvanced 0-10 on the high-noise model, 10-end on
+the low-noise one) fits that rule: its switch falls at the same noise level as the official 40-step calibration's
+(boundary sigma 0.875: the template's low-noise expert starts at sigma 0.889, the calibration's at 0.866, step 26 of
+40 with shift 12), so "(high noise)" (official steps 0-25) is resampled onto the high-noise expert's 10 steps and
+"(low noise)" (steps 26-39) onto the low-noise expert's 10; the I2V template (shift 8, switch at 10 of 20, sigma
+0.889 vs the I2V boundary 0.900) fits as well. As with any step count other than the calibrated one, nearest
+interpolation keeps the per-step ratios of the finer calibration: with fewer steps per phase the accumulated error is
+underestimated and more steps may be skipped than the threshold suggests (a lower threshold compensates).
 """
 from __future__ import annotations
 
@@ -223,7 +232,8 @@ class ApplyMagCache(io.ComfyNode):
                                "model; choose one when the weights cannot tell (Wan I2V 720p vs 480p, Flux Kontext, "
                                "Qwen-Image-Edit, Wan 2.2 A14B '(high noise)' / '(low noise)' per expert), or a "
                                "'calibration: <name>' file from MagCache Calibrate (for models without a "
-                               "published curve). Interpolated to your step count."),
+                               "published curve). Interpolated to your step count; a Wan 2.2 part to its own expert's "
+                               "steps (ComfyUI's Wan 2.2 template, switch at step 10 of 20, fits the parts)."),
             ],
             outputs=[io.Model.Output(tooltip="The same MODEL with MagCache attached for its sampling runs.")],
             hidden=[io.Hidden.unique_id],

@@ -9,7 +9,10 @@ Two formats:
 INT/FLOAT/STRING/BOOLEAN/COMBO input in ``input_order`` (required, then optional; ``forceInput`` ones excluded), plus
 the frontend-only "control_after_generate" combo right after an INT that has ``control_after_generate`` (or, when
 that key is absent, is named ``seed``/``noise_seed``) or a COMBO that has it. Its value is saved in
-``widgets_values`` but never sent to the server. Upload widgets (``image_upload`` & co.) are not modelled and raise.
+``widgets_values`` but never sent to the server. The reverse also exists: a widget a frontend extension adds to a core
+node that is not saved in ``widgets_values`` but is sent with the prompt (``FRONTEND_SENT_WIDGETS``, e.g. the read-only
+"preview" text box of PreviewAny; the server ignores inputs a node does not declare). Upload widgets (``image_upload``
+& co.) are not modelled and raise.
 
 ``validate_ui`` / ``validate_api`` return a list of problems (empty = valid); ``ui_to_api`` converts like the
 frontend's "Export (API)". ``missing_ok(input_name, value)`` decides which combo values may be absent from the
@@ -22,6 +25,9 @@ from typing import Any, Callable, Mapping
 
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
 FRONTEND_ONLY_NODES = frozenset({"Note", "MarkdownNote"})  # frontend-only: never sent to the server
+# node type -> {widget name: the value the frontend (1.27) sends for it}: widgets its extensions add to core nodes
+# with ``serialize = false`` (not in widgets_values) that graphToPrompt still puts into the prompt, before the inputs
+FRONTEND_SENT_WIDGETS: dict[str, dict[str, Any]] = {"PreviewAny": {"preview": ""}}
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 UPLOAD_KEYS = ("image_upload", "video_upload", "audio_upload", "animated_image_upload", "upload")
 ACTIVE_MODE = 0  # LiteGraph node modes: 0 always, 2 never (muted), 4 bypassed
@@ -248,7 +254,8 @@ def ui_to_api(workflow: Mapping[str, Any], object_info: Mapping[str, Any]) -> di
                 if nodes[src].get("mode", ACTIVE_MODE) != ACTIVE_MODE:
                     raise ValueError(f"node {node['id']}: input {inp['name']} comes from an inactive node {src}")
                 inputs[inp["name"]] = [str(src), links[lid][2]]
-        ordered = {name: inputs[name] for name in input_specs(info) if name in inputs}
+        ordered = {**FRONTEND_SENT_WIDGETS.get(node["type"], {}),
+                   **{name: inputs[name] for name in input_specs(info) if name in inputs}}
         prompt[str(node["id"])] = {"inputs": ordered, "class_type": node["type"],
                                    "_meta": {"title": node_title(node, object_info)}}
     return prompt
@@ -268,8 +275,13 @@ def validate_api(prompt: Mapping[str, Any], object_info: Mapping[str, Any],
         specs = input_specs(info)
         widgets = {w.input_name: w for w in widget_layout(info) if w.input_name}
         inputs = node.get("inputs", {})
+        sent_by_frontend = FRONTEND_SENT_WIDGETS.get(node.get("class_type"), {})
         for name in inputs:
-            if name not in specs:
+            if name in sent_by_frontend and name not in specs:
+                if not isinstance(inputs[name], type(sent_by_frontend[name])):
+                    problems.append(f"{where}: frontend widget {name}: {inputs[name]!r} is not "
+                                    f"{type(sent_by_frontend[name]).__name__}")
+            elif name not in specs:
                 problems.append(f"{where}: unknown input {name!r}")
         for name, (category, spec) in specs.items():
             if name not in inputs:

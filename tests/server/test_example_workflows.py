@@ -8,8 +8,10 @@ subfolder so the template browser does not offer it as a broken template).
 
 Every node type and widget value is checked against /object_info (see ``omnitest.workflows`` for how widgets_values
 map onto inputs, frontend-only control_after_generate widgets included), the UI and API files must describe the
-same graph, Apply TeaCache must sit between the model loader and the sampler, and queuing the API graph must fail
-only because the model files are missing.
+same graph, every sampler gets exactly one cache node (Apply TeaCache / Apply MagCache) between its model loader and
+itself (a calibrate node samples the loader's model directly), and queuing the API graph must fail only because the
+model files are missing. The Wan 2.2 A14B example must keep the layout of ComfyUI's own Wan 2.2 14B T2V template
+(served by the server from the installed comfyui-workflow-templates package) with one Apply MagCache per expert.
 """
 from __future__ import annotations
 
@@ -19,13 +21,19 @@ import tomllib
 import pytest
 
 from omnitest.server import PACK_DIR_NAME, REPO_ROOT, PromptRejected
-from omnitest.workflows import FRONTEND_ONLY_NODES, ui_to_api, upstream, validate_api, validate_ui, widget_layout
+from omnitest.workflows import (ACTIVE_MODE, FRONTEND_ONLY_NODES, ui_to_api, upstream, validate_api, validate_ui,
+                                widget_layout)
 
 pytestmark = pytest.mark.server
 
 EXAMPLES = REPO_ROOT / "example_workflows"
 API_DIR = EXAMPLES / "api"
 APPLY = "OmniHooks.ApplyTeaCache"
+APPLY_MAGCACHE = "OmniHooks.ApplyMagCache"
+CACHES = (APPLY, APPLY_MAGCACHE)
+CALIBRATORS = ("OmniHooks.TeaCacheCalibrate", "OmniHooks.MagCacheCalibrate")
+SAMPLERS = ("KSampler", "KSamplerAdvanced", *CALIBRATORS)
+LOADERS = ("UNETLoader", "CheckpointLoaderSimple")
 PACK_ID = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["name"]
 
 # input name -> models/ subfolder, for the loader inputs whose files the test server does not have
@@ -34,14 +42,37 @@ MODEL_INPUTS = {"unet_name": "diffusion_models", "ckpt_name": "checkpoints", "cl
                 "vae_name": "vae"}
 MODEL_SUFFIXES = (".safetensors", ".gguf", ".pt", ".pth", ".ckpt", ".sft")
 
-# the usual ComfyUI file names (those of ComfyUI's own Wan 2.1 and Flux dev templates)
+# the usual ComfyUI file names (those of ComfyUI's own Wan 2.1, Wan 2.2 14B and Flux dev templates), per input
+WAN21_FILES = {"unet_name": ["wan2.1_t2v_1.3B_fp16.safetensors"], "clip_name": ["umt5_xxl_fp8_e4m3fn_scaled.safetensors"],
+               "vae_name": ["wan_2.1_vae.safetensors"]}
 EXPECTED = {
-    "teacache_wan21_t2v": {"unet_name": "wan2.1_t2v_1.3B_fp16.safetensors",
-                           "clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
-                           "vae_name": "wan_2.1_vae.safetensors"},
-    "teacache_flux_dev_t2i": {"unet_name": "flux1-dev.safetensors", "clip_name1": "clip_l.safetensors",
-                              "clip_name2": "t5xxl_fp16.safetensors", "vae_name": "ae.safetensors"},
+    "teacache_wan21_t2v": WAN21_FILES,
+    "teacache_flux_dev_t2i": {"unet_name": ["flux1-dev.safetensors"], "clip_name1": ["clip_l.safetensors"],
+                              "clip_name2": ["t5xxl_fp16.safetensors"], "vae_name": ["ae.safetensors"]},
+    "magcache_wan21_t2v": WAN21_FILES,
+    "magcache_wan22_t2v_14B": {"unet_name": ["wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors",
+                                             "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors"],
+                               "clip_name": ["umt5_xxl_fp8_e4m3fn_scaled.safetensors"],
+                               "vae_name": ["wan_2.1_vae.safetensors"]},
+    "magcache_calibrate_wan21": WAN21_FILES,
 }
+
+# the cache node of every sampler (in the order the samplers denoise), with the settings the example shows:
+# TeaCache's published threshold and coefficients picked from the model, MagCache's defaults with the published curve
+# ('auto', or the Wan 2.2 A14B part of each expert); a calibrate node has none.
+TEACACHE_RECOMMENDED = {"rel_l1_thresh": -1, "start_percent": 0, "end_percent": 1, "cache_device": "compute device",
+                        "model_variant": "auto"}
+MAGCACHE_DEFAULTS = {"threshold": 0.06, "max_skip_steps": 2, "retention_ratio": 0.2, "start_percent": 0,
+                     "end_percent": 1, "cache_device": "compute device"}
+EXPECTED_CACHES = {
+    "teacache_wan21_t2v": [(APPLY, TEACACHE_RECOMMENDED)],
+    "teacache_flux_dev_t2i": [(APPLY, TEACACHE_RECOMMENDED)],
+    "magcache_wan21_t2v": [(APPLY_MAGCACHE, MAGCACHE_DEFAULTS | {"curve": "auto"})],
+    "magcache_wan22_t2v_14B": [(APPLY_MAGCACHE, MAGCACHE_DEFAULTS | {"curve": "wan2.2_t2v_14B (high noise)"}),
+                               (APPLY_MAGCACHE, MAGCACHE_DEFAULTS | {"curve": "wan2.2_t2v_14B (low noise)"})],
+    "magcache_calibrate_wan21": [None],
+}
+WAN22_TEMPLATE = "video_wan2_2_14B_t2v"  # ComfyUI's own template the A14B example follows
 
 UI_STEMS = sorted(p.stem for p in EXAMPLES.glob("*.json"))
 API_STEMS = sorted(p.stem for p in API_DIR.glob("*.json"))
@@ -68,6 +99,7 @@ def object_info(comfy_server) -> dict:
 
 def test_expected_examples_exist_in_both_formats():
     assert set(EXPECTED) <= set(UI_STEMS), UI_STEMS
+    assert set(EXPECTED_CACHES) == set(UI_STEMS), "every example needs its EXPECTED_CACHES entry"
     assert UI_STEMS == API_STEMS, f"UI {UI_STEMS} vs API {API_STEMS}: every example needs both formats"
     assert not [p.name for p in EXAMPLES.glob("*.api.json")], "API copies belong in example_workflows/api/"
 
@@ -111,24 +143,83 @@ def test_ui_and_api_versions_describe_the_same_graph(object_info, stem):
     assert ui_to_api(load_ui(stem), object_info) == load_api(stem)
 
 
+def samplers_in_order(prompt: dict) -> list[str]:
+    """The sampler nodes, each after the sampler whose latent it continues (Wan 2.2: high-noise expert first)."""
+    samplers = [nid for nid, n in prompt.items() if n["class_type"] in SAMPLERS]
+    return sorted(samplers, key=lambda nid: len([s for s in upstream(prompt, nid, "latent_image") if s in samplers]))
+
+
 @pytest.mark.parametrize("stem", API_STEMS)
-def test_apply_teacache_sits_between_the_loader_and_the_sampler(stem):
+def test_each_sampler_gets_one_cache_between_its_loader_and_itself(stem):
     prompt = load_api(stem)
-    samplers = [nid for nid, n in prompt.items() if n["class_type"] in ("KSampler", "KSamplerAdvanced")]
+    samplers = samplers_in_order(prompt)
     assert samplers, "no sampler"
+    found = []
     for sampler in samplers:
         chain = upstream(prompt, sampler, "model")
         classes = [prompt[nid]["class_type"] for nid in chain]
-        assert classes.count(APPLY) == 1 and classes[-1] in ("UNETLoader", "CheckpointLoaderSimple"), classes
-    teacache = [n for n in prompt.values() if n["class_type"] == APPLY]
-    assert len(teacache) == 1
-    # the examples show the recommended settings: published threshold and coefficients picked from the model
-    assert teacache[0]["inputs"] | {"model": None} == {"model": None, "rel_l1_thresh": -1, "start_percent": 0,
-                                                       "end_percent": 1, "cache_device": "compute device",
-                                                       "model_variant": "auto"}
+        assert classes and classes[-1] in LOADERS, classes
+        caches = [nid for nid in chain if prompt[nid]["class_type"] in CACHES]
+        if prompt[sampler]["class_type"] in CALIBRATORS:
+            assert not caches, f"{sampler} calibrates a model that already has a cache: {classes}"
+            found.append(None)
+            continue
+        assert len(caches) == 1, classes
+        cache = prompt[caches[0]]
+        found.append((cache["class_type"], {k: v for k, v in cache["inputs"].items() if k != "model"}))
+    assert found == EXPECTED_CACHES[stem]
     if stem in EXPECTED:
-        files = {name: value for n in prompt.values() for name, value in n["inputs"].items() if name in MODEL_INPUTS}
-        assert files == EXPECTED[stem]
+        files: dict[str, list] = {}
+        for n in prompt.values():
+            for name, value in n["inputs"].items():
+                if name in MODEL_INPUTS:
+                    files.setdefault(name, []).append(value)
+        assert {name: sorted(values) for name, values in files.items()} == EXPECTED[stem]
+
+
+def test_wan22_example_follows_comfyuis_own_template_with_one_magcache_per_expert(comfy, object_info):
+    """The A14B example is the fp8_scaled (no LoRA) workflow of ComfyUI's Wan 2.2 14B T2V template, with one Apply
+    MagCache between each expert's ModelSamplingSD3 and its KSamplerAdvanced: the same files, shift, steps, switch
+    step, sampler settings, size and prompts, and the expert part that matches each loader."""
+    r = comfy.get(f"/templates/{WAN22_TEMPLATE}.json")
+    if r.status_code != 200:
+        pytest.skip(f"the server does not serve ComfyUI's {WAN22_TEMPLATE} template (comfyui-workflow-templates)")
+    template = r.json()
+    for node in template["nodes"]:  # the template ships the no-LoRA workflow bypassed: compare it as if enabled
+        node["mode"] = ACTIVE_MODE
+    reference = ui_to_api(template, object_info)
+    ours = load_api("magcache_wan22_t2v_14B")
+
+    def experts(prompt: dict, with_cache: bool) -> list[dict]:
+        """Per sampler (in denoising order) of the no-LoRA workflow: its inputs and its model chain's nodes."""
+        result = []
+        for sampler in samplers_in_order(prompt):
+            chain = [prompt[nid] for nid in upstream(prompt, sampler, "model")]
+            if any(n["class_type"] == "LoraLoaderModelOnly" for n in chain):
+                continue
+            by_class = {n["class_type"]: n["inputs"] for n in chain}
+            expected_chain = ["ModelSamplingSD3", "UNETLoader"]
+            assert [n["class_type"] for n in chain] == ([APPLY_MAGCACHE] if with_cache else []) + expected_chain
+            inputs = {k: v for k, v in prompt[sampler]["inputs"].items() if not isinstance(v, list)}
+            del inputs["noise_seed"]  # the template randomizes it, the example fixes it
+            latent = prompt[prompt[sampler]["inputs"]["latent_image"][0]]
+            result.append({"sampler": inputs, "unet": by_class["UNETLoader"],
+                           "shift": round(by_class["ModelSamplingSD3"]["shift"], 6),
+                           "cache": by_class.get(APPLY_MAGCACHE), "latent": latent["class_type"],
+                           "latent_inputs": None if latent["class_type"] in SAMPLERS else latent["inputs"],
+                           "prompts": [prompt[prompt[sampler]["inputs"][k][0]]["inputs"]["text"]
+                                       for k in ("positive", "negative")]})
+        return result
+
+    want, got = experts(reference, False), experts(ours, True)
+    assert len(want) == len(got) == 2, (want, got)
+    for phase, w, g in zip(("high noise", "low noise"), want, got):
+        assert phase.replace(" ", "_") in g["unet"]["unet_name"], g["unet"]
+        assert g["cache"]["curve"] == f"wan2.2_t2v_14B ({phase})", g["cache"]
+        g.pop("cache"), w.pop("cache")
+        assert g == w, phase
+    high, low = got[0]["sampler"], got[1]["sampler"]
+    assert high["end_at_step"] == low["start_at_step"] < high["steps"] == low["steps"], (high, low)
 
 
 @pytest.mark.parametrize("stem", API_STEMS)
@@ -147,8 +238,18 @@ def test_queuing_the_api_workflow_fails_only_for_the_missing_model_files(comfy, 
     assert found == wanted, f"errors {sorted(found)} != missing model inputs {sorted(wanted)}"
 
 
+CACHE_DEVICE_WIDGET = {APPLY: 3, APPLY_MAGCACHE: 5}  # index of cache_device in the node's widgets_values
+
+
+def _cache_type(workflow: dict) -> str:
+    (cache,) = {n["type"] for n in workflow["nodes"] if n["type"] in CACHES}
+    return cache
+
+
 def _mutations(workflow: dict) -> dict[str, dict]:
     """Broken copies of a UI workflow, each with one mistake the checks must catch."""
+    cache = _cache_type(workflow)
+
     def copy_with(change):
         broken = json.loads(json.dumps(workflow))
         change(broken, {n["type"]: n for n in broken["nodes"]})
@@ -159,26 +260,32 @@ def _mutations(workflow: dict) -> dict[str, dict]:
         "values swapped": copy_with(lambda w, by: by["KSampler"]["widgets_values"].__setitem__(
             slice(2, 5), ["euler", 1.0, 20])),  # steps, cfg, sampler_name -> sampler_name, cfg, steps
         "unknown sampler": copy_with(lambda w, by: by["KSampler"]["widgets_values"].__setitem__(4, "nope")),
-        "threshold out of range": copy_with(lambda w, by: by[APPLY]["widgets_values"].__setitem__(0, -3)),
-        "unknown cache device": copy_with(lambda w, by: by[APPLY]["widgets_values"].__setitem__(3, "gpu 7")),
-        "unknown node type": copy_with(lambda w, by: by[APPLY].__setitem__("type", "OmniHooks.Nope")),
-        "dangling link": copy_with(lambda w, by: by[APPLY]["inputs"][0].__setitem__("link", 99999)),
+        "threshold out of range": copy_with(lambda w, by: by[cache]["widgets_values"].__setitem__(0, -3)),
+        "unknown cache device": copy_with(lambda w, by: by[cache]["widgets_values"].__setitem__(
+            CACHE_DEVICE_WIDGET[cache], "gpu 7")),
+        "unknown node type": copy_with(lambda w, by: by[cache].__setitem__("type", "OmniHooks.Nope")),
+        "dangling link": copy_with(lambda w, by: by[cache]["inputs"][0].__setitem__("link", 99999)),
         "model file in the wrong input": copy_with(lambda w, by: by["VAELoader"]["widgets_values"].__setitem__(
             0, "not-a-model-file")),
     }
 
 
-@pytest.mark.parametrize("stem", [s for s in EXPECTED if s in UI_STEMS])
+MUTATED = [s for s in UI_STEMS if {"KSampler", "VAELoader"} <= {n["type"] for n in load_ui(s)["nodes"]}
+           and any(n["type"] in CACHES for n in load_ui(s)["nodes"])]
+
+
+@pytest.mark.parametrize("stem", MUTATED)
 def test_the_checks_catch_broken_workflows(object_info, stem):
     workflow = load_ui(stem)
     for what, broken in _mutations(workflow).items():
         assert validate_ui(broken, object_info, missing_model_ok), f"not caught: {what}"
     api = load_api(stem)
-    teacache = next(nid for nid, n in api.items() if n["class_type"] == APPLY)
+    cache = next(nid for nid, n in api.items() if n["class_type"] in CACHES)
+    variant = "model_variant" if api[cache]["class_type"] == APPLY else "curve"
     broken = json.loads(json.dumps(api))
-    broken[teacache]["inputs"]["model_variant"] = "no such variant"
+    broken[cache]["inputs"][variant] = "no such variant"
     assert validate_api(broken, object_info, missing_model_ok)
     broken = json.loads(json.dumps(api))
-    del broken[teacache]["inputs"]["end_percent"]
+    del broken[cache]["inputs"]["end_percent"]
     assert validate_api(broken, object_info, missing_model_ok)
     assert ui_to_api(_mutations(workflow)["values swapped"], object_info) != api

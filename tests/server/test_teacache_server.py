@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnitest.graphs import fresh_nonce, tiny_wan_graph, unique_prefix
+from omnitest.graphs import delay_output, fresh_nonce, tiny_wan_graph, unique_prefix
 from omnitest.server import PromptRejected
 
 pytestmark = pytest.mark.server
@@ -102,20 +102,6 @@ class LogWatch:
 
     def run(self) -> LogRun:
         return self.runs(1)[0]
-
-
-def delay_output(prompt: dict, sampler_id: str, save_id: str, new_ids=("8", "9")) -> dict:
-    """Put two zero-second OmniTest.Wait nodes between a sampler and its SaveLatent (the latent is unchanged).
-
-    ComfyUI picks the next node among the ready ones by its distance to an output node (1 or 2 hops first); three
-    hops push this sampler behind the other chain, whether or not ComfyUI still caches that chain's patch node."""
-    prompt = json.loads(json.dumps(prompt))
-    source = [sampler_id, 0]
-    for nid in new_ids:
-        prompt[nid] = {"class_type": "OmniTest.Wait", "inputs": {"latent": source, "seconds": 0.0}}
-        source = [nid, 0]
-    prompt[save_id]["inputs"]["samples"] = source
-    return prompt
 
 
 def assert_node_error(result, node_id: str, *fragments: str) -> str:
