@@ -56,6 +56,7 @@ class MagCacheSettings:
     curves: tuple[tuple[str, tuple[float, ...]], ...]   # per branch kind ("default", "cond", "uncond")
     model_label: str
     calibrate: bool = False
+    notes: tuple[str, ...] = ()  # what the user should know about the choice 'auto' made
 
 
 def curve_options() -> list[str]:
@@ -147,7 +148,8 @@ def settings_for(model, threshold: float, max_skip_steps: int, retention_ratio: 
         threshold=float(threshold), max_skip_steps=int(max_skip_steps), retention_ratio=float(retention_ratio),
         start_percent=float(start_percent), end_percent=float(end_percent), cache_device=cache_device,
         curves=tuple((name, tuple(values)) for name, values in curves.items()),
-        model_label=f"{adapter.variant}, {label}", calibrate=calibrate)
+        model_label=f"{adapter.variant}, {label}", calibrate=calibrate,
+        notes=tuple(adapter.magcache_notes) if curve == "auto" and not calibrate else ())
     try:
         _config(settings, None)  # validate now, at execute time, rather than in the sampler
     except ValueError as e:
@@ -169,7 +171,8 @@ class MagCacheSession(CacheSession):
     def __init__(self, patcher, cache: AppliedCache):
         settings: MagCacheSettings = cache.settings
         super().__init__(cache=cache, stats=CacheRunStats(kind=KIND, model=settings.model_label,
-                                                          threshold=settings.threshold))
+                                                          threshold=settings.threshold,
+                                                          notes=list(settings.notes)))
         self.patcher = patcher
         self.adapter = detect_adapter(patcher)
         self.config = _config(settings, cache_device_for(patcher, settings.cache_device))

@@ -33,6 +33,7 @@ class TeaCacheSettings:
     ret_steps: int
     model_label: str
     calibrate: bool = False
+    notes: tuple[str, ...] = ()  # what the user should know about the choice 'auto' made
 
 
 def variant_options() -> list[str]:
@@ -99,7 +100,8 @@ class TeaCacheSession(CacheSession):
     def __init__(self, patcher, cache: AppliedCache):
         settings: TeaCacheSettings = cache.settings
         super().__init__(cache=cache, stats=CacheRunStats(kind="teacache", model=settings.model_label,
-                                                          threshold=settings.rel_l1_thresh))
+                                                          threshold=settings.rel_l1_thresh,
+                                                          notes=list(settings.notes)))
         self.patcher = patcher
         self.adapter = detect_adapter(patcher)
         self.config = TeaCacheConfig(
@@ -148,7 +150,8 @@ def settings_for(model, rel_l1_thresh: float, start_percent: float, end_percent:
     return TeaCacheSettings(rel_l1_thresh=threshold, start_percent=start_percent, end_percent=end_percent,
                             cache_device=cache_device, coefficients=coefficients.coefficients,
                             signal=coefficients.signal, ret_steps=coefficients.ret_steps,
-                            model_label=f"{adapter.variant}, {coefficients.key}", calibrate=calibrate)
+                            model_label=f"{adapter.variant}, {coefficients.key}", calibrate=calibrate,
+                            notes=tuple(adapter.notes) if model_variant == "auto" and not calibrate else ())
 
 
 class ApplyTeaCache(io.ComfyNode):

@@ -38,6 +38,7 @@ class CacheRunStats:
     evaluations: list[EvaluationRecord] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     cache_bytes: int = 0
+    notes: list[str] = field(default_factory=list)  # facts about the setup worth showing (e.g. what 'auto' chose)
     # set when the block stack's output had another shape than its input, so no residual could be kept
     stack_shape_mismatch: bool = False
 
@@ -118,6 +119,7 @@ class CacheRunStats:
             "estimated_speedup": (model_seconds + saved) / model_seconds if model_seconds > 0 else 1.0,
             "cache_bytes": self.cache_bytes,
             "warnings": warnings,
+            "notes": list(self.notes),
         }
 
     def log_line(self) -> str:

@@ -81,6 +81,9 @@ function liveView(live) {
     summary ? el("div", { style: "font-size:11px;opacity:.8" },
       `time in model ${summary.model_seconds.toFixed(2)} s, saved ~${summary.estimated_seconds_saved.toFixed(2)} s, `
       + `cache ${formatBytes(summary.cache_bytes)}`) : null);
+  for (const note of summary?.notes ?? []) {
+    box.append(el("div", { class: "omni-note", style: "font-size:11px;opacity:.75;margin:2px 0" }, `ℹ ${note}`));
+  }
   for (const [name, cells] of Object.entries(strips(live))) box.append(stripView(name, cells));
   for (const name of Object.keys(live.branches)) {
     const plot = plotView(live, name);

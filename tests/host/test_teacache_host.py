@@ -217,3 +217,12 @@ def test_a_calibration_file_of_another_family_is_refused(env, wan):
                                                                           "coefficients": [0, 0, 0, 1, 0]})
     with pytest.raises(ValueError, match="made on a flux model"):
         env.apply(wan.patcher, rel_l1_thresh=0.2, variant="calibration: a flux one")
+
+
+def test_what_auto_chose_is_noted_in_the_run_statistics(env):
+    flux = env.tiny.build_case("flux")
+    env.tiny.sample(flux, model=env.apply(flux.patcher, rel_l1_thresh=0.0, variant="auto"), steps=4)
+    notes = last_run(env)["summary"]["notes"]
+    assert any("flux-kontext" in n for n in notes)
+    env.tiny.sample(flux, model=env.apply(flux.patcher, rel_l1_thresh=0.0, variant="flux"), steps=4)
+    assert last_run(env)["summary"]["notes"] == []  # chosen by the user: nothing to explain
