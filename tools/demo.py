@@ -8,7 +8,7 @@ checkpoint it writes itself, then, through ComfyUI's HTTP API (/prompt, /history
 and prints what the cache did (from the pack's /omni_hooks/runs route), the speedup and the latent difference.
 The server is stopped at the end, also on errors.
 
-Usage: ./run demo [--steps 30] [--threshold 0.6]
+Usage: ./run demo [--steps 30] [--threshold 0.1]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from omnitest.comfy_path import comfyui_path  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--threshold", type=float, default=0.6, help="Apply TeaCache rel_l1_thresh")
+    parser.add_argument("--threshold", type=float, default=0.1, help="Apply TeaCache rel_l1_thresh")
     opts = parser.parse_args()
     if comfyui_path() is None:
         print("demo: no ComfyUI found; clone ComfyUI 0.3.64 to ~/ComfyUI or set COMFYUI_PATH (see README, 'Tests').")
