@@ -75,11 +75,12 @@ class StepInfo:
     total_steps: int | None
 
 
-def step_of(transformer_options: dict) -> StepInfo:
+def step_of(transformer_options: dict, schedules: dict | None = None) -> StepInfo:
     """This call's step within the sampler's schedule, from ``sample_sigmas`` (not from counting calls).
 
     Exact match first; samplers that evaluate between schedule points (heun, dpm_2, ...) get the interval that holds
-    the current sigma.
+    the current sigma. ``schedules`` memoises the schedule as Python floats per run, so a step costs one host read
+    (the current sigma), not one per schedule entry.
     """
     schedule = transformer_options.get("sample_sigmas")
     sigmas = transformer_options.get("sigmas")
@@ -87,7 +88,11 @@ def step_of(transformer_options: dict) -> StepInfo:
         return StepInfo(None, None)
     total = len(schedule) - 1
     sigma = float(sigmas.flatten()[0])
-    values = [float(s) for s in schedule]
+    memo = schedules if schedules is not None else {}
+    held, values = memo.get(id(schedule), (None, None))
+    if held is not schedule:  # holding the tensor keeps its id from being reused by another one
+        values = [float(s) for s in schedule.tolist()]
+        memo[id(schedule)] = (schedule, values)
     for i, s in enumerate(values[:-1]):
         if s == sigma:
             return StepInfo(i, total)
@@ -96,7 +101,6 @@ def step_of(transformer_options: dict) -> StepInfo:
         if lo <= sigma <= hi:
             return StepInfo(i, total)
     return StepInfo(None, total)
-
 
 @dataclass
 class CacheSession:
@@ -110,6 +114,7 @@ class CacheSession:
     stats: CacheRunStats
     installed_on: torch.nn.Module | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    schedules: dict = field(default_factory=dict)  # step_of's memo for this run
     # set by stats_store.run_started: which run, prompt and sampler node this is
     run_id: str = ""
     prompt_id: str | None = None
@@ -199,7 +204,7 @@ def _diffusion_model(executor, *args, **kwargs):
     if len(uuids) != len(cond_or_uncond):
         uuids = [str(c) for c in cond_or_uncond]
     labels = [session.label_of(u, c) for u, c in zip(uuids, cond_or_uncond)]
-    session.begin_call(uuids, labels, step_of(options))
+    session.begin_call(uuids, labels, step_of(options, session.schedules))
     try:
         return executor(*args, **kwargs)
     finally:
