@@ -31,7 +31,8 @@ def flux_img_modulated(block: torch.nn.Module, img: torch.Tensor, vec: torch.Ten
     return flux_layers.apply_mod(block.img_norm1(img), 1 + img_mod1.scale, img_mod1.shift, modulation_dims)
 
 
-def _stack(dm: torch.nn.Module) -> BlockStack:
+def flux_layout_stack(dm: torch.nn.Module) -> BlockStack:
+    """Flux-layout double blocks then single blocks, then ``final_layer`` (Flux, HunyuanVideo)."""
     # Single blocks add in place (`x += ...`) and ControlNet adds into `img` after each double block in place (on a
     # skipped call that `img` is the head input itself), so the head input is cloned.
     return BlockStack(blocks=[*dm.double_blocks, *dm.single_blocks], tail=dm.final_layer, head_hidden=IMG,
@@ -71,5 +72,6 @@ def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | N
         key = None
         notes.append("no TeaCache coefficients are published for Flux schnell or other models without guidance "
                      "embedding; choose 'flux' to use the Flux dev coefficients, or run TeaCache Calibrate")
-    return ModelAdapter(family="flux", variant=variant, build_stack=_stack, build_modulated_input=_modulated_input,
+    return ModelAdapter(family="flux", variant=variant, build_stack=flux_layout_stack,
+                        build_modulated_input=_modulated_input,
                         teacache_key=key, notes=notes, magcache_key=magcache_key, magcache_notes=magcache_notes)

@@ -11,27 +11,16 @@ done for it: the hook library sees the shape mismatch, computes such calls fully
 """
 from __future__ import annotations
 
-import comfy.ldm.flux.layers as flux_layers
 import comfy.ldm.hunyuan_video.model as hy_model
 import comfy.model_base
 import torch
 
-from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.blockstack import TensorArg
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelAdapter, call_arg, skip_by_type
-from .flux import flux_img_modulated
+from .base import ModelAdapter, call_arg
+from .flux import flux_img_modulated, flux_layout_stack
 
 IMG = TensorArg("img", 0)
-TXT = TensorArg("txt", 1)
-X = TensorArg("x", 0)
-
-
-def _stack(dm: torch.nn.Module) -> BlockStack:
-    # Single blocks add in place (`x += ...`), ControlNet adds into `img` in place: clone the head input.
-    return BlockStack(blocks=[*dm.double_blocks, *dm.single_blocks], tail=dm.final_layer, head_hidden=IMG,
-                      tail_hidden=X, clone_head_input=True,
-                      skip_block=skip_by_type({flux_layers.DoubleStreamBlock: skip_returning(IMG, TXT),
-                                               flux_layers.SingleStreamBlock: skip_returning(X)}))
 
 
 def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
@@ -65,6 +54,6 @@ def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | N
         magcache_notes.append("the MagCache curves were calibrated on HunyuanVideo T2V")
     else:
         variant = "HunyuanVideo T2V"
-    return ModelAdapter(family="hunyuan_video", variant=variant, build_stack=_stack,
+    return ModelAdapter(family="hunyuan_video", variant=variant, build_stack=flux_layout_stack,
                         build_modulated_input=_modulated_input, teacache_key=key, notes=notes,
                         magcache_key=magcache_key, magcache_notes=magcache_notes)
