@@ -22,3 +22,18 @@ if _root is not None:
 
     _comfy_args.cpu = True
     import comfy.model_management  # noqa: E402,F401  (device chosen now, with args.cpu set)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory):
+    """ComfyUI's user directory pointed at a fresh folder for one test module (calibration files land there)."""
+    import folder_paths
+
+    previous = folder_paths.get_user_directory()
+    path = tmp_path_factory.mktemp("user")
+    folder_paths.set_user_directory(str(path))
+    yield path
+    folder_paths.set_user_directory(previous)

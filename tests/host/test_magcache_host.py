@@ -29,15 +29,12 @@ def flat_name(family: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    import folder_paths
+def env(user_dir):
     from omnitest import tiny_models
     from omnitest.pack import pack_module, run_node
 
     node_module = pack_module("nodes.magcache_node")
     files = pack_module("nodes.calibration_files")
-    previous_user_dir = folder_paths.get_user_directory()
-    folder_paths.set_user_directory(str(tmp_path_factory.mktemp("user")))
     for family in sorted(set(EXPECTED_FAMILY.values())):
         files.save("magcache", flat_name(family), {"family": family, "mag_ratios": [1.0] + [0.95] * (STEPS - 1)})
 
@@ -59,7 +56,6 @@ def env(tmp_path_factory):
             return pack_module("nodes.stats_store").recent_runs(1)[0]
 
     yield Env
-    folder_paths.set_user_directory(previous_user_dir)
 
 
 @pytest.fixture(scope="module", params=list(EXPECTED_FAMILY))

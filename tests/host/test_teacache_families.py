@@ -36,16 +36,13 @@ def identity_name(family: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    import folder_paths
+def env(user_dir):
     from omnitest import tiny_models
     from omnitest.pack import pack_module, run_node
 
     node_module = pack_module("nodes.teacache_node")
     files = pack_module("nodes.calibration_files")
     adapters = pack_module("nodes.adapters")
-    previous_user_dir = folder_paths.get_user_directory()
-    folder_paths.set_user_directory(str(tmp_path_factory.mktemp("user")))
     # Published polynomials are fitted on real weights; on random tiny weights they explode. The identity polynomial
     # makes the decision the raw relative L1 change of each family's signal, which a threshold sweep can exercise.
     for family in sorted(set(EXPECTED_FAMILY.values())):
@@ -69,7 +66,6 @@ def env(tmp_path_factory):
             return pack_module("nodes.stats_store").recent_runs(1)[0]
 
     yield Env
-    folder_paths.set_user_directory(previous_user_dir)
 
 
 @pytest.fixture(scope="module", params=list(EXPECTED_FAMILY))

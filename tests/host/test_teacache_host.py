@@ -13,15 +13,12 @@ IDENTITY = "tiny-identity"
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    import folder_paths
+def env(user_dir):
     from omnitest import tiny_models
     from omnitest.pack import pack_module, run_node
 
     node_module = pack_module("nodes.teacache_node")
     files = pack_module("nodes.calibration_files")
-    previous_user_dir = folder_paths.get_user_directory()
-    folder_paths.set_user_directory(str(tmp_path_factory.mktemp("user")))
     # Published polynomials are fitted on real weights; on random tiny weights they explode. The identity
     # polynomial makes the decision the raw relative L1 change, which a threshold sweep can exercise.
     files.save("teacache", IDENTITY, {"coefficients": [0, 0, 0, 1, 0], "family": "wan", "signal": "default"})
@@ -36,7 +33,6 @@ def env(tmp_path_factory):
                             start_percent=start, end_percent=end, cache_device=device, model_variant=variant)[0]
 
     yield Env
-    folder_paths.set_user_directory(previous_user_dir)
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,10 @@ STEPS = 10
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    import folder_paths
+def env(user_dir):
     from omnitest import tiny_models
     from omnitest.pack import pack_module, run_node
 
-    previous = folder_paths.get_user_directory()
-    folder_paths.set_user_directory(str(tmp_path_factory.mktemp("user")))
     pack_module("nodes.calibration_files").save(
         "teacache", IDENTITY, {"coefficients": [0, 0, 0, 1, 0], "family": "wan", "signal": "default"})
     node = pack_module("nodes.teacache_node").ApplyTeaCache
@@ -40,7 +37,6 @@ def env(tmp_path_factory):
             return runs.recent_runs(1)[0]
 
     yield Env
-    folder_paths.set_user_directory(previous)
 
 
 def check_zero_is_identical(env, **sample_kwargs):
