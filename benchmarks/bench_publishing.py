@@ -19,15 +19,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests")]
-from omnitest.comfy_path import comfyui_path  # noqa: E402
+from omnitest.comfy_path import use_comfyui_in_process  # noqa: E402
 
-COMFY = comfyui_path()
-if COMFY is None:
+if use_comfyui_in_process() is None:
     sys.exit("bench_publishing: no ComfyUI checkout (set COMFYUI_PATH)")
-sys.path.insert(0, str(COMFY))
-from comfy.cli_args import args as comfy_args  # noqa: E402
-
-comfy_args.cpu = True
 import torch  # noqa: E402
 
 from omnitest import tiny_models  # noqa: E402

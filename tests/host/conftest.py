@@ -7,24 +7,11 @@ test modules import ``comfy`` only inside fixtures and tests, so they still coll
 """
 from __future__ import annotations
 
-import sys
+import pytest
 
-from omnitest.comfy_path import comfyui_path
+from omnitest.comfy_path import use_comfyui_in_process
 
-_root = comfyui_path()
-if _root is not None:
-    _root_str = str(_root)
-    if _root_str in sys.path:
-        sys.path.remove(_root_str)
-    sys.path.insert(0, _root_str)
-
-    from comfy.cli_args import args as _comfy_args
-
-    _comfy_args.cpu = True
-    import comfy.model_management  # noqa: E402,F401  (device chosen now, with args.cpu set)
-
-
-import pytest  # noqa: E402
+use_comfyui_in_process()
 
 
 @pytest.fixture(scope="module")

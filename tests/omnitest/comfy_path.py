@@ -17,3 +17,25 @@ def skip_reason() -> str:
     where = os.environ.get("COMFYUI_PATH") or "~/ComfyUI"
     return (f"no ComfyUI checkout at {where} (set COMFYUI_PATH to a ComfyUI 0.3.64 checkout "
             "to run host, server and browser tests)")
+
+
+def use_comfyui_in_process() -> Path | None:
+    """Make ComfyUI importable in this process, on CPU; returns its root, or None when there is no checkout.
+
+    Its root goes first on ``sys.path`` (ComfyUI's ``nodes``/``utils`` must win over same-named folders) and
+    ``args.cpu`` is set before ``comfy.model_management`` is first imported, since it picks the device at import.
+    """
+    import sys
+
+    root = comfyui_path()
+    if root is None:
+        return None
+    if str(root) in sys.path:
+        sys.path.remove(str(root))
+    sys.path.insert(0, str(root))
+    from comfy.cli_args import args
+
+    args.cpu = True
+    import comfy.model_management  # noqa: F401  (device chosen now, with args.cpu set)
+
+    return root
