@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from comfy_api.latest import io
 
-from ..omni_hooks.magcache import CallInfo, MagCacheConfig, MagCacheRun, MagCacheStrategy, apply_mag_cache_hook
+from ..omni_hooks.magcache import CallContext, MagCacheConfig, MagCacheRun, MagCacheStrategy, apply_mag_cache_hook
 from ..omni_hooks.magcache.interp import split_interleaved
 from ..omni_hooks.stats import CacheRunStats
 from . import calibration_files
@@ -184,7 +184,7 @@ class MagCacheSession(CacheSession):
         self.run = apply_mag_cache_hook(diffusion_model, self.config, strategy, self.stats, implicit_calls=False)
 
     def begin_call(self, branches: list[str], labels: list[str], step: StepInfo) -> None:
-        self.run.begin_call(CallInfo(branches=branches, labels=labels, step=step.step, total_steps=step.total_steps))
+        self.run.begin_call(CallContext(branches=branches, labels=labels, step=step.step, total_steps=step.total_steps))
 
     def end_call(self):
         return self.run.end_call() if self.run is not None else None

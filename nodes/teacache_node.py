@@ -8,7 +8,7 @@ import torch
 from comfy_api.latest import io
 
 from ..omni_hooks.stats import CacheRunStats
-from ..omni_hooks.teacache import CallInfo, TeaCacheConfig, TeaCacheRun, apply_teacache_hook
+from ..omni_hooks.teacache import CallContext, TeaCacheConfig, TeaCacheRun, apply_teacache_hook
 from . import calibration_files
 from .adapters import ModelAdapter, UnsupportedModelError, detect_adapter
 from .coefficients import PUBLISHED, TeaCacheCoefficients, for_family
@@ -117,7 +117,7 @@ class TeaCacheSession(CacheSession):
         self.run = apply_teacache_hook(stack, self.config, signal, self.stats)
 
     def begin_call(self, branches: list[str], labels: list[str], step: StepInfo) -> None:
-        self.run.begin_call(CallInfo(branches=branches, labels=labels, step=step.step, total_steps=step.total_steps))
+        self.run.begin_call(CallContext(branches=branches, labels=labels, step=step.step, total_steps=step.total_steps))
 
     def end_call(self):
         return self.run.end_call() if self.run is not None else None

@@ -1,11 +1,12 @@
 """omni_hooks: a host-agnostic hook library for diffusion transformers (torch, numpy and the standard library only).
 
-Every torch module gets at most one ``HookRegistry``; hooks run ``pre_forward`` in name order, at most one hook per
+Every torch module gets at most one ``HookRegistry``; hooks run ``pre_forward`` in declared phase order, at most one hook per
 module overrides ``forward``, ``post_forward`` runs in reverse. That rule is what lets caches, offload and sequence
 parallel compose on one model.
 """
 from .base import (
     BaseState,
+    HookPhase,
     HookRegistry,
     ModelHook,
     StateManager,
@@ -16,6 +17,7 @@ from .base import (
 
 __all__ = [
     "BaseState",
+    "HookPhase",
     "HookRegistry",
     "ModelHook",
     "StateManager",

@@ -1,19 +1,26 @@
-"""The hook registry: one per torch module, hooks ordered by name, at most one forward override.
+"""The hook registry: one per torch module, hooks ordered by declared phase, at most one forward override.
 
 Design after vllm-omni ``vllm_omni/diffusion/hooks/base.py`` (post PR #2689, which made TeaCache and CPU offload
 compose) with the fixes listed in hook-library-spec.md §2.6: registration validates before it mutates, a duplicate
-name never leaves a stale override behind, and ``HookRegistry.reset()`` restores the module exactly.
+name never leaves a stale override behind, and ``HookRegistry.reset()`` restores the module exactly. Unlike
+vllm-omni, the order does not come from the accident of hook names: each hook class declares its ``HookPhase``.
 
-Dispatch contract (``HookRegistry.dispatch``):
-  1. ``pre_forward`` of every hook in name order, the forward-overriding hook last;
-  2. the overriding hook's ``new_forward`` if there is one, else the module's original forward;
-  3. ``post_forward`` in the reverse of step 1's order.
+Dispatch contract (``HookRegistry.dispatch``), from the outside in:
+  1. ``pre_forward`` of every hook that is not of the placement phase, by phase (observation, caching, sharding),
+     then name; the forward-overriding hook last;
+  2. the overriding hook's ``new_forward`` if there is one, else the module's forward (step 3);
+  3. the module's forward *as it really runs*: placement-phase hooks' ``pre_forward`` (by name), the original
+     forward, their ``post_forward`` in reverse. An override reaches this through ``fn_ref.original_forward``; when
+     it passes the module through instead (a cache skipping a block), placement hooks do not run at all, so a
+     skipped block moves no weights;
+  4. ``post_forward`` in the reverse of step 1's order.
 """
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -21,6 +28,25 @@ REGISTRY_ATTR = "_hook_registry"
 ORIGINAL_FORWARD_ATTR = "_omni_original_forward"
 # Set when the module already had an instance-level ``forward`` before we wrapped it, so reset() puts it back.
 INSTANCE_FORWARD_ATTR = "_omni_instance_forward"
+
+
+class HookPhase(enum.IntEnum):
+    """Where a hook sits in dispatch, outermost first. Hooks of one phase run in name order among themselves.
+
+    * ``OBSERVATION``: sees the call as the caller made it and the output the caller gets (timers, statistics).
+    * ``CACHING``: caches; sees the model's own tensors (on a sequence-parallel rank: its shard, since splits happen
+      at module inputs and gathers at module outputs, inside this phase). A cache's tail ``pre_forward`` therefore
+      runs before a sharding hook's gather on the same module.
+    * ``SHARDING``: sequence-parallel split/gather of a module's inputs and outputs; nearest to the forward among
+      the hooks that transform arguments.
+    * ``PLACEMENT``: weight placement (offload). Runs only around the module's real forward (see the module
+      docstring), never on a call whose forward a cache passes through. A placement hook may not override forward.
+    """
+
+    OBSERVATION = 0
+    CACHING = 1
+    SHARDING = 2
+    PLACEMENT = 3
 
 
 class BaseState:
@@ -73,13 +99,17 @@ class StateManager:
 
 
 class _ForwardRef:
-    """What a hook's ``fn_ref`` points at: the module's original (unhooked) forward."""
+    """What a hook's ``fn_ref`` points at: the module's forward as it really runs (placement hooks around the
+    original, unhooked forward; just the original when the module has no placement hook)."""
 
     def __init__(self, module: torch.nn.Module):
         self._module = module
 
     @property
     def original_forward(self) -> Callable[..., Any]:
+        registry = self._module.__dict__.get(REGISTRY_ATTR)
+        if registry is not None and registry._placement_hooks:
+            return registry.run_forward
         return getattr(self._module, ORIGINAL_FORWARD_ATTR)
 
 
@@ -89,9 +119,12 @@ class ModelHook:
     ``pre_forward`` may rewrite the call's arguments, ``post_forward`` the output. A hook *overrides forward* iff its
     class defines ``new_forward``; the registry then calls it with the arguments after every ``pre_forward``
     (its own included) in place of the module's forward, and still calls its ``post_forward`` itself; so a
-    ``new_forward`` must never call its own pre/post. The original forward is ``self.fn_ref.original_forward``.
+    ``new_forward`` must never call its own pre/post. The forward it may run is ``self.fn_ref.original_forward``.
+
+    ``phase`` (a class attribute) places the hook in dispatch; see ``HookPhase``.
     """
 
+    phase: ClassVar[HookPhase] = HookPhase.OBSERVATION
     fn_ref: _ForwardRef | None = None
 
     def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -154,6 +187,7 @@ class HookRegistry:
         self.module = module
         self._hooks: dict[str, ModelHook] = {}
         self._sorted_hooks: list[ModelHook] = []
+        self._placement_hooks: list[ModelHook] = []
         self._new_fwd_impl_hook: ModelHook | None = None
         self._new_fwd_impl_name: str | None = None
 
@@ -199,6 +233,11 @@ class HookRegistry:
         replacing = name in self._hooks
         if replacing and not replace:
             raise ValueError(f"A hook named {name!r} is already registered on {type(self.module).__name__}")
+        if not isinstance(hook.phase, HookPhase):
+            raise TypeError(f"{type(hook).__name__}.phase must be a HookPhase, got {hook.phase!r}")
+        if hook.phase is HookPhase.PLACEMENT and overrides_forward(hook):
+            raise ValueError(f"{type(hook).__name__} ({name!r}) is a placement-phase hook and overrides forward; "
+                             "placement hooks may only use pre_forward/post_forward")
         if overrides_forward(hook) and self._new_fwd_impl_hook is not None and self._new_fwd_impl_name != name:
             raise RuntimeError(
                 f"Cannot have multiple hooks that override forward active simultaneously on "
@@ -230,11 +269,19 @@ class HookRegistry:
         hook.deinitialize_hook(self.module)
 
     def update_sorted_hooks(self) -> None:
-        """Order hooks by name (code-point order), the forward-overriding hook last."""
-        self._sorted_hooks = [hook for name, hook in sorted(self._hooks.items())
-                              if hook is not self._new_fwd_impl_hook]
+        """Order hooks by (phase, name), names in code-point order; the forward-overriding hook last; placement
+        hooks apart (they run around the real forward only)."""
+        ordered = sorted(self._hooks.items(), key=lambda item: (item[1].phase, item[0]))
+        self._sorted_hooks = [hook for name, hook in ordered
+                              if hook is not self._new_fwd_impl_hook and hook.phase is not HookPhase.PLACEMENT]
         if self._new_fwd_impl_hook is not None:
             self._sorted_hooks.append(self._new_fwd_impl_hook)
+        self._placement_hooks = [hook for name, hook in ordered if hook.phase is HookPhase.PLACEMENT]
+
+    def ordered_names(self) -> list[str]:
+        """Hook names in dispatch order (outermost first; placement hooks last, as they wrap the real forward)."""
+        by_hook = {id(h): n for n, h in self._hooks.items()}
+        return [by_hook[id(h)] for h in self._sorted_hooks + self._placement_hooks]
 
     def get_hook(self, name: str) -> ModelHook | None:
         return self._hooks.get(name)
@@ -257,6 +304,7 @@ class HookRegistry:
             self._hooks[name].reset_state(self.module)
             self._remove(name)
         self._sorted_hooks = []
+        self._placement_hooks = []
         module_dict = self.module.__dict__
         if module_dict.get(REGISTRY_ATTR) is self:
             del module_dict[REGISTRY_ATTR]
@@ -271,7 +319,7 @@ class HookRegistry:
         """Run a forward call through the hooks (see the module docstring for the order)."""
         hooks = self._sorted_hooks
         if not hooks:
-            return getattr(self.module, ORIGINAL_FORWARD_ATTR)(*args, **kwargs)
+            return self.run_forward(*args, **kwargs)
         module = self.module
         for hook in hooks:
             args, kwargs = hook.pre_forward(module, *args, **kwargs)
@@ -280,15 +328,28 @@ class HookRegistry:
         if override is not None:
             output = override.new_forward(module, *args, **kwargs)
         else:
-            output = getattr(module, ORIGINAL_FORWARD_ATTR)(*args, **kwargs)
+            output = self.run_forward(*args, **kwargs)
         for hook in reversed(hooks):
             output = hook.post_forward(module, output)
         return output
 
+    def run_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's real forward: placement hooks' pre_forward, the original forward, their post_forward."""
+        original = getattr(self.module, ORIGINAL_FORWARD_ATTR)
+        placement = self._placement_hooks
+        if not placement:
+            return original(*args, **kwargs)
+        module = self.module
+        for hook in placement:
+            args, kwargs = hook.pre_forward(module, *args, **kwargs)
+            args = tuple(args)
+        output = original(*args, **kwargs)
+        for hook in reversed(placement):
+            output = hook.post_forward(module, output)
+        return output
+
     def __repr__(self) -> str:
-        names = [n for n, h in sorted(self._hooks.items()) if h is not self._new_fwd_impl_hook]
-        if self._new_fwd_impl_name is not None:
-            names.append(self._new_fwd_impl_name + " (forward)")
+        names = [n + (" (forward)" if n == self._new_fwd_impl_name else "") for n in self.ordered_names()]
         return f"HookRegistry({type(self.module).__name__}: {', '.join(names) or 'no hooks'})"
 
 

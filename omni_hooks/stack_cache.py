@@ -1,11 +1,13 @@
 """The mechanics every block-stack cache shares: decide at the head block, pass blocks through, fix up at the tail.
 
-Per model call (bracketed by the host with ``begin_call``/``end_call``):
+Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_call``):
   * the head hook (on ``blocks[0]``) asks the cache's policy (``decide``) whether to compute, per branch;
   * on a skip, every block returns its inputs unchanged (``BlockStack.skip_block``) and the tail module's image-stream
     input becomes *head input + cached residual*: the residual is added exactly once, however many blocks there are;
   * on a compute, the tail stores ``tail input - head input`` per branch (the residual the next skip reuses).
-The stack is skipped only when every branch of the call may skip. Outside a call every hook passes through.
+The stack is skipped only when every branch of the call may skip; the verdict is written to the call's
+``CallContext.blocks_run``. Outside a call every hook passes through. All hooks are of the caching phase, so a
+placement hook (offload) on a block runs only when that block really computes.
 
 TeaCache and MagCache differ only in ``decide`` (and what they record while calibrating).
 """
@@ -17,19 +19,10 @@ from typing import Any
 
 import torch
 
-from .base import BaseState, HookRegistry, ModelHook, StateManager, module_has_active_hooks
+from .base import BaseState, HookPhase, HookRegistry, ModelHook, StateManager, module_has_active_hooks
 from .blockstack import BlockStack
+from .context import CallContext
 from .stats import BranchDecision, CacheRunStats, EvaluationRecord
-
-
-@dataclass
-class CallInfo:
-    """What the host knows about one model call: one branch key (and display label) per batch chunk, and the step."""
-
-    branches: list[str]
-    labels: list[str]
-    step: int | None = None
-    total_steps: int | None = None
 
 
 @dataclass
@@ -46,16 +39,25 @@ class CachedResidualState(BaseState):
 
 @dataclass
 class ActiveCall:
-    info: CallInfo
+    """The cache's own bookkeeping for the call in progress."""
+
+    context: CallContext
     keys: list[str]
     labels: list[str]
     chunk: int
     started: float
     record: EvaluationRecord | None = None
-    skipping: bool = False
     head_input: torch.Tensor | None = None
     captured: torch.Tensor | None = None
-    scratch: dict[str, Any] = field(default_factory=dict)  # per-call values a policy hands to its tail callback
+    # begun by the head hook itself because the module was called without a host bracket (MagCache's library use)
+    implicit: bool = False
+    # per branch key: what the policy measured at the head and compares at the tail (TeaCache: the input change;
+    # MagCache: the residual the new one is compared with)
+    head_measures: dict[str, float | torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def skipping(self) -> bool:
+        return self.context.blocks_run is False
 
 
 @dataclass
@@ -105,9 +107,9 @@ class StackCacheRun:
 
     # -- host interface -------------------------------------------------------------------------------------------
 
-    def begin_call(self, info: CallInfo) -> None:
-        self._call = ActiveCall(info=info, keys=list(info.branches), labels=list(info.labels),
-                                chunk=len(info.branches), started=time.perf_counter())
+    def begin_call(self, context: CallContext) -> None:
+        self._call = ActiveCall(context=context, keys=list(context.branches), labels=list(context.labels),
+                                chunk=len(context.branches), started=time.perf_counter())
 
     def end_call(self) -> EvaluationRecord | None:
         """Close the current call; returns its record (with the seconds spent) if the head block ran."""
@@ -151,12 +153,12 @@ class StackCacheRun:
         compute = any(d.reason != "reuse" for d in decisions)
         self.after_decision(call, compute)
         call.record = EvaluationRecord(
-            step=call.info.step, total_steps=call.info.total_steps, computed=compute,
+            step=call.context.step, total_steps=call.context.total_steps, computed=compute,
             branches=[BranchDecision(branch=call.labels[i], computed=compute,
                                      reason="other-branch" if compute and d.reason == "reuse" else d.reason,
                                      metric=d.metric, threshold=self.threshold)
                       for i, d in enumerate(decisions)])
-        call.skipping = not compute
+        call.context.blocks_run = compute
         return compute
 
     def reused_hidden(self, head_input: torch.Tensor) -> torch.Tensor:
@@ -216,6 +218,8 @@ class StackCacheRun:
 class StackHeadHook(ModelHook):
     """On the head block: ask the policy, then run the block or pass its inputs through."""
 
+    phase = HookPhase.CACHING
+
     def __init__(self, run: StackCacheRun):
         self.run = run
 
@@ -240,6 +244,8 @@ class StackHeadHook(ModelHook):
 class StackBlockHook(ModelHook):
     """On every other block: pass the inputs through while the current call is skipping."""
 
+    phase = HookPhase.CACHING
+
     def __init__(self, run: StackCacheRun):
         self.run = run
 
@@ -252,6 +258,8 @@ class StackBlockHook(ModelHook):
 
 class StackTailHook(ModelHook):
     """On the module after the stack: store the residual after a computed call, add it after a skipped one."""
+
+    phase = HookPhase.CACHING
 
     def __init__(self, run: StackCacheRun):
         self.run = run
@@ -271,6 +279,8 @@ class StackTailHook(ModelHook):
 
 class StackCaptureHook(ModelHook):
     """On a module the model calls before the head block: remember its first input for the policy."""
+
+    phase = HookPhase.CACHING
 
     def __init__(self, run: StackCacheRun):
         self.run = run

@@ -3,7 +3,7 @@
 The error model is the product of calibrated per-step magnitude ratios ``||r_t|| / ||r_{t-1}||`` ("mag_ratios"),
 stable across prompts for a given model and schedule (Ma et al., MagCache, arXiv 2506.09045).
 """
-from ..stack_cache import CallInfo
+from ..context import CallContext
 from .config import MagCacheConfig
 from .hook import (
     HOOK_NAMES,
@@ -25,7 +25,7 @@ from .strategy import (
 )
 
 __all__ = [
-    "CallInfo",
+    "CallContext",
     "HOOK_NAMES",
     "MagCacheBlockHook",
     "MagCacheConfig",

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from ..blockstack import BlockStack
+from ..context import CallContext
 from ..stack_cache import (
     ActiveCall,
-    CallInfo,
     Decision,
     StackBlockHook,
     StackCacheRun,
@@ -42,7 +42,6 @@ from .strategy import MagCacheStrategy, get_strategy
 log = logging.getLogger("omni_hooks")
 
 HOOK_NAMES = ("mag_cache_leader_block_hook", "mag_cache_block_hook", "mag_cache_tail_hook", "mag_cache_capture")
-_IMPLICIT = "implicit"
 
 
 def residual_change(current: torch.Tensor, previous: torch.Tensor) -> tuple[float, float, float]:
@@ -73,13 +72,13 @@ class MagCacheHeadHook(StackHeadHook):
         run: MagCacheRun = self.run
         if run.implicit_calls:
             call = run._call
-            if call is not None and call.scratch.get(_IMPLICIT):
+            if call is not None and call.implicit:
                 run.end_call()  # an implicit call whose tail never ran (the forward raised): close it
                 call = None
             if call is None:
                 branch = run.context or "default"
-                run.begin_call(CallInfo(branches=[branch], labels=[branch]))
-                run._call.scratch[_IMPLICIT] = True
+                run.begin_call(CallContext(branches=[branch], labels=[branch]))
+                run._call.implicit = True
         return super().new_forward(module, *args, **kwargs)
 
 
@@ -93,7 +92,7 @@ class MagCacheTailHook(StackTailHook):
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         args, kwargs = super().pre_forward(module, *args, **kwargs)
         call = self.run._call
-        if call is not None and call.scratch.get(_IMPLICIT):
+        if call is not None and call.implicit:
             self.run.end_call()
         return args, kwargs
 
@@ -130,7 +129,7 @@ class MagCacheRun(StackCacheRun):
         table = self.config.ratio_table
         return table.calibrated_steps(label) if table is not None else 0
 
-    def _position(self, st: MagCacheState, info: CallInfo, label: str) -> tuple[int, int | None]:
+    def _position(self, st: MagCacheState, info: CallContext, label: str) -> tuple[int, int | None]:
         """(step, steps) of this branch's call; starts the branch afresh when a new generation begins.
 
         The host's step when it knows it (a step lower than the branch's last one means a new sampling pass);
@@ -158,12 +157,12 @@ class MagCacheRun(StackCacheRun):
         decisions: list[Decision] = []
         for key, label in zip(call.keys, call.labels):
             st: MagCacheState = self.branch_state(key)
-            step, total = self._position(st, call.info, label)
+            step, total = self._position(st, call.context, label)
             st.label = label
             st.calls += 1
             st.step_index = step
             if cfg.calibrate:
-                call.scratch[key] = st.previous_residual  # the tail compares the new residual with it
+                call.head_measures[key] = st.previous_residual  # the tail compares the new residual with it
                 decisions.append(Decision("calibrate"))
                 continue
             n = total or step + 1
@@ -201,7 +200,7 @@ class MagCacheRun(StackCacheRun):
         if not self.config.calibrate:
             return
         st: MagCacheState = self.branch_state(key)
-        previous = call.scratch.get(key)
+        previous = call.head_measures.get(key)
         if previous is None or previous.shape != residual.shape:
             ratio, std, cos_dis = 1.0, 0.0, 0.0
         else:
@@ -209,7 +208,7 @@ class MagCacheRun(StackCacheRun):
         st.norm_ratios.append(ratio)
         st.norm_stds.append(std)
         st.cos_dises.append(cos_dis)
-        if call.info.step is None:
+        if call.context.step is None:
             total = self._steps_in_generation(st, st.label)
             if total and st.calls >= total:
                 self._emit_calibration(st, st.label)
@@ -251,7 +250,7 @@ def apply_mag_cache_hook(module: torch.nn.Module, config: MagCacheConfig, strate
     ``strategy`` says how ``module`` maps to a ``BlockStack``; None looks it up by the module's class in the strategy
     registry (ValueError listing the registered ones). With ``implicit_calls`` every forward of the module is one
     call of the current context (``run.set_context``); a host that knows branches and steps calls
-    ``run.begin_call(CallInfo(...))`` / ``run.end_call()`` around each model call instead. Installing on a module
+    ``run.begin_call(CallContext(...))`` / ``run.end_call()`` around each model call instead. Installing on a module
     that already has a cache's forward override raises RuntimeError and changes nothing.
     """
     if strategy is None:

@@ -1,5 +1,5 @@
 """TeaCache: skip the block stack while the modulated input has changed little since the last computed step."""
-from ..stack_cache import CallInfo
+from ..context import CallContext
 from .config import TeaCacheConfig
 from .hook import (
     ModulatedInput,
@@ -13,7 +13,7 @@ from .hook import (
 from .state import TeaCacheState
 
 __all__ = [
-    "CallInfo",
+    "CallContext",
     "ModulatedInput",
     "TeaCacheBlockHook",
     "TeaCacheConfig",

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from ..blockstack import BlockStack
-from ..stack_cache import ActiveCall, CallInfo, Decision, StackBlockHook, StackCacheRun, StackHeadHook
+from ..context import CallContext
+from ..stack_cache import ActiveCall, Decision, StackBlockHook, StackCacheRun, StackHeadHook
 from ..stats import CacheRunStats
 from .config import TeaCacheConfig
 from .state import TeaCacheState
@@ -72,7 +73,7 @@ class TeaCacheRun(StackCacheRun):
         """Every (modulated-input change, stack-output change) pair recorded in calibration mode, all branches."""
         return [p for key in self.states.contexts() for p in self.branch_state(key).calibration_pairs]
 
-    def _forced_reason(self, info: CallInfo) -> str | None:
+    def _forced_reason(self, info: CallContext) -> str | None:
         if info.step is None or not info.total_steps:
             return None
         cfg = self.config
@@ -88,7 +89,7 @@ class TeaCacheRun(StackCacheRun):
         cfg = self.config
         modulated = self.modulated_input.compute(head, args, kwargs, call.captured)
         per_branch = modulated.shape[0] == hidden.shape[0]
-        forced = self._forced_reason(call.info)
+        forced = self._forced_reason(call.context)
         reasons: list[str] = []
         measured: list[tuple[int, torch.Tensor]] = []
         states = [self.branch_state(k) for k in call.keys]
@@ -114,7 +115,7 @@ class TeaCacheRun(StackCacheRun):
         metrics: list[float | None] = [None] * len(states)
         for (i, _), rel in zip(measured, rels):
             if cfg.calibrate:
-                call.scratch[call.keys[i]] = rel
+                call.head_measures[call.keys[i]] = rel
                 continue
             states[i].accumulated_rel_l1_distance += abs(float(self.rescale(rel)))
             metrics[i] = states[i].accumulated_rel_l1_distance
@@ -133,7 +134,7 @@ class TeaCacheRun(StackCacheRun):
         if not self.config.calibrate:
             return
         st = self.branch_state(key)
-        rel_in = call.scratch.get(key)
+        rel_in = call.head_measures.get(key)
         if rel_in is not None and st.previous_output is not None and st.previous_output.shape == output.shape:
             st.calibration_pairs.append((rel_in, relative_l1(output, st.previous_output.to(output.device)).item()))
         st.previous_output = output.to(self.cache_device) if self.cache_device is not None else output.clone()

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from omni_hooks import HookRegistry, ModelHook, module_has_active_hooks
+from omni_hooks import HookPhase, HookRegistry, ModelHook, module_has_active_hooks
 from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from omni_hooks.magcache import (
-    CallInfo,
+    CallContext,
     MagCacheConfig,
     MagCacheStrategy,
     MagRatioTable,
@@ -230,7 +230,7 @@ TOY = MagCacheStrategy("toy-dit", build_stack=toy_stack)
 def run_steps(model, run, steps, x, branches=("cond",), labels=None):
     outputs = []
     for step in range(steps):
-        run.begin_call(CallInfo(branches=list(branches), labels=list(labels or branches), step=step,
+        run.begin_call(CallContext(branches=list(branches), labels=list(labels or branches), step=step,
                                 total_steps=steps))
         try:
             outputs.append(model(x, torch.full((x.shape[0],), 1 - step / steps)))
@@ -352,7 +352,7 @@ def test_branch_state_is_isolated_across_separate_calls():
     x = torch.randn(1, 5, 8)
     for step in range(3):  # cond and uncond in separate calls (ComfyUI does this when their shapes differ)
         for key, label in (("c", "cond"), ("u", "uncond")):
-            run.begin_call(CallInfo([key], [label], step=step, total_steps=6))
+            run.begin_call(CallContext([key], [label], step=step, total_steps=6))
             model(x + (0 if key == "c" else 1), torch.full((1,), 1.0))
             run.end_call()
     assert computed(run) == [True, True, False, False, False, False]
@@ -382,7 +382,7 @@ def test_changed_resolution_computes_instead_of_reusing():
     model = ToyDiT()
     run = explicit(model, threshold=1.0, mag_ratios=[1.0] * 6, retention_ratio=0.0, max_skip_steps=8)
     run_steps(model, run, 2, torch.randn(1, 5, 8))
-    run.begin_call(CallInfo(["cond"], ["cond"], step=2, total_steps=6))
+    run.begin_call(CallContext(["cond"], ["cond"], step=2, total_steps=6))
     out = model(torch.randn(1, 7, 8), torch.ones(1))
     record = run.end_call()
     assert out.shape == (1, 7, 8) and record.computed and record.branches[0].reason == "shape"
@@ -427,7 +427,7 @@ def test_calibration_measures_ratio_spread_and_cosine_distance():
     scales = [2.0, 1.0, 0.5, -0.5]
     x = torch.randn(1, 4, 6)
     for step, s in enumerate(scales):
-        run.begin_call(CallInfo(["u"], ["uncond"], step=step, total_steps=len(scales)))
+        run.begin_call(CallContext(["u"], ["uncond"], step=step, total_steps=len(scales)))
         model(x, s)
         run.end_call()
     result = run.get_calibration_result()["uncond"]
@@ -495,8 +495,11 @@ def test_remove_restores_every_module_exactly():
     assert not any(module_has_active_hooks(m) for m in model.modules())
 
 
-def test_composes_with_a_pre_forward_only_hook_on_the_same_block():
-    class OffloadLike(ModelHook):
+@pytest.mark.parametrize("phase", [HookPhase.PLACEMENT, HookPhase.OBSERVATION])
+def test_composes_with_a_pre_forward_only_hook_on_the_same_block(phase):
+    """A placement hook (block offload) runs only on computed calls; an observation hook on every call."""
+
+    class PreOnly(ModelHook):
         def __init__(self):
             self.calls = 0
 
@@ -504,12 +507,16 @@ def test_composes_with_a_pre_forward_only_hook_on_the_same_block():
             self.calls += 1
             return args, kwargs
 
+    PreOnly.phase = phase
     model = ToyDiT()
-    offload = OffloadLike()
-    HookRegistry.get_or_create(model.blocks[0]).register_hook("sequential_offload", offload)
+    hooks = [PreOnly() for _ in model.blocks]
+    for block, hook in zip(model.blocks, hooks):
+        HookRegistry.get_or_create(block).register_hook("sequential_offload", hook)
     run = explicit(model, threshold=1.0, mag_ratios=[1.0] * 6, retention_ratio=0.0, max_skip_steps=8)
     run_steps(model, run, 6, torch.randn(1, 5, 8))
-    assert offload.calls == 6 and run.stats.reused == 5
+    assert run.stats.reused == 5
+    expected = 1 if phase is HookPhase.PLACEMENT else 6
+    assert [h.calls for h in hooks] == [expected] * len(hooks)
     run.remove()
     assert module_has_active_hooks(model.blocks[0])
 

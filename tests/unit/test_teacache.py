@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_hooks import HookRegistry, ModelHook, module_has_active_hooks
+from omni_hooks import HookPhase, HookRegistry, ModelHook, module_has_active_hooks
 from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from omni_hooks.teacache import (
-    CallInfo,
+    CallContext,
     ModulatedInput,
     TeaCacheConfig,
     apply_teacache_hook,
@@ -64,7 +64,7 @@ def signal_from_time_embedding() -> ModulatedInput:
 def run_steps(model, run, timesteps, x, branches=("c",), labels=None, total=None):
     outputs = []
     for step, ts in enumerate(timesteps):
-        run.begin_call(CallInfo(branches=list(branches), labels=list(labels or branches), step=step,
+        run.begin_call(CallContext(branches=list(branches), labels=list(labels or branches), step=step,
                                 total_steps=total or len(timesteps)))
         try:
             outputs.append(model(x, torch.full((x.shape[0],), ts)))
@@ -159,7 +159,7 @@ def test_each_branch_has_its_own_state_and_any_compute_computes_all():
     assert [e.computed for e in run.stats.evaluations] == [True, False, False]
     assert [b.branch for b in run.stats.evaluations[1].branches] == ["uncond", "cond"]
     # a new branch appearing (e.g. cond/uncond split into separate calls) is computed on its own first call
-    run.begin_call(CallInfo(branches=["u1", "u3"], labels=["uncond", "cond.1"], step=3, total_steps=10))
+    run.begin_call(CallContext(branches=["u1", "u3"], labels=["uncond", "cond.1"], step=3, total_steps=10))
     model(x, torch.full((2,), 0.4))
     record = run.end_call()
     assert record.computed and [b.reason for b in record.branches] == ["other-branch", "first"]
@@ -180,7 +180,7 @@ def test_changed_resolution_computes_instead_of_reusing():
     run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(0.5, ALWAYS_REUSE, force_last_step=False),
                               signal_from_time_embedding())
     run_steps(model, run, TIMESTEPS[:2], torch.randn(1, 5, 8))
-    run.begin_call(CallInfo(["c"], ["c"], step=2, total_steps=6))
+    run.begin_call(CallContext(["c"], ["c"], step=2, total_steps=6))
     out = model(torch.randn(1, 7, 8), torch.full((1,), 0.5))
     record = run.end_call()
     assert out.shape == (1, 7, 8)
@@ -231,10 +231,13 @@ def test_remove_restores_every_module_exactly():
     assert not any(module_has_active_hooks(m) for m in model.modules())
 
 
-def test_composes_with_a_pre_forward_only_hook_on_the_same_block():
-    """Regression for vllm-omni #1868: with an offload-like hook present TeaCache must still skip."""
+@pytest.mark.parametrize("phase", [HookPhase.PLACEMENT, HookPhase.OBSERVATION])
+def test_composes_with_a_pre_forward_only_hook_on_the_same_block(phase):
+    """Regression for vllm-omni #1868: with an offload-like hook present TeaCache must still skip; and a placement
+    hook (what block offload is) runs only on the calls whose blocks really run, so a skipped step moves no weights.
+    An observation hook sees every call."""
 
-    class OffloadLike(ModelHook):
+    class PreOnly(ModelHook):
         def __init__(self):
             self.calls = 0
 
@@ -242,13 +245,16 @@ def test_composes_with_a_pre_forward_only_hook_on_the_same_block():
             self.calls += 1
             return args, kwargs
 
+    PreOnly.phase = phase
     model = ToyDiT()
-    offload = OffloadLike()
-    HookRegistry.get_or_create(model.blocks[0]).register_hook("sequential_offload", offload)
+    hooks = [PreOnly() for _ in model.blocks]
+    for block, hook in zip(model.blocks, hooks):
+        HookRegistry.get_or_create(block).register_hook("sequential_offload", hook)
     run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(0.5, ALWAYS_REUSE), signal_from_time_embedding())
     run_steps(model, run, TIMESTEPS, torch.randn(1, 5, 8))
-    assert offload.calls == len(TIMESTEPS)
     assert run.stats.reused == len(TIMESTEPS) - 2
+    expected = run.stats.computed if phase is HookPhase.PLACEMENT else len(TIMESTEPS)
+    assert [h.calls for h in hooks] == [expected] * len(hooks)
     run.remove()
     assert module_has_active_hooks(model.blocks[0])  # the other pack's hook stays
 
