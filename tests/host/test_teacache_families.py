@@ -221,7 +221,7 @@ def test_a_reused_call_on_the_same_input_reproduces_the_computed_call(env, case)
         run = teacache.apply_teacache_hook(adapter.build_stack(dm), config, signal)
         try:
             for _ in range(2):
-                run.begin_call(teacache.CallInfo(branches=["all"], labels=["all"]))
+                run.begin_call(teacache.CallContext(branches=["all"], labels=["all"]))
                 outputs.append(executor(*args, **kwargs))
                 records.append(run.end_call())
         finally:
