@@ -85,9 +85,9 @@ def main() -> None:
     opts = parser.parse_args()
     folder_paths.set_user_directory(tempfile.mkdtemp(prefix="omnihooks-bench-"))
     teacache = pack_module("nodes.teacache_node")
-    calibrate = pack_module("nodes.teacache_calibrate_node")
+    calibrate = pack_module("nodes.teacache_node")
     magcache = pack_module("nodes.magcache_node")
-    mag_calibrate = pack_module("nodes.magcache_calibrate_node")
+    mag_calibrate = pack_module("nodes.magcache_node")
     runs = pack_module("nodes.stats_store")
 
     case = tiny_models.build_case("wan21_t2v", unet_overrides=WAN_BENCH, latent_shape=LATENT)

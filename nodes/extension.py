@@ -4,10 +4,8 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from . import stats_store
-from .magcache_calibrate_node import MagCacheCalibrate
-from .magcache_node import ApplyMagCache
-from .teacache_calibrate_node import TeaCacheCalibrate
-from .teacache_node import ApplyTeaCache
+from .magcache_node import ApplyMagCache, MagCacheCalibrate
+from .teacache_node import ApplyTeaCache, TeaCacheCalibrate
 
 
 class OmniHooksExtension(ComfyExtension):

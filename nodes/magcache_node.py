@@ -1,6 +1,7 @@
-"""Apply MagCache: the node, its settings, and the per-run session that drives omni_hooks' MagCache.
+"""MagCache as a ``CacheSpec``: its settings, published curves, calibration file, and its two nodes (Apply MagCache,
+MagCache Calibrate) built by ``nodes.caches``.
 
-Same families, detection (``nodes.adapters``), run lifecycle (``nodes.lifecycle``), branch and batch handling and
+Same families, detection (``nodes.adapters``), run lifecycle (``nodes.features``), branch and batch handling and
 per-run statistics as Apply TeaCache; one cache per MODEL (Apply TeaCache and Apply MagCache on one MODEL, in either
 order, is an error naming both nodes).
 
@@ -24,21 +25,23 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from comfy_api.latest import io
 
-from ..omni_hooks.magcache import CallContext, MagCacheConfig, MagCacheRun, MagCacheStrategy, apply_mag_cache_hook
-from ..omni_hooks.magcache.interp import split_interleaved
-from ..omni_hooks.stats import CacheRunStats
+from ..omni_hooks.magcache import MagCacheConfig, MagCacheRun, MagCacheStrategy, apply_mag_cache_hook, interleave
+from ..omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_interleaved
+from ..omni_hooks.stack_cache import StackCacheRun
 from . import calibration_files
-from .adapters import ModelAdapter, UnsupportedModelError, detect_adapter
-from .lifecycle import AppliedCache, CacheSession, StepInfo, attach_cache
+from .adapters import ModelAdapter
+from .caches import CacheSession, CacheSpec, apply_node, calibrate_node, percent_window_inputs
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
-from .node_inputs import cache_device_for, cache_device_input, check_cache_device
 
 NODE_ID = "OmniHooks.ApplyMagCache"
 NODE_TITLE = "Apply MagCache"
+CALIBRATE_NODE_ID = "OmniHooks.MagCacheCalibrate"
+CALIBRATE_TITLE = "MagCache Calibrate"
 KIND = "magcache"
 log = logging.getLogger("OmniHooks")
 
@@ -59,12 +62,34 @@ class MagCacheSettings:
     notes: tuple[str, ...] = ()  # what the user should know about the choice 'auto' made
 
 
-def curve_options() -> list[str]:
-    return ["auto", *PUBLISHED, *(calibration_files.option(name) for name in calibration_files.list_names(KIND))]
+@dataclass(frozen=True)
+class ResolvedCurve:
+    """A curve chosen for a model: a published one or a calibration file's, per branch kind."""
+
+    key: str
+    family: str
+    curves: tuple[tuple[str, tuple[float, ...]], ...]
 
 
 CALIBRATE_HINT = ("run 'MagCache Calibrate' once on this model (with the sampler settings you generate with) and "
                   "choose its calibration file as the curve")
+
+
+def _auto_key(adapter: ModelAdapter) -> str | None:
+    key = adapter.magcache_key
+    if key is not None and adapter.magcache_notes:
+        log.info("OmniHooks %s: 'auto' chose the %r curve for %s. %s", NODE_TITLE, key, adapter.describe(),
+                 " ".join(adapter.magcache_notes))
+    return key
+
+
+def _no_auto_fit(adapter: ModelAdapter) -> str:
+    notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in adapter.magcache_notes)
+    if not for_family(adapter.family):
+        return (f"no MagCache curve is published for {adapter.describe()} models. {notes}To use MagCache, "
+                f"{CALIBRATE_HINT}.")
+    return (f"no published MagCache curve fits {adapter.describe()}. {notes}Choose a {adapter.family} curve, or "
+            f"{CALIBRATE_HINT}.")
 
 
 def _curves_from_file(name: str, data: dict) -> dict[str, list[float]]:
@@ -95,65 +120,41 @@ def _curves_from_file(name: str, data: dict) -> dict[str, list[float]]:
     return {"default": values}
 
 
-def resolve_curve(adapter: ModelAdapter, curve: str) -> tuple[str, dict[str, list[float]]]:
-    """(label, per-branch curves) for this model and widget value; a clear error when none fits."""
-    if curve == "auto":
-        key = adapter.magcache_key
-        if key is None:
-            notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in adapter.magcache_notes)
-            if not for_family(adapter.family):
-                raise ValueError(f"{NODE_TITLE}: no MagCache curve is published for {adapter.describe()} models. "
-                                 f"{notes}To use MagCache, {CALIBRATE_HINT}.")
-            raise ValueError(f"{NODE_TITLE}: no published MagCache curve fits {adapter.describe()}. {notes}"
-                             f"Choose a {adapter.family} curve, or {CALIBRATE_HINT}.")
-        found = PUBLISHED[key]
-        if adapter.magcache_notes:
-            log.info("OmniHooks %s: 'auto' chose the %r curve for %s. %s", NODE_TITLE, key, adapter.describe(),
-                     " ".join(adapter.magcache_notes))
-        return key, {name: list(values) for name, values in found.curves}
-    name = calibration_files.parse_option(curve)
-    if name is not None:
-        try:
-            data = calibration_files.load(KIND, name)
-        except ValueError as e:
-            raise ValueError(f"{NODE_TITLE}: {e}") from None
-        family = data.get("family", adapter.family)
-        if family != adapter.family:
-            raise ValueError(f"{NODE_TITLE}: calibration {name!r} was made on a {family} model, but this MODEL is "
-                             f"{adapter.describe()}. Calibrate this model, or choose another curve.")
-        return curve, _curves_from_file(name, data)
-    found: MagCacheCurve | None = PUBLISHED.get(curve)
-    if found is None:
-        raise ValueError(f"{NODE_TITLE}: unknown curve {curve!r}; choose one from the list")
-    if found.family != adapter.family:
-        raise ValueError(f"{NODE_TITLE}: curve {curve!r} is for {found.family} models, but this MODEL is "
-                         f"{adapter.describe()}. Choose 'auto' or a {adapter.family} curve.")
-    return curve, {name: list(values) for name, values in found.curves}
+def _from_file(adapter: ModelAdapter, value: str, name: str, data: dict) -> ResolvedCurve:
+    curves = _curves_from_file(name, data)
+    return ResolvedCurve(key=value, family=data.get("family", adapter.family),
+                         curves=tuple((branch, tuple(values)) for branch, values in curves.items()))
 
 
-def settings_for(model, threshold: float, max_skip_steps: int, retention_ratio: float, start_percent: float,
-                 end_percent: float, cache_device: str, curve: str, calibrate: bool = False) -> MagCacheSettings:
-    try:
-        adapter = detect_adapter(model)
-    except UnsupportedModelError as e:
-        raise ValueError(f"{NODE_TITLE}: {e}") from None
-    if calibrate:
-        label, curves = "calibrate", {}
-    else:
-        label, curves = resolve_curve(adapter, curve)
-    check_cache_device(NODE_TITLE, cache_device)
-    if not 0.0 <= start_percent <= end_percent <= 1.0:
-        raise ValueError(f"{NODE_TITLE}: start_percent ({start_percent}) must not be above end_percent ({end_percent})")
+def _tuning_inputs() -> list[io.Input]:
+    return [
+        io.Float.Input("threshold", default=0.06, min=0.0, max=1.0, step=0.01,
+                       tooltip="How much accumulated error to tolerate before computing again (the sum of "
+                       "|1 - product of ratios| since the last computed step). 0 = never skip (output "
+                       "identical to no node). 0.06 is the safe default; 0.12-0.24 is faster and less "
+                       "faithful."),
+        io.Int.Input("max_skip_steps", display_name="K (max consecutive skips)", default=2, min=0, max=20,
+                     tooltip="K: at most this many steps in a row reuse the residual before one is computed. "
+                     "0 = never skip. 2-4 is typical (the MagCache scripts use 2-6)."),
+        io.Float.Input("retention_ratio", default=0.2, min=0.0, max=1.0, step=0.01,
+                       tooltip="This fraction of the first steps is always computed (they set the "
+                       "composition). Counted on this sampler's own steps, so for a Wan 2.2 expert it "
+                       "is per phase."),
+        *percent_window_inputs(),
+    ]
+
+
+def _settings(adapter: ModelAdapter, found: MagCacheCurve | ResolvedCurve | None, tuning: dict[str, Any],
+              auto: bool) -> MagCacheSettings:
+    calibrate = found is None
+    start, end = float(tuning["start_percent"]), float(tuning["end_percent"])
     settings = MagCacheSettings(
-        threshold=float(threshold), max_skip_steps=int(max_skip_steps), retention_ratio=float(retention_ratio),
-        start_percent=float(start_percent), end_percent=float(end_percent), cache_device=cache_device,
-        curves=tuple((name, tuple(values)) for name, values in curves.items()),
-        model_label=f"{adapter.variant}, {label}", calibrate=calibrate,
-        notes=tuple(adapter.magcache_notes) if curve == "auto" and not calibrate else ())
-    try:
-        _config(settings, None)  # validate now, at execute time, rather than in the sampler
-    except ValueError as e:
-        raise ValueError(f"{NODE_TITLE}: {e}") from None
+        threshold=float(tuning["threshold"]), max_skip_steps=int(tuning["max_skip_steps"]),
+        retention_ratio=float(tuning["retention_ratio"]), start_percent=start, end_percent=end,
+        cache_device=tuning["cache_device"], curves=() if calibrate else found.curves,
+        model_label=f"{adapter.variant}, {'calibrate' if calibrate else found.key}", calibrate=calibrate,
+        notes=tuple(adapter.magcache_notes) if auto else ())
+    _config(settings, None)  # validate now, at execute time, rather than in the sampler
     return settings
 
 
@@ -165,90 +166,97 @@ def _config(settings: MagCacheSettings, cache_device: torch.device | None) -> Ma
         mag_ratios=None if settings.calibrate else {name: list(values) for name, values in settings.curves})
 
 
-class MagCacheSession(CacheSession):
-    """One sampling run of Apply MagCache (or MagCache Calibrate) on one MODEL."""
-
-    def __init__(self, patcher, cache: AppliedCache):
-        settings: MagCacheSettings = cache.settings
-        super().__init__(cache=cache, stats=CacheRunStats(kind=KIND, model=settings.model_label,
-                                                          threshold=settings.threshold,
-                                                          notes=list(settings.notes)))
-        self.patcher = patcher
-        self.adapter = detect_adapter(patcher)
-        self.config = _config(settings, cache_device_for(patcher, settings.cache_device))
-        self.run: MagCacheRun | None = None
-        self.calibration: dict[str, dict[str, list[float]]] = {}
-
-    def install(self, diffusion_model: torch.nn.Module) -> None:
-        strategy = MagCacheStrategy(name=self.adapter.family, build_stack=self.adapter.build_stack)
-        self.run = apply_mag_cache_hook(diffusion_model, self.config, strategy, self.stats, implicit_calls=False)
-
-    def begin_call(self, branches: list[str], labels: list[str], step: StepInfo) -> None:
-        self.run.begin_call(CallContext(branches=branches, labels=labels, step=step.step, total_steps=step.total_steps))
-
-    def end_call(self):
-        return self.run.end_call() if self.run is not None else None
-
-    def remove(self) -> None:
-        if self.run is not None:
-            self.stats.cache_bytes = max(self.stats.cache_bytes, self.run.cache_bytes())
-            self.run.remove()
-            self.calibration.update(self.run.get_calibration_result())
-        self.installed_on = None
+def _build_run(session: CacheSession, diffusion_model: torch.nn.Module) -> MagCacheRun:
+    adapter = session.adapter
+    strategy = MagCacheStrategy(name=adapter.family, build_stack=adapter.build_stack)
+    return apply_mag_cache_hook(diffusion_model, _config(session.settings, session.cache_device), strategy,
+                                session.stats, implicit_calls=False)
 
 
-class ApplyMagCache(io.ComfyNode):
-    @classmethod
-    def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id=NODE_ID,
-            display_name=f"{NODE_TITLE} (OmniHooks)",
-            category="OmniHooks",
-            description=("Skips the transformer blocks on steps where the calibrated growth of the model's residual "
-                         "(its magnitude-ratio curve) says reusing the last computed residual costs little. Detects "
-                         "the model; reports every decision. Wan 2.2 A14B: put one on each expert and choose the "
-                         "curve's '(high noise)' / '(low noise)' part; each uses its own sampler's steps."),
-            inputs=[
-                io.Model.Input("model", tooltip="A diffusion-transformer MODEL (Wan, Flux, HunyuanVideo, LTXV, "
-                               "Qwen-Image, Lumina2, HiDream, Chroma). Not one that already has Apply TeaCache."),
-                io.Float.Input("threshold", default=0.06, min=0.0, max=1.0, step=0.01,
-                               tooltip="How much accumulated error to tolerate before computing again (the sum of "
-                               "|1 - product of ratios| since the last computed step). 0 = never skip (output "
-                               "identical to no node). 0.06 is the safe default; 0.12-0.24 is faster and less "
-                               "faithful."),
-                io.Int.Input("max_skip_steps", display_name="K (max consecutive skips)", default=2, min=0, max=20,
-                             tooltip="K: at most this many steps in a row reuse the residual before one is computed. "
-                             "0 = never skip. 2-4 is typical (the MagCache scripts use 2-6)."),
-                io.Float.Input("retention_ratio", default=0.2, min=0.0, max=1.0, step=0.01,
-                               tooltip="This fraction of the first steps is always computed (they set the "
-                               "composition). Counted on this sampler's own steps, so for a Wan 2.2 expert it "
-                               "is per phase."),
-                io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01,
-                               tooltip="Caching starts at this fraction of this sampler's steps; earlier steps are "
-                               "always computed."),
-                io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01,
-                               tooltip="Caching stops after this fraction of this sampler's steps; later steps are "
-                               "always computed."),
-                cache_device_input(),
-                io.Combo.Input("curve", options=curve_options(), default="auto",
-                               tooltip="The magnitude-ratio curve. 'auto' picks the published one for the detected "
-                               "model; choose one when the weights cannot tell (Wan I2V 720p vs 480p, Flux Kontext, "
-                               "Qwen-Image-Edit, Wan 2.2 A14B '(high noise)' / '(low noise)' per expert), or a "
-                               "'calibration: <name>' file from MagCache Calibrate (for models without a "
-                               "published curve). Interpolated to your step count; a Wan 2.2 part to its own expert's "
-                               "steps (ComfyUI's Wan 2.2 template, switch at step 10 of 20, fits the parts)."),
-            ],
-            outputs=[io.Model.Output(tooltip="The same MODEL with MagCache attached for its sampling runs.")],
-            hidden=[io.Hidden.unique_id],
-        )
-
-    @classmethod
-    def execute(cls, model, threshold: float, max_skip_steps: int, retention_ratio: float, start_percent: float,
-                end_percent: float, cache_device: str, curve: str) -> io.NodeOutput:
-        settings = settings_for(model, threshold, max_skip_steps, retention_ratio, start_percent, end_percent,
-                                cache_device, curve)
-        cache = AppliedCache(kind=KIND, node_title=NODE_TITLE, node_id=cls.hidden.unique_id, settings=settings)
-        return io.NodeOutput(attach_cache(model, cache, MagCacheSession))
+def _collect(run: StackCacheRun) -> dict[str, dict[str, list[float]]]:
+    return run.get_calibration_result()
 
 
-__all__ = ["ApplyMagCache", "MagCacheSession", "MagCacheSettings", "curve_options", "resolve_curve", "settings_for"]
+def _rounded(values: list[float]) -> list[float]:
+    return [round(float(v), 5) for v in values]
+
+
+def calibration_data(result: dict[str, dict[str, list[float]]]) -> dict:
+    """The file contents for a run's per-branch calibration result (only the first cond and uncond entries)."""
+    branches = {label: lists for label, lists in result.items() if label == branch_base(label)}
+    if not branches:
+        raise ValueError(f"{CALIBRATE_TITLE}: the sampler made no model call that could be measured (did it run?)")
+    data = {
+        "kind": KIND,
+        "layout": "per branch",
+        "calibrated_steps": max(len(lists["ratios"]) for lists in branches.values()),
+        "mag_ratios": {label: _rounded(lists["ratios"]) for label, lists in branches.items()},
+        "std": {label: _rounded(lists["stds"]) for label, lists in branches.items()},
+        "cos_dist": {label: _rounded(lists["cos_dists"]) for label, lists in branches.items()},
+    }
+    ratios = data["mag_ratios"]
+    if COND in ratios and UNCOND in ratios and len(ratios[COND]) == len(ratios[UNCOND]):
+        data["interleaved"] = interleave(ratios)  # [c0, u0, c1, u1, ...], the layout the MagCache scripts print
+    return data
+
+
+def _calibration_file(parts: list[dict[str, dict[str, list[float]]]], adapter: ModelAdapter) -> dict:
+    result: dict[str, dict[str, list[float]]] = {}
+    for part in parts:
+        result.update(part)
+    return {"family": adapter.family, "variant": adapter.variant, **calibration_data(result)}
+
+
+def _describe(data: dict) -> str:
+    return ", ".join(f"{label} {len(values)}" for label, values in data["mag_ratios"].items()) + " ratios"
+
+
+MAGCACHE = CacheSpec(
+    kind=KIND,
+    apply_node_id=NODE_ID,
+    apply_title=NODE_TITLE,
+    apply_description=("Skips the transformer blocks on steps where the calibrated growth of the model's residual "
+                       "(its magnitude-ratio curve) says reusing the last computed residual costs little. Detects "
+                       "the model; reports every decision. Wan 2.2 A14B: put one on each expert and choose the "
+                       "curve's '(high noise)' / '(low noise)' part; each uses its own sampler's steps."),
+    calibrate_node_id=CALIBRATE_NODE_ID,
+    calibrate_title=CALIBRATE_TITLE,
+    calibrate_description=("A KSampler that computes every step and records, per step and CFG branch, how the "
+                           "magnitude of the transformer's residual changes from the previous step (mean ratio of "
+                           "per-token norms, its spread and the cosine distance), then saves that curve under "
+                           "'name'. Apply MagCache lists it as 'calibration: <name>'. Use the sampler settings you "
+                           "will generate with."),
+    variant_input="curve",
+    variant_tooltip=("The magnitude-ratio curve. 'auto' picks the published one for the detected model; choose one "
+                     "when the weights cannot tell (Wan I2V 720p vs 480p, Flux Kontext, Qwen-Image-Edit, Wan 2.2 "
+                     "A14B '(high noise)' / '(low noise)' per expert), or a 'calibration: <name>' file from MagCache "
+                     "Calibrate (for models without a published curve). Interpolated to your step count; a Wan 2.2 "
+                     "part to its own expert's steps (ComfyUI's Wan 2.2 template, switch at step 10 of 20, fits the "
+                     "parts)."),
+    published=PUBLISHED,
+    auto_key=_auto_key,
+    no_auto_fit=_no_auto_fit,
+    from_file=_from_file,
+    tuning_inputs=_tuning_inputs,
+    make_settings=_settings,
+    calibrate_tuning={"threshold": 0.0, "max_skip_steps": 0, "retention_ratio": 0.0, "start_percent": 0.0,
+                      "end_percent": 1.0, "cache_device": "compute device"},
+    build_run=_build_run,
+    collect_calibration=_collect,
+    calibration_file=_calibration_file,
+    describe_calibration=_describe,
+    min_calibration_steps=4,
+    calibration_noun="curve",
+    calibration_steps_tooltip=("Sampling steps; the curve gets one ratio per step and branch (Apply MagCache "
+                               "interpolates it to other step counts)."),
+    calibration_sampler_tooltip=("The sampler you will generate with; one that evaluates the model once per step "
+                                 "(euler, ...) gives exactly one ratio per step."),
+    calibration_output="curve",
+    calibration_output_tooltip=("The recorded curve as JSON: mag_ratios, std and cos_dist per branch, and the "
+                                "CFG-interleaved list."),
+)
+
+ApplyMagCache = apply_node(MAGCACHE, "ApplyMagCache")
+MagCacheCalibrate = calibrate_node(MAGCACHE, "MagCacheCalibrate")
+
+__all__ = ["ApplyMagCache", "MAGCACHE", "MagCacheCalibrate", "MagCacheSettings", "calibration_data"]

@@ -1,15 +1,14 @@
 """Inputs and steps the cache nodes share: the cache-device choice, and the KSampler-like calibration run."""
 from __future__ import annotations
 
-from typing import Callable
-
+import comfy.patcher_extension as pe
 import comfy.samplers
 import nodes as comfy_nodes  # ComfyUI's nodes.py (this pack's own nodes/ package is only imported relatively)
 import torch
 from comfy_api.latest import io
 
 from . import calibration_files
-from .lifecycle import AppliedCache, CacheSession, attach_cache
+from .features import RUN_KEY, AppliedFeature, FeatureSession, RunSession, attach_feature
 
 CACHE_DEVICES = ["compute device", "offload device"]
 
@@ -57,21 +56,22 @@ def validate_calibration_name(node_title: str, name: str) -> bool | str:
     return True
 
 
-def sample_calibrating(model, cache: AppliedCache, session_cls: Callable[..., CacheSession], seed: int, steps: int,
-                       cfg: float, sampler_name: str, scheduler: str, positive, negative, latent_image
-                       ) -> tuple[dict, list[CacheSession]]:
-    """Run the KSampler node's own path (same noise, progress bar with previews) with ``cache`` attached.
+def sample_calibrating(model, feature: AppliedFeature, seed: int, steps: int, cfg: float, sampler_name: str,
+                       scheduler: str, positive, negative, latent_image) -> tuple[dict, list[FeatureSession]]:
+    """Run the KSampler node's own path (same noise, progress bar with previews) with ``feature`` attached.
 
-    Returns the LATENT and the sessions the run created (one per sampling run; read their calibration data).
+    Returns the LATENT and the feature's sessions, one per sampling run, closed (read what they recorded).
     """
-    sessions: list[CacheSession] = []
+    sessions: list[FeatureSession] = []
 
-    def session_factory(patcher, applied):
-        session = session_cls(patcher, applied)
-        sessions.append(session)
-        return session
+    def keep_sessions(executor, *args, **kwargs):
+        # runs inside the lifecycle's OUTER_SAMPLE wrapper, so the run's sessions exist already
+        run: RunSession = executor.class_obj.model_options["transformer_options"][RUN_KEY]
+        sessions.extend(s for s in run.sessions if s.feature == feature)
+        return executor(*args, **kwargs)
 
-    calibrating = attach_cache(model, cache, session_factory)
+    calibrating = attach_feature(model, feature)
+    calibrating.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, "omni_hooks.calibrate", keep_sessions)
     (latent,) = comfy_nodes.common_ksampler(calibrating, seed, steps, cfg, sampler_name, scheduler, positive,
                                             negative, latent_image)
     return latent, sessions

@@ -67,7 +67,7 @@ def _executing() -> tuple[str | None, str | None]:
 
 
 def _header(session) -> dict[str, Any]:
-    return {"run_id": session.run_id, "prompt_id": session.prompt_id, "node_id": session.cache.node_id,
+    return {"run_id": session.run_id, "prompt_id": session.prompt_id, "node_id": session.feature.node_id,
             "sampler_node_id": session.sampler_node_id, "kind": session.stats.kind, "model": session.stats.model}
 
 

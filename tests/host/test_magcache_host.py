@@ -162,7 +162,7 @@ def test_calibrate_writes_a_file_that_apply_magcache_offers_and_skips_with(env, 
 
     from omnitest.pack import pack_module, run_node
 
-    calibrate = pack_module("nodes.magcache_calibrate_node").MagCacheCalibrate
+    calibrate = pack_module("nodes.magcache_node").MagCacheCalibrate
     latent = {"samples": wan.latent}
     steps = 16
     out_latent, text = run_node(calibrate, model=wan.patcher, seed=0, steps=steps, cfg=3.0, sampler_name="euler",
@@ -178,7 +178,7 @@ def test_calibrate_writes_a_file_that_apply_magcache_offers_and_skips_with(env, 
     assert all(0 <= c <= 2 for c in data["cos_dist"]["cond"])
     assert data["interleaved"][:4] == [data["mag_ratios"]["cond"][0], data["mag_ratios"]["uncond"][0],
                                        data["mag_ratios"]["cond"][1], data["mag_ratios"]["uncond"][1]]
-    assert "calibration: tiny wan mag" in env.magcache.curve_options()
+    assert "calibration: tiny wan mag" in pack_module("nodes.caches").variant_options(env.magcache.MAGCACHE)
     assert env.calibration_files.load("magcache", "tiny wan mag")["mag_ratios"] == data["mag_ratios"]
     # every step was computed: the calibration run equals plain sampling
     assert torch.equal(out_latent["samples"], env.tiny.sample(wan, steps=steps, cfg=3.0))
@@ -224,7 +224,7 @@ def test_auto_without_a_published_curve_points_to_magcache_calibrate(env, wan):
 def test_auto_picks_the_published_curve(env):
     case = env.tiny.build_case("flux")
     patched = env.apply(case.patcher, 0.1, curve="auto")
-    settings = patched.model_options["transformer_options"]["omni_hooks.caches"][0].settings
+    settings = patched.model_options["transformer_options"]["omni_hooks.features"][0].settings
     assert settings.model_label.endswith(", flux") and dict(settings.curves)["default"][:2] == (1.0, 1.21094)
 
 
@@ -269,7 +269,7 @@ def test_wan22_experts_each_count_their_own_segment(env, wan):
 def test_every_input_has_a_tooltip_and_the_ids_are_namespaced(env):
     from omnitest.pack import pack_module
 
-    calibrate = pack_module("nodes.magcache_calibrate_node").MagCacheCalibrate
+    calibrate = pack_module("nodes.magcache_node").MagCacheCalibrate
     for node, node_id in ((env.magcache.ApplyMagCache, "OmniHooks.ApplyMagCache"),
                           (calibrate, "OmniHooks.MagCacheCalibrate")):
         schema = node.define_schema()

@@ -111,7 +111,7 @@ def run_node_auto(env, model):
 def test_auto_picks_the_published_coefficients(env):
     case = env.tiny.build_case("ltxv")
     patched = run_node_auto(env, case.patcher)
-    settings = patched.model_options["transformer_options"]["omni_hooks.caches"][0].settings
+    settings = patched.model_options["transformer_options"]["omni_hooks.features"][0].settings
     assert settings.model_label.endswith(", ltxv") and settings.rel_l1_thresh == 0.06
 
 

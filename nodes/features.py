@@ -1,0 +1,352 @@
+"""One run lifecycle for every feature this pack applies to a ComfyUI MODEL: caches, offload, sequence parallel.
+
+A node never touches the torch module. It calls ``attach_feature``, which clones the MODEL, appends a small
+deepcopy-safe ``AppliedFeature`` to the clone's list of features and (once per clone lineage) adds one pair of keyed
+patcher wrappers that drive every feature of the MODEL:
+
+  * OUTER_SAMPLE, one sampling run: a ``RunSession`` holds one ``FeatureSession`` per applied feature, created in
+    ``SESSION_ORDER`` (weights, then sharding, then caching) inside the ``try`` whose ``finally`` closes them in
+    reverse order, errors and interrupts included. The guider's model options are swapped for a copy for the run and
+    always restored.
+  * PREPARE_SAMPLING, model load: after ComfyUI loaded the models for the run, each session's ``after_load`` may act
+    on the loaded MODEL (offload must); whatever it does is undone by the session's ``close``.
+  * DIFFUSION_MODEL, one model call: sessions install their hooks lazily on the module actually called (so deep
+    clones are covered), the wrapper builds the call's ``CallContext`` (branches, labels, step) and passes it to every
+    session's ``begin_call`` in order and ``end_call`` in reverse.
+
+The input MODEL and every other clone never see a hook: hooks exist only during a run of ours and pass through
+outside a call of ours. Which features may share a MODEL is the table ``COMBINABLE``; a refused pair is a
+``FeatureConflictError`` naming both nodes.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import comfy.model_management
+import comfy.model_patcher
+import comfy.patcher_extension as pe
+import torch
+
+from ..omni_hooks.context import CallContext
+
+log = logging.getLogger("OmniHooks")
+
+FEATURES_KEY = "omni_hooks.features"  # transformer_options: the tuple of AppliedFeature on this MODEL
+RUN_KEY = "omni_hooks.run"             # transformer_options of one run's model-options copy: the live RunSession
+WRAPPER_KEY = "omni_hooks"
+
+
+class Category(str, enum.Enum):
+    """What a feature does to the model; decides compatibility and the order of a run's sessions."""
+
+    OFFLOAD = "offload"
+    SEQUENCE_PARALLEL = "sequence parallel"
+    CACHE = "cache"
+
+
+# Pairs of categories that may share one MODEL. Not listed: two caches (both would skip the same blocks), two
+# offloads, two sequence-parallel nodes.
+COMBINABLE: frozenset[frozenset[Category]] = frozenset({
+    frozenset({Category.CACHE, Category.OFFLOAD}),
+    frozenset({Category.CACHE, Category.SEQUENCE_PARALLEL}),
+    frozenset({Category.OFFLOAD, Category.SEQUENCE_PARALLEL}),
+})
+
+# A run's sessions begin in this order and end in the reverse: weights must be placed before the model runs sharded,
+# and a cache decides on what the sharded model computes.
+SESSION_ORDER: tuple[Category, ...] = (Category.OFFLOAD, Category.SEQUENCE_PARALLEL, Category.CACHE)
+
+
+@dataclass(frozen=True)
+class AppliedFeature:
+    """The marker a node leaves on its MODEL clone: small and deepcopy-safe (it travels in ``model_options``)."""
+
+    kind: str          # "teacache", "magcache", "offload", ...
+    category: Category
+    node_title: str    # "Apply TeaCache"
+    node_id: str | None
+    settings: Any      # a frozen dataclass of what the node resolved at execute time
+
+    def describe(self) -> str:
+        return f"{self.node_title} (node #{self.node_id})" if self.node_id else self.node_title
+
+
+class FeatureConflictError(RuntimeError):
+    """Two features that cannot share a MODEL, or a hook that another node's hook excludes."""
+
+
+class FeatureSession:
+    """One sampling run of one feature. Subclasses override what they need; every default does nothing.
+
+    Contract: ``__init__`` must not touch the torch module. ``install(dm)`` may register hooks on ``dm`` and is called
+    again (after ``remove()``) if the run calls another module. ``close(status)`` undoes everything ``after_load`` and
+    ``install`` did, is called exactly once per run whatever happened, and must not raise for a half-done setup.
+    """
+
+    def __init__(self, patcher, feature: AppliedFeature):
+        self.patcher = patcher
+        self.feature = feature
+
+    def after_load(self, patcher) -> None:
+        """ComfyUI has loaded the models for this run."""
+
+    def install(self, diffusion_model: torch.nn.Module) -> None:
+        """Register this feature's hooks on the diffusion model about to be called."""
+
+    def remove(self) -> None:
+        """Remove what ``install`` registered."""
+
+    def begin_call(self, context: CallContext) -> None:
+        """A model call starts (hooks installed)."""
+
+    def end_call(self, context: CallContext) -> None:
+        """The model call ended (also after an error inside it)."""
+
+    def close(self, status: str) -> None:
+        """The run ended with ``status`` ("success", "error", "interrupted"): undo everything, publish statistics."""
+        self.remove()
+
+
+SessionFactory = Callable[[Any, AppliedFeature], FeatureSession]
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """How a kind of feature runs: its category and how one sampling run of it is made."""
+
+    kind: str
+    category: Category
+    session_factory: SessionFactory
+
+
+_SPECS: dict[str, FeatureSpec] = {}
+
+
+def register_feature(spec: FeatureSpec) -> FeatureSpec:
+    """Make a feature kind known to the lifecycle (once per kind, at import)."""
+    existing = _SPECS.get(spec.kind)
+    if existing is not None and existing != spec:
+        raise ValueError(f"feature kind {spec.kind!r} is already registered")
+    _SPECS[spec.kind] = spec
+    return spec
+
+
+def applied_features(model) -> tuple[AppliedFeature, ...]:
+    return tuple(model.model_options.get("transformer_options", {}).get(FEATURES_KEY, ()))
+
+
+def check_combinable(existing: tuple[AppliedFeature, ...], feature: AppliedFeature) -> None:
+    """FeatureConflictError naming both nodes when ``feature`` may not join ``existing`` on one MODEL."""
+    for other in existing:
+        if frozenset({other.category, feature.category}) in COMBINABLE:
+            continue
+        if other.category == feature.category == Category.CACHE:
+            why = (f"Only one cache can run on a model (both would skip the same blocks). Remove one of the two "
+                   f"nodes, or connect {feature.node_title} to the model loader's output instead.")
+        else:
+            why = f"A MODEL takes one {feature.category.value} node; remove one of the two."
+        raise FeatureConflictError(f"{feature.describe()}: this MODEL already has {other.describe()}. {why}")
+
+
+def attach_feature(model, feature: AppliedFeature):
+    """A clone of ``model`` carrying ``feature`` (after those it already has). The input MODEL is not changed."""
+    if feature.kind not in _SPECS:
+        raise ValueError(f"unknown feature kind {feature.kind!r}; register it with register_feature()")
+    existing = applied_features(model)
+    check_combinable(existing, feature)
+    clone = model.clone()
+    clone.model_options["transformer_options"][FEATURES_KEY] = existing + (feature,)
+    if not clone.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY):
+        clone.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, _outer_sample)
+        clone.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, WRAPPER_KEY, _prepare_sampling)
+        clone.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, _diffusion_model)
+    return clone
+
+
+@dataclass
+class StepInfo:
+    step: int | None
+    total_steps: int | None
+
+
+def step_of(transformer_options: dict, schedules: dict | None = None) -> StepInfo:
+    """This call's step within the sampler's schedule, from ``sample_sigmas`` (not from counting calls).
+
+    Exact match first; samplers that evaluate between schedule points (heun, dpm_2, ...) get the interval that holds
+    the current sigma. ``schedules`` memoises the schedule as Python floats per run, so a step costs one host read
+    (the current sigma), not one per schedule entry.
+    """
+    schedule = transformer_options.get("sample_sigmas")
+    sigmas = transformer_options.get("sigmas")
+    if schedule is None or sigmas is None or len(schedule) < 2:
+        return StepInfo(None, None)
+    total = len(schedule) - 1
+    sigma = float(sigmas.flatten()[0])
+    memo = schedules if schedules is not None else {}
+    held, values = memo.get(id(schedule), (None, None))
+    if held is not schedule:  # holding the tensor keeps its id from being reused by another one
+        values = [float(s) for s in schedule.tolist()]
+        memo[id(schedule)] = (schedule, values)
+    for i, s in enumerate(values[:-1]):
+        if s == sigma:
+            return StepInfo(i, total)
+    for i in range(total):
+        hi, lo = max(values[i], values[i + 1]), min(values[i], values[i + 1])
+        if lo <= sigma <= hi:
+            return StepInfo(i, total)
+    return StepInfo(None, total)
+
+
+@dataclass
+class RunSession:
+    """One sampling run of a MODEL's features: their sessions in ``SESSION_ORDER`` and what they share."""
+
+    patcher: Any
+    sessions: list[FeatureSession] = field(default_factory=list)
+    installed_on: torch.nn.Module | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    schedules: dict = field(default_factory=dict)  # step_of's memo for this run
+    closed: bool = False
+
+    def open(self, features: tuple[AppliedFeature, ...]) -> None:
+        """Create one session per feature, in ``SESSION_ORDER`` (each kept as soon as it exists, for ``close``)."""
+        rank = {category: i for i, category in enumerate(SESSION_ORDER)}
+        for feature in sorted(features, key=lambda f: rank[f.category]):
+            self.sessions.append(_SPECS[feature.kind].session_factory(self.patcher, feature))
+
+    def after_load(self, patcher) -> None:
+        for session in self.sessions:
+            session.after_load(patcher)
+
+    def session_of(self, category: Category) -> FeatureSession | None:
+        return next((s for s in self.sessions if s.feature.category == category), None)
+
+    def label_of(self, uuid: str, cond_or_uncond: int) -> str:
+        """"cond"/"uncond", with ".1", ".2" for further cond entries of the same kind (areas, multiple conds)."""
+        label = self.labels.get(uuid)
+        if label is None:
+            base = "uncond" if cond_or_uncond == 1 else "cond"
+            n = sum(1 for v in self.labels.values() if v.split(".")[0] == base)
+            label = base if n == 0 else f"{base}.{n}"
+            self.labels[uuid] = label
+        return label
+
+    def ensure_installed(self, diffusion_model: torch.nn.Module) -> None:
+        """Install every session's hooks on ``diffusion_model`` (moving them if the run called another module)."""
+        if self.installed_on is diffusion_model:
+            return
+        self.remove_hooks()
+        try:
+            for session in self.sessions:
+                session.install(diffusion_model)
+        except RuntimeError as e:
+            self.remove_hooks()
+            names = ", ".join(s.feature.describe() for s in self.sessions)
+            raise FeatureConflictError(f"{names}: {e}. Another node already replaces the forward of these blocks; "
+                                       f"use only one cache on this model.") from e
+        except Exception:
+            self.remove_hooks()
+            raise
+        self.installed_on = diffusion_model
+
+    def remove_hooks(self) -> None:
+        for session in reversed(self.sessions):
+            session.remove()
+        self.installed_on = None
+
+    def close(self, status: str) -> None:
+        """Close every session in reverse order, each whatever the others did; re-raise the first failure."""
+        if self.closed:
+            return
+        self.closed = True
+        failure: BaseException | None = None
+        for session in reversed(self.sessions):
+            try:
+                session.close(status)
+            except Exception as e:  # keep closing the others; the first failure is raised below
+                log.exception("OmniHooks: closing %s failed", session.feature.describe())
+                failure = failure or e
+        self.installed_on = None
+        if failure is not None:
+            raise failure
+
+
+def _outer_sample(executor, *args, **kwargs):
+    guider = executor.class_obj
+    original_options = guider.model_options
+    features = tuple(original_options.get("transformer_options", {}).get(FEATURES_KEY, ()))
+    run = RunSession(patcher=guider.model_patcher)
+    guider.model_options = comfy.model_patcher.create_model_options_clone(original_options)
+    guider.model_options["transformer_options"][RUN_KEY] = run
+    status = "error"
+    try:
+        run.open(features)
+        result = executor(*args, **kwargs)
+        status = "success"
+        return result
+    except comfy.model_management.InterruptProcessingException:
+        status = "interrupted"
+        raise
+    finally:
+        try:
+            run.close(status)
+        finally:
+            guider.model_options = original_options
+
+
+def _prepare_sampling(executor, model_patcher, *args, **kwargs):
+    loaded = executor(model_patcher, *args, **kwargs)
+    options = kwargs.get("model_options") or {}
+    run: RunSession | None = options.get("transformer_options", {}).get(RUN_KEY)
+    if run is not None:
+        run.after_load(model_patcher)
+    return loaded
+
+
+def _transformer_options(args: tuple, kwargs: dict) -> dict:
+    """The ``transformer_options`` of a DIFFUSION_MODEL call.
+
+    By keyword when given so (Lumina2 passes it in ``**kwargs``), else the last positional dict: it is not always the
+    last argument (LTXV passes ``keyframe_idxs`` after it) and Flux, Chroma, HunyuanVideo and HiDream pass the
+    ControlNet ``control`` dict positionally, but always before it.
+    """
+    options = kwargs.get("transformer_options")
+    if isinstance(options, dict):
+        return options
+    dicts = [a for a in args if isinstance(a, dict)]
+    for candidate in reversed(dicts):  # prefer the one that carries our run, should a model ever order them otherwise
+        if RUN_KEY in candidate:
+            return candidate
+    return dicts[-1] if dicts else {}
+
+
+def call_context(run: RunSession, options: dict) -> CallContext:
+    """The context of one model call: one branch key and label per batch chunk, and the step."""
+    uuids = [str(u) for u in options.get("uuids", [])]
+    cond_or_uncond = list(options.get("cond_or_uncond", []))
+    if len(uuids) != len(cond_or_uncond):
+        uuids = [str(c) for c in cond_or_uncond]
+    labels = [run.label_of(u, c) for u, c in zip(uuids, cond_or_uncond)]
+    step = step_of(options, run.schedules)
+    return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps)
+
+
+def _diffusion_model(executor, *args, **kwargs):
+    options = _transformer_options(args, kwargs)
+    run: RunSession | None = options.get(RUN_KEY)
+    if run is None or not run.sessions:
+        return executor(*args, **kwargs)
+    run.ensure_installed(executor.class_obj)
+    context = call_context(run, options)
+    begun: list[FeatureSession] = []
+    try:
+        for session in run.sessions:
+            session.begin_call(context)
+            begun.append(session)
+        return executor(*args, **kwargs)
+    finally:
+        for session in reversed(begun):
+            session.end_call(context)
