@@ -12,6 +12,7 @@ from .base import (
     StateManager,
     module_has_active_hooks,
     overrides_forward,
+    remove_hook_and_restore,
     sort_hooks_after_call,
 )
 
@@ -23,5 +24,6 @@ __all__ = [
     "StateManager",
     "module_has_active_hooks",
     "overrides_forward",
+    "remove_hook_and_restore",
     "sort_hooks_after_call",
 ]

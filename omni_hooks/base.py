@@ -357,3 +357,13 @@ def module_has_active_hooks(module: torch.nn.Module) -> bool:
     """True iff the module has a registry holding at least one hook."""
     registry = module.__dict__.get(REGISTRY_ATTR)
     return registry is not None and bool(registry._hooks)
+
+
+def remove_hook_and_restore(module: torch.nn.Module, name: str) -> None:
+    """Remove the hook ``name`` from ``module``; a module left without hooks is restored exactly (``reset()``)."""
+    registry = module.__dict__.get(REGISTRY_ATTR)
+    if registry is None:
+        return
+    registry.remove_hook(name)
+    if not registry._hooks:
+        registry.reset()

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .base import BaseState, HookPhase, HookRegistry, ModelHook, StateManager, module_has_active_hooks
+from .base import BaseState, HookPhase, HookRegistry, ModelHook, StateManager, remove_hook_and_restore
 from .blockstack import BlockStack
 from .context import CallContext
 from .stats import BranchDecision, CacheRunStats, EvaluationRecord
@@ -206,10 +206,7 @@ class StackCacheRun:
     def remove(self) -> None:
         """Remove every hook this run installed; a module left without hooks is restored exactly."""
         for module, name in reversed(self._installed):
-            registry = HookRegistry.get_or_create(module)
-            registry.remove_hook(name)
-            if not module_has_active_hooks(module):
-                registry.reset()
+            remove_hook_and_restore(module, name)
         self._installed.clear()
         self._call = None
         self.states.reset()

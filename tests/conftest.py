@@ -1,4 +1,5 @@
-"""Suite-wide: report whether host tests run, and skip them in one clear line when they cannot."""
+"""Suite-wide: report whether host tests run, and skip them (and CUDA tests without CUDA) in one clear line when they
+cannot."""
 from __future__ import annotations
 
 import pytest
@@ -16,12 +17,19 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if comfyui_path() is not None:
-        return
-    skip = pytest.mark.skip(reason=skip_reason())
-    for item in items:
-        if any(item.get_closest_marker(m) for m in HOST_MARKERS):
-            item.add_marker(skip)
+    if comfyui_path() is None:
+        skip = pytest.mark.skip(reason=skip_reason())
+        for item in items:
+            if any(item.get_closest_marker(m) for m in HOST_MARKERS):
+                item.add_marker(skip)
+    if any(item.get_closest_marker("cuda") for item in items):
+        import torch
+
+        if not torch.cuda.is_available():
+            skip_cuda = pytest.mark.skip(reason="no CUDA device (tests marked cuda need one)")
+            for item in items:
+                if item.get_closest_marker("cuda"):
+                    item.add_marker(skip_cuda)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

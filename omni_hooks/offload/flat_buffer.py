@@ -1,0 +1,177 @@
+"""A block's offloaded tensors packed into one flat byte buffer, and the three ways its tensors can be bound.
+
+Every offloaded tensor of a block gets a byte range in one flat ``uint8`` buffer (aligned to ``ALIGN_BYTES``), so a
+block moves with one copy, from its CPU master copy into a device slot of the same layout. A tensor of the block is
+always in exactly one of three states, and keeps its object identity (only ``.data`` changes):
+  * bound: a view into the slot that holds the block (``bind``);
+  * released: a 0-element placeholder of its dtype on the device (``release``): a forward of a block in this state
+    fails loudly instead of computing with wrong weights, and residency is measurable on any device;
+  * restored: a fresh tensor with its original device, dtype, shape and strides, filled from the master copy
+    (``restore``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import KeepResidentFn
+
+# Offsets of tensors inside a flat buffer: enough for every dtype's alignment and for vectorised device loads.
+ALIGN_BYTES = 64
+
+
+@dataclass(frozen=True)
+class PackedTensor:
+    """One offloaded tensor: where it lives in its module, what it looked like, and its byte range in the flat."""
+
+    name: str                 # inside the block, e.g. "attn.q.weight"
+    tensor: torch.Tensor      # the Parameter or buffer object itself; only its .data is ever replaced
+    is_buffer: bool
+    dtype: torch.dtype
+    shape: torch.Size
+    stride: tuple[int, ...]
+    device: torch.device
+    offset: int
+    nbytes: int
+    # the original strides when they cover the bytes densely (e.g. a transposed weight), so kernels see the same
+    # layout as without offload; else the contiguous strides
+    view_stride: tuple[int, ...]
+
+    def view_in(self, flat: torch.Tensor) -> torch.Tensor:
+        elements = flat.narrow(0, self.offset, self.nbytes).view(self.dtype)
+        return elements.as_strided(self.shape, self.view_stride, elements.storage_offset())
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The offloaded tensors of one block and the size of its flat buffer; ``kept_bytes`` were left in place."""
+
+    tensors: tuple[PackedTensor, ...]
+    nbytes: int
+    kept_bytes: int
+
+    @classmethod
+    def of(cls, block: torch.nn.Module, keep_resident: KeepResidentFn | None, offload_buffers: bool,
+           where: str) -> "BlockLayout":
+        """Lay out ``block``'s parameters (and buffers), each tensor object once. ``where`` names the block in errors.
+
+        Raises ValueError for a tensor that cannot be packed as plain bytes (a tensor subclass such as a quantized
+        or GGUF weight, a sparse, quantized or meta tensor); ``keep_resident`` can leave such tensors in place.
+        """
+        seen: set[int] = set()
+        packed: list[PackedTensor] = []
+        offset = kept = 0
+        for module_name, module in block.named_modules():
+            entries = [(n, t, False) for n, t in module._parameters.items()]
+            if offload_buffers:
+                entries += [(n, t, True) for n, t in module._buffers.items()]
+            for attr, tensor, is_buffer in entries:
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                name = f"{module_name}.{attr}" if module_name else attr
+                if keep_resident is not None and keep_resident(name, tensor):
+                    kept += tensor.numel() * tensor.element_size()
+                    continue
+                _check_packable(tensor, name, where)
+                offset = -(-offset // ALIGN_BYTES) * ALIGN_BYTES
+                nbytes = tensor.numel() * tensor.element_size()
+                stride = tuple(tensor.stride())
+                packed.append(PackedTensor(name=name, tensor=tensor, is_buffer=is_buffer, dtype=tensor.dtype,
+                                           shape=tensor.shape, stride=stride, device=tensor.device,
+                                           offset=offset, nbytes=nbytes,
+                                           view_stride=stride if _is_dense(tensor.shape, stride)
+                                           else _contiguous_strides(tensor.shape)))
+                offset += nbytes
+        return cls(tensors=tuple(packed), nbytes=offset, kept_bytes=kept)
+
+    def pack_into(self, flat: torch.Tensor) -> None:
+        """Copy every tensor's current values into ``flat`` (the master copy)."""
+        with torch.no_grad():
+            for t in self.tensors:
+                t.view_in(flat).copy_(t.tensor.data)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's view into ``flat`` (a slot holding this block), in layout order."""
+        with torch.inference_mode(False):
+            return [t.view_in(flat) for t in self.tensors]
+
+    def bind(self, views: list[torch.Tensor]) -> None:
+        for t, view in zip(self.tensors, views):
+            t.tensor.data = view
+
+    def release(self, placeholders: "Placeholders") -> None:
+        for t in self.tensors:
+            t.tensor.data = placeholders.of(t.dtype)
+
+    def restore(self, master: torch.Tensor) -> None:
+        """Give every tensor back its original device, dtype, shape and strides, with the master copy's values."""
+        with torch.inference_mode(False), torch.no_grad():
+            for t in self.tensors:
+                original = torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device=t.device)
+                original.copy_(t.view_in(master))
+                t.tensor.data = original
+
+
+class Placeholders:
+    """0-element tensors on the device, one per dtype, shared by every released tensor of that dtype."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._by_dtype: dict[torch.dtype, torch.Tensor] = {}
+
+    def of(self, dtype: torch.dtype) -> torch.Tensor:
+        placeholder = self._by_dtype.get(dtype)
+        if placeholder is None:
+            with torch.inference_mode(False):
+                placeholder = torch.empty(0, dtype=dtype, device=self.device)
+            self._by_dtype[dtype] = placeholder
+        return placeholder
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _is_dense(shape: torch.Size, stride: tuple[int, ...]) -> bool:
+    """True when ``stride`` lays ``shape`` out without gaps or overlaps (a permutation of a contiguous layout)."""
+    dims = sorted((s, n) for s, n in zip(stride, shape) if n != 1)
+    step = 1
+    for s, n in dims:
+        if s != step:
+            return False
+        step *= n
+    return True
+
+
+def _check_packable(tensor: torch.Tensor, name: str, where: str) -> None:
+    data = tensor.data
+    problem = None
+    if type(data) is not torch.Tensor:
+        problem = f"is a {type(data).__name__}, a tensor subclass"
+    elif data.layout != torch.strided:
+        problem = f"has layout {data.layout}"
+    elif data.is_quantized:
+        problem = "is a quantized tensor"
+    elif data.device.type == "meta":
+        problem = "is on the meta device (not loaded)"
+    if problem:
+        raise ValueError(f"apply_layerwise_offload: {where} tensor {name!r} {problem}, which cannot be offloaded as "
+                         "plain bytes; leave it in place with keep_resident")
+
+
+def plan_pinning(pinned_sizes: list[int], budget: int) -> list[bool]:
+    """Which blocks to pin: in list order, each block whose pinned size still fits in what is left of ``budget``."""
+    plan = []
+    left = budget
+    for size in pinned_sizes:
+        fits = size <= left
+        plan.append(fits)
+        if fits:
+            left -= size
+    return plan

@@ -1,0 +1,163 @@
+"""The device-specific part of offload, kept small: host buffers (pinned or not) and how a copy reaches the device.
+
+Only CUDA (and ROCm, which torch exposes as ``cuda``) gets a copy stream, events and pinned memory. Every other
+device (the CPU included, which is how the tests measure residency and bytes moved) copies synchronously, with the
+same bookkeeping. Nothing here calls ``torch.cuda`` unless the target device is CUDA (hook-library-spec.md §6.4).
+"""
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import time
+import weakref
+
+import torch
+
+PAGE_BYTES = mmap.PAGESIZE
+# Timing events not yet read back; past this many the oldest is waited for, so the list stays bounded.
+MAX_PENDING_TIMINGS = 1024
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def physical_memory_bytes() -> int | None:
+    """The machine's physical memory where the standard library can tell it (POSIX), else None."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def pinned_size(nbytes: int) -> int:
+    """The bytes page-locked for a pinned buffer of ``nbytes`` (whole pages)."""
+    return round_up(max(nbytes, 1), PAGE_BYTES)
+
+
+def _unregister(pointer: int, keep_alive: torch.Tensor) -> None:
+    error = int(torch.cuda.cudart().cudaHostUnregister(pointer))
+    if error:
+        raise RuntimeError(f"cudaHostUnregister failed with CUDA error {error}")
+
+
+class HostBuffer:
+    """One flat ``uint8`` CPU buffer holding a block's master copy.
+
+    Pinned buffers are pageable allocations page-locked with ``cudaHostRegister`` over whole pages that belong to
+    this buffer alone: exactly the size asked for, where torch's caching host allocator (``pin_memory=True``) rounds
+    every allocation up to a power of two. ``release()`` (or garbage collection) unregisters before the memory goes.
+    """
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.nbytes = nbytes
+        self.pinned = False
+        self._finalizer: weakref.finalize | None = None
+        with torch.inference_mode(False):
+            if not pin:
+                self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+                return
+            raw = torch.empty(nbytes + 2 * PAGE_BYTES, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE_BYTES
+        pointer = raw.data_ptr() + start
+        error = int(torch.cuda.cudart().cudaHostRegister(pointer, pinned_size(nbytes), 0))
+        if error:
+            raise RuntimeError(
+                f"apply_layerwise_offload: page-locking {pinned_size(nbytes)} bytes of host memory failed (CUDA "
+                f"error {error}); pass a smaller pinned_budget_bytes or pin_memory=False")
+        self.tensor = raw[start:start + nbytes]
+        self.pinned = True
+        self._finalizer = weakref.finalize(self, _unregister, pointer, raw)
+
+    def release(self) -> None:
+        """Unpin (if pinned) and drop the buffer. The caller makes sure no copy from it is still in flight."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self.tensor = None
+        self.pinned = False
+
+
+class SyncCopies:
+    """Copies for devices without streams: each runs to completion when issued, and all of its host time is time the
+    computation waits (nothing overlaps it)."""
+
+    uses_streams = False
+
+    def __init__(self, device: torch.device, slots: int, measure_waits: bool):
+        self.device = device
+        self.wait_seconds = 0.0
+
+    def copy(self, slot: int, destination: torch.Tensor, source: torch.Tensor) -> None:
+        start = time.perf_counter()
+        destination.copy_(source)
+        self.wait_seconds += time.perf_counter() - start
+
+    def wait_ready(self, slot: int) -> None:
+        """Order the computation after the last copy into ``slot`` (already done here)."""
+
+    def collect(self, block: bool = False) -> float:
+        return self.wait_seconds
+
+    def drain(self) -> None:
+        """Wait until no copy is in flight and the device is idle (nothing to wait for here)."""
+
+
+class CudaStreamCopies:
+    """Copies on one side stream per handle.
+
+    A copy into a slot first waits for the work queued on the current (compute) stream, which is the last user of
+    the block that slot held; it then runs on the side stream and records the slot's ready event. The computation
+    waits on that event only when the block is bound, right before it runs. Waits are timed with timing events
+    around the compute stream's wait (read back without blocking, or all at once by ``collect(block=True)``).
+    """
+
+    uses_streams = True
+
+    def __init__(self, device: torch.device, slots: int, measure_waits: bool):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.ready = [torch.cuda.Event() for _ in range(slots)]
+        self.measure_waits = measure_waits
+        self.wait_seconds = 0.0
+        self._pending: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
+
+    def copy(self, slot: int, destination: torch.Tensor, source: torch.Tensor) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            destination.copy_(source, non_blocking=True)
+        self.ready[slot].record(self.stream)
+
+    def wait_ready(self, slot: int) -> None:
+        event = self.ready[slot]
+        if event.query():  # copy already done: the compute stream is ordered after it anyway
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if not self.measure_waits:
+            compute.wait_event(event)
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(compute)
+        compute.wait_event(event)
+        end.record(compute)
+        self._pending.append((start, end))
+        self.collect()
+
+    def collect(self, block: bool = False) -> float:
+        """Add the waits whose timing events completed (all of them, waiting, with ``block``); the total so far."""
+        pending = self._pending
+        while pending and (block or len(pending) > MAX_PENDING_TIMINGS or pending[0][1].query()):
+            start, end = pending.popleft()
+            end.synchronize()
+            self.wait_seconds += start.elapsed_time(end) / 1000.0
+        return self.wait_seconds
+
+    def drain(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def copies_for(device: torch.device, slots: int, measure_waits: bool) -> SyncCopies | CudaStreamCopies:
+    if device.type == "cuda":
+        return CudaStreamCopies(device, slots, measure_waits)
+    return SyncCopies(device, slots, measure_waits)

@@ -1,0 +1,83 @@
+"""What one offload handle did: placement, copies, residency and waiting. ``summary()`` is JSON-safe numbers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+GIB = 1024 ** 3
+
+
+@dataclass
+class OffloadStats:
+    """Counters of one ``LayerwiseOffloadHandle``, updated as blocks run.
+
+    Placement (fixed when the handle is applied):
+      ``blocks``, ``prefetch_blocks``, ``slots`` (= min(blocks, 1 + prefetch_blocks)), ``slot_bytes`` (one slot,
+      sized for the largest block), ``device_bytes`` (all slots: what the blocks hold on the device),
+      ``offloaded_bytes`` (the CPU master copies), ``pinned_bytes`` / ``pinned_blocks`` (of those, page-locked),
+      ``kept_resident_bytes`` (block tensors ``keep_resident`` left in place), ``uses_streams``.
+    Activity:
+      ``block_calls`` (block forwards that ran), ``hits`` (of those, the block was on the device or being copied
+      there), ``sync_loads`` (the block was not on the device and was loaded on the critical path), ``prefetches``
+      (copies issued ahead of a block's call), ``copies`` (all host-to-device block copies: prefetches, sync loads and
+      the loads of the stack's head), ``bytes_moved`` (their bytes; nothing is ever copied back to the CPU),
+      ``peak_resident_blocks`` (most blocks on the device at once, in a slot bound or being filled),
+      ``copy_wait_seconds`` (time the computation waited for copies: on CUDA measured on the compute stream,
+      elsewhere every copy's host time, since copies there are synchronous).
+    """
+
+    device: str
+    blocks: int
+    prefetch_blocks: int
+    slots: int
+    slot_bytes: int
+    device_bytes: int
+    offloaded_bytes: int
+    pinned_bytes: int
+    pinned_blocks: int
+    kept_resident_bytes: int
+    uses_streams: bool
+    block_calls: int = 0
+    hits: int = 0
+    sync_loads: int = 0
+    prefetches: int = 0
+    copies: int = 0
+    bytes_moved: int = 0
+    peak_resident_blocks: int = 0
+    copy_wait_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "kind": "offload",
+            "device": self.device,
+            "blocks": self.blocks,
+            "prefetch_blocks": self.prefetch_blocks,
+            "slots": self.slots,
+            "slot_bytes": self.slot_bytes,
+            "device_bytes": self.device_bytes,
+            "offloaded_bytes": self.offloaded_bytes,
+            "pinned_bytes": self.pinned_bytes,
+            "pinned_blocks": self.pinned_blocks,
+            "kept_resident_bytes": self.kept_resident_bytes,
+            "uses_streams": self.uses_streams,
+            "block_calls": self.block_calls,
+            "hits": self.hits,
+            "sync_loads": self.sync_loads,
+            "prefetches": self.prefetches,
+            "copies": self.copies,
+            "bytes_moved": self.bytes_moved,
+            "peak_resident_blocks": self.peak_resident_blocks,
+            "copy_wait_seconds": self.copy_wait_seconds,
+            "notes": list(self.notes),
+        }
+
+    def log_line(self) -> str:
+        line = (f"offload ({self.device}, prefetch {self.prefetch_blocks}): {self.blocks} blocks in {self.slots} "
+                f"slots ({self.device_bytes / GIB:.2f} GiB on the device), {self.offloaded_bytes / GIB:.2f} GiB "
+                f"offloaded ({self.pinned_bytes / GIB:.2f} GiB pinned); moved {self.bytes_moved / GIB:.2f} GiB in "
+                f"{self.copies} copies, {self.sync_loads} of {self.block_calls} block calls loaded on the critical "
+                f"path, waited {self.copy_wait_seconds:.3f} s for copies")
+        if self.notes:
+            line += "; " + "; ".join(self.notes)
+        return line
