@@ -19,8 +19,9 @@ def skip_reason() -> str:
             "to run host, server and browser tests)")
 
 
-def use_comfyui_in_process() -> Path | None:
-    """Make ComfyUI importable in this process, on CPU; returns its root, or None when there is no checkout.
+def use_comfyui_in_process(cpu: bool = True) -> Path | None:
+    """Make ComfyUI importable in this process, on CPU unless ``cpu`` is False (then ComfyUI picks its device as it
+    does when started); returns its root, or None when there is no checkout.
 
     Its root goes first on ``sys.path`` (ComfyUI's ``nodes``/``utils`` must win over same-named folders) and
     ``args.cpu`` is set before ``comfy.model_management`` is first imported, since it picks the device at import.
@@ -35,7 +36,7 @@ def use_comfyui_in_process() -> Path | None:
     sys.path.insert(0, str(root))
     from comfy.cli_args import args
 
-    args.cpu = True
+    args.cpu = cpu
     import comfy.model_management  # noqa: F401  (device chosen now, with args.cpu set)
 
     return root
