@@ -19,6 +19,7 @@ Per block call i (blocks in execution order, P = ``prefetch_blocks``):
 A block being copied keeps its placeholders until it is bound (its copy is waited for on the current stream), so
 no code can read a half-copied weight: it reads a 0-element tensor and fails loudly instead. ``settle()`` binds
 every block being copied (e.g. before reading weights outside a forward after an exception interrupted a call).
+Streams: the blocks of one call run on the stream current at their calls; a later call may use another stream.
 """
 from __future__ import annotations
 
@@ -268,9 +269,10 @@ class LayerwiseOffloadHandle:
         slot = self._slots[target]
         self._tick += 1
         slot.last_used = self._tick
+        # every time, not only when binding: a host may run this call on another stream than the one that waited
+        self._copies.wait_ready(target)
         if slot.bound:
             return
-        self._copies.wait_ready(target)
         views = self._views.get((index, target))
         if views is None:
             views = self._views[(index, target)] = self.layouts[index].views(slot.buffer)

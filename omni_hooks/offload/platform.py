@@ -69,6 +69,7 @@ class HostBuffer:
         self.tensor = raw[start:start + nbytes]
         self.pinned = True
         self._finalizer = weakref.finalize(self, _unregister, pointer, raw)
+        self._finalizer.atexit = False  # at exit the process lets go of its memory anyway; CUDA may be gone by then
 
     def release(self) -> None:
         """Unpin (if pinned) and drop the buffer. The caller makes sure no copy from it is still in flight."""
@@ -95,7 +96,7 @@ class SyncCopies:
         self.wait_seconds += time.perf_counter() - start
 
     def wait_ready(self, slot: int) -> None:
-        """Order the computation after the last copy into ``slot`` (already done here)."""
+        """Order the current stream after the last copy into ``slot`` (already done here)."""
 
     def collect(self, block: bool = False) -> float:
         return self.wait_seconds
@@ -107,10 +108,11 @@ class SyncCopies:
 class CudaStreamCopies:
     """Copies on one side stream per handle.
 
-    A copy into a slot first waits for the work queued on the current (compute) stream, which is the last user of
-    the block that slot held; it then runs on the side stream and records the slot's ready event. The computation
-    waits on that event only when the block is bound, right before it runs. Waits are timed with timing events
-    around the compute stream's wait (read back without blocking, or all at once by ``collect(block=True)``).
+    A copy into a slot first waits for the work queued on the current (compute) stream and on the stream that last
+    used the slot (the same one unless the host switched streams), so the block the slot held is done with it; it
+    then runs on the side stream and records the slot's ready event. Before a block runs, the current stream waits
+    on its slot's event (a no-op once the copy is done). Waits are timed with timing events around the compute
+    stream's wait (read back without blocking, or all at once by ``collect(block=True)``).
     """
 
     uses_streams = True
@@ -119,21 +121,28 @@ class CudaStreamCopies:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.ready = [torch.cuda.Event() for _ in range(slots)]
+        self.last_user: list[torch.cuda.Stream | None] = [None] * slots
         self.measure_waits = measure_waits
         self.wait_seconds = 0.0
         self._pending: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
 
     def copy(self, slot: int, destination: torch.Tensor, source: torch.Tensor) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        user = self.last_user[slot]
+        if user is not None and user != current:
+            self.stream.wait_stream(user)
         with torch.cuda.stream(self.stream):
             destination.copy_(source, non_blocking=True)
         self.ready[slot].record(self.stream)
 
     def wait_ready(self, slot: int) -> None:
-        event = self.ready[slot]
-        if event.query():  # copy already done: the compute stream is ordered after it anyway
-            return
+        """Order the current stream after the last copy into ``slot`` and remember it as the slot's user."""
         compute = torch.cuda.current_stream(self.device)
+        self.last_user[slot] = compute
+        event = self.ready[slot]
+        if event.query():  # the copy is done: every stream is ordered after it
+            return
         if not self.measure_waits:
             compute.wait_event(event)
             return

@@ -373,7 +373,7 @@ def test_compiled_model_with_offload_matches_eager():
         with torch.no_grad():
             outs = [compiled(x, torch.full((2,), ts)) for ts in TIMESTEPS]
         assert all(torch.equal(o, r) for o, r in zip(outs, reference))
-        assert handle.stats.sync_loads == 0
+        assert handle.stats.block_calls == 3 * len(TIMESTEPS) and handle.stats.sync_loads == 0
     finally:
         handle.remove()
         torch._dynamo.reset()
