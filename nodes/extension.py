@@ -5,12 +5,13 @@ from comfy_api.latest import ComfyExtension, io
 
 from . import stats_store
 from .magcache_node import ApplyMagCache, MagCacheCalibrate
+from .offload_node import CPUOffload
 from .teacache_node import ApplyTeaCache, TeaCacheCalibrate
 
 
 class OmniHooksExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [ApplyTeaCache, TeaCacheCalibrate, ApplyMagCache, MagCacheCalibrate]
+        return [ApplyTeaCache, TeaCacheCalibrate, ApplyMagCache, MagCacheCalibrate, CPUOffload]
 
 
 # Routes must exist before ComfyUI's server adds its routes, which happens after custom nodes are loaded.

@@ -78,13 +78,25 @@ class FeatureConflictError(RuntimeError):
     """Two features that cannot share a MODEL, or a hook that another node's hook excludes."""
 
 
+@dataclass(frozen=True)
+class LoadRequest:
+    """What ComfyUI loaded a run's models for (the arguments of ``prepare_sampling``): the shape of the run's noise
+    and its conditioning, from which ``comfy.sampler_helpers.estimate_memory`` estimates the run's activations."""
+
+    noise_shape: tuple[int, ...] | None
+    conds: Any = None
+
+
 class FeatureSession:
     """One sampling run of one feature. Subclasses override what they need; every default does nothing.
 
     Contract: ``__init__`` must not touch the torch module. ``install(dm)`` may register hooks on ``dm`` and is called
     again (after ``remove()``) if the run calls another module. ``close(status)`` undoes everything ``after_load`` and
     ``install`` did, is called exactly once per run whatever happened, and must not raise for a half-done setup.
+    ``load_request`` is set just before ``after_load`` (None until then).
     """
+
+    load_request: LoadRequest | None = None
 
     def __init__(self, patcher, feature: AppliedFeature):
         self.patcher = patcher
@@ -217,8 +229,9 @@ class RunSession:
         for feature in sorted(features, key=lambda f: rank[f.category]):
             self.sessions.append(_SPECS[feature.kind].session_factory(self.patcher, feature))
 
-    def after_load(self, patcher) -> None:
+    def after_load(self, patcher, request: LoadRequest | None = None) -> None:
         for session in self.sessions:
+            session.load_request = request
             session.after_load(patcher)
 
     def session_of(self, category: Category) -> FeatureSession | None:
@@ -302,7 +315,11 @@ def _prepare_sampling(executor, model_patcher, *args, **kwargs):
     options = kwargs.get("model_options") or {}
     run: RunSession | None = options.get("transformer_options", {}).get(RUN_KEY)
     if run is not None:
-        run.after_load(model_patcher)
+        # prepare_sampling(model, noise_shape, conds, model_options=...)
+        noise_shape = kwargs.get("noise_shape", args[0] if args else None)
+        conds = kwargs.get("conds", args[1] if len(args) > 1 else None)
+        request = LoadRequest(tuple(noise_shape) if noise_shape is not None else None, conds)
+        run.after_load(model_patcher, request)
     return loaded
 
 

@@ -1,7 +1,7 @@
 """Block-level CPU offload: run a block stack bigger than the device, one CPU master copy per block, ``1 + P`` device
 slots and a look-ahead of P blocks on a copy stream (``apply_layerwise_offload``)."""
 from .config import KeepResidentFn, OffloadConfig
-from .flat_buffer import ALIGN_BYTES, BlockLayout, PackedTensor, Placeholders, plan_pinning
+from .flat_buffer import ALIGN_BYTES, BlockLayout, PackedTensor, Placeholders, plan_pinning, unpackable_reason
 from .hooks import HOOK_NAME, LayerwiseOffloadHandle, LayerwiseOffloadHook, apply_layerwise_offload
 from .platform import HostBuffer, physical_memory_bytes, pinned_size
 from .stats import OffloadStats
@@ -22,4 +22,5 @@ __all__ = [
     "physical_memory_bytes",
     "pinned_size",
     "plan_pinning",
+    "unpackable_reason",
 ]

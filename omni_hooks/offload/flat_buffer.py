@@ -6,8 +6,8 @@ always in exactly one of three states, and keeps its object identity (only ``.da
   * bound: a view into the slot that holds the block (``bind``);
   * released: a 0-element placeholder of its dtype on the device (``release``): a forward of a block in this state
     fails loudly instead of computing with wrong weights, and residency is measurable on any device;
-  * restored: a fresh tensor with its original device, dtype, shape and strides, filled from the master copy
-    (``restore``).
+  * restored: a fresh tensor with its original device, dtype, shape, strides and inference-ness, filled from the
+    master copy (``restore``).
 """
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ class PackedTensor:
     # the original strides when they cover the bytes densely (e.g. a transposed weight), so kernels see the same
     # layout as without offload; else the contiguous strides
     view_stride: tuple[int, ...]
+    # an inference tensor (e.g. a parameter a host created under torch.inference_mode): such a tensor only works with
+    # inference data, so it is bound, released and restored with inference tensors
+    inference: bool = False
 
     def view_in(self, flat: torch.Tensor) -> torch.Tensor:
         elements = flat.narrow(0, self.offset, self.nbytes).view(self.dtype)
@@ -82,7 +85,8 @@ class BlockLayout:
                                            shape=tensor.shape, stride=stride, device=tensor.device,
                                            offset=offset, nbytes=nbytes,
                                            view_stride=stride if _is_dense(tensor.shape, stride)
-                                           else _contiguous_strides(tensor.shape)))
+                                           else _contiguous_strides(tensor.shape),
+                                           inference=tensor.is_inference()))
                 offset += nbytes
         return cls(tensors=tuple(packed), nbytes=offset, kept_bytes=kept)
 
@@ -93,9 +97,20 @@ class BlockLayout:
                 t.view_in(flat).copy_(t.tensor.data)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each tensor's view into ``flat`` (a slot holding this block), in layout order."""
-        with torch.inference_mode(False):
-            return [t.view_in(flat) for t in self.tensors]
+        """Each tensor's view into ``flat`` (a slot holding this block), in layout order; inference tensors get views
+        of an inference alias of ``flat`` (the same memory)."""
+        alias = None
+        views = []
+        for t in self.tensors:
+            if t.inference:
+                if alias is None:
+                    alias = _inference_alias(flat)
+                with torch.inference_mode():
+                    views.append(t.view_in(alias))
+            else:
+                with torch.inference_mode(False):
+                    views.append(t.view_in(flat))
+        return views
 
     def bind(self, views: list[torch.Tensor]) -> None:
         for t, view in zip(self.tensors, views):
@@ -103,31 +118,40 @@ class BlockLayout:
 
     def release(self, placeholders: "Placeholders") -> None:
         for t in self.tensors:
-            t.tensor.data = placeholders.of(t.dtype)
+            t.tensor.data = placeholders.of(t.dtype, t.inference)
 
     def restore(self, master: torch.Tensor) -> None:
-        """Give every tensor back its original device, dtype, shape and strides, with the master copy's values."""
-        with torch.inference_mode(False), torch.no_grad():
+        """Give every tensor back its original device, dtype, shape, strides and inference-ness, with the master
+        copy's values."""
+        with torch.no_grad():
             for t in self.tensors:
-                original = torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device=t.device)
-                original.copy_(t.view_in(master))
+                with torch.inference_mode(t.inference):
+                    original = torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device=t.device)
+                    original.copy_(t.view_in(master))
                 t.tensor.data = original
 
 
 class Placeholders:
-    """0-element tensors on the device, one per dtype, shared by every released tensor of that dtype."""
+    """0-element tensors on the device, one per dtype (and inference-ness), shared by every released tensor of it."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._by_dtype: dict[torch.dtype, torch.Tensor] = {}
+        self._by_kind: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
 
-    def of(self, dtype: torch.dtype) -> torch.Tensor:
-        placeholder = self._by_dtype.get(dtype)
+    def of(self, dtype: torch.dtype, inference: bool = False) -> torch.Tensor:
+        placeholder = self._by_kind.get((dtype, inference))
         if placeholder is None:
-            with torch.inference_mode(False):
+            with torch.inference_mode(inference):
                 placeholder = torch.empty(0, dtype=dtype, device=self.device)
-            self._by_dtype[dtype] = placeholder
+            self._by_kind[(dtype, inference)] = placeholder
         return placeholder
+
+
+def _inference_alias(flat: torch.Tensor) -> torch.Tensor:
+    """An inference tensor over the same memory as ``flat`` (its views are inference tensors; ``flat``'s are not)."""
+    with torch.inference_mode():
+        return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(
+            flat.untyped_storage(), flat.storage_offset(), flat.shape, flat.stride())
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -149,17 +173,23 @@ def _is_dense(shape: torch.Size, stride: tuple[int, ...]) -> bool:
     return True
 
 
-def _check_packable(tensor: torch.Tensor, name: str, where: str) -> None:
+def unpackable_reason(tensor: torch.Tensor) -> str | None:
+    """Why ``tensor`` cannot be offloaded as plain bytes (e.g. "is a GGMLTensor, a tensor subclass"), else None.
+    A host can leave such tensors in place with ``keep_resident``."""
     data = tensor.data
-    problem = None
     if type(data) is not torch.Tensor:
-        problem = f"is a {type(data).__name__}, a tensor subclass"
-    elif data.layout != torch.strided:
-        problem = f"has layout {data.layout}"
-    elif data.is_quantized:
-        problem = "is a quantized tensor"
-    elif data.device.type == "meta":
-        problem = "is on the meta device (not loaded)"
+        return f"is a {type(data).__name__}, a tensor subclass"
+    if data.layout != torch.strided:
+        return f"has layout {data.layout}"
+    if data.is_quantized:
+        return "is a quantized tensor"
+    if data.device.type == "meta":
+        return "is on the meta device (not loaded)"
+    return None
+
+
+def _check_packable(tensor: torch.Tensor, name: str, where: str) -> None:
+    problem = unpackable_reason(tensor)
     if problem:
         raise ValueError(f"apply_layerwise_offload: {where} tensor {name!r} {problem}, which cannot be offloaded as "
                          "plain bytes; leave it in place with keep_resident")

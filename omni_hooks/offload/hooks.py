@@ -157,13 +157,17 @@ class LayerwiseOffloadHandle:
         for block in reversed(self._hooked):
             remove_hook_and_restore(block, HOOK_NAME)
         self._hooked.clear()
+        # let go of the slots before the blocks come back, so the device never holds both
+        for slot in self._slots:
+            if slot.bound:
+                self.layouts[slot.block].release(self._placeholders)
+        self._views.clear()
+        self._slots.clear()
+        self._slot_of = [None] * len(self.blocks)
         for layout, master in zip(self.layouts, self._masters):
             layout.restore(master.tensor)
             master.release()
         self._masters.clear()
-        self._views.clear()
-        self._slots.clear()
-        self._slot_of = [None] * len(self.blocks)
 
     def __enter__(self) -> "LayerwiseOffloadHandle":
         return self

@@ -363,6 +363,31 @@ def test_applied_and_run_under_inference_mode_either_way():
     assert model.blocks[0].lin.weight.grad is not None
 
 
+def test_parameters_created_under_inference_mode_are_bound_and_restored_as_inference_tensors():
+    """Hosts create parameters under inference mode (ComfyUI bakes a LoRA into a new Parameter while it loads a model
+    for sampling). Such a parameter only works with inference data: given a normal tensor, every op on it fails."""
+    model, x = ToyStack(), toy_inputs()
+    reference = run_calls(model, x)
+    with torch.inference_mode():
+        for block in model.blocks[1:]:
+            block.lin.weight = torch.nn.Parameter(block.lin.weight.detach().clone(), requires_grad=False)
+    inference_made = [block.lin.weight for block in model.blocks[1:]]
+    values = [p.detach().clone() for p in inference_made]
+    handle = apply_layerwise_offload(model.blocks, "cpu", prefetch_blocks=1)
+    try:
+        with torch.inference_mode():
+            inside = run_calls(model, x)
+        outside = run_calls(model, x)
+        assert all(torch.equal(o, r) for o, r in zip(inside + outside, reference + reference))
+    finally:
+        handle.remove()
+    assert all(p.is_inference() for p in inference_made)
+    assert all(torch.equal(p, v) for p, v in zip(inference_made, values))
+    assert not model.blocks[0].lin.weight.is_inference()
+    with torch.inference_mode():
+        assert all(torch.equal(o, r) for o, r in zip(run_calls(model, x), reference))
+
+
 def test_compiled_model_with_offload_matches_eager():
     model, x = ToyStack(depth=3), toy_inputs()
     reference = run_calls(model, x)

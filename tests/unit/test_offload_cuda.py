@@ -133,7 +133,11 @@ def test_blocks_resident_on_the_gpu_are_offloaded_and_restored_there():
     handle = apply_layerwise_offload(model.blocks, CUDA, prefetch_blocks=1)
     assert torch.cuda.memory_allocated() < resident  # the blocks' own GPU storage was released
     assert all(torch.equal(o.cpu(), r) for o, r in zip(run_calls(model, x), reference))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     handle.remove()
+    # the slots are let go before the blocks come back: restoring never holds both
+    assert torch.cuda.max_memory_allocated() <= resident + handle.stats.slot_bytes
     for name, param in model.named_parameters():
         obj, values, stride = before[name]
         assert param is obj and param.device.type == "cuda" and param.stride() == stride
