@@ -55,6 +55,7 @@ EXPECTED = {
                                "clip_name": ["umt5_xxl_fp8_e4m3fn_scaled.safetensors"],
                                "vae_name": ["wan_2.1_vae.safetensors"]},
     "magcache_calibrate_wan21": WAN21_FILES,
+    "offload_teacache_wan21_t2v_14B": {**WAN21_FILES, "unet_name": ["wan2.1_t2v_14B_fp8_scaled.safetensors"]},
 }
 
 # the cache node of every sampler (in the order the samplers denoise), with the settings the example shows:
@@ -71,7 +72,12 @@ EXPECTED_CACHES = {
     "magcache_wan22_t2v_14B": [(APPLY_MAGCACHE, MAGCACHE_DEFAULTS | {"curve": "wan2.2_t2v_14B (high noise)"}),
                                (APPLY_MAGCACHE, MAGCACHE_DEFAULTS | {"curve": "wan2.2_t2v_14B (low noise)"})],
     "magcache_calibrate_wan21": [None],
+    "offload_teacache_wan21_t2v_14B": [(APPLY, TEACACHE_RECOMMENDED)],
 }
+OFFLOAD = "OmniHooks.CPUOffload"
+# the examples with CPU Offload in a sampler's model chain, and the settings they show (the node's defaults)
+EXPECTED_OFFLOAD = {"offload_teacache_wan21_t2v_14B": {"blocks_to_offload": -1, "prefetch_blocks": 1,
+                                                       "pin_memory": "auto", "vram_budget_gb": 0}}
 WAN22_TEMPLATE = "video_wan2_2_14B_t2v"  # ComfyUI's own template the A14B example follows
 
 UI_STEMS = sorted(p.stem for p in EXAMPLES.glob("*.json"))
@@ -175,6 +181,25 @@ def test_each_sampler_gets_one_cache_between_its_loader_and_itself(stem):
                 if name in MODEL_INPUTS:
                     files.setdefault(name, []).append(value)
         assert {name: sorted(values) for name, values in files.items()} == EXPECTED[stem]
+
+
+@pytest.mark.parametrize("stem", API_STEMS)
+def test_cpu_offload_sits_between_the_loader_and_the_cache_with_its_defaults(object_info, stem):
+    prompt = load_api(stem)
+    found = {}
+    for sampler in samplers_in_order(prompt):
+        chain = [prompt[nid] for nid in upstream(prompt, sampler, "model")]
+        classes = [n["class_type"] for n in chain]
+        offloads = [n for n in chain if n["class_type"] == OFFLOAD]
+        if offloads:
+            assert len(offloads) == 1, classes
+            assert classes.index(OFFLOAD) > max(i for i, c in enumerate(classes) if c in CACHES), \
+                f"the cache should take the offloaded MODEL (either order works; the example shows one): {classes}"
+            found[stem] = {k: v for k, v in offloads[0]["inputs"].items() if k != "model"}
+    assert found.get(stem) == EXPECTED_OFFLOAD.get(stem)
+    if stem in found:
+        defaults = {w.name: w.options.get("default") for w in widget_layout(object_info[OFFLOAD])}
+        assert found[stem] == {k: defaults[k] for k in found[stem]}
 
 
 def test_wan22_example_follows_comfyuis_own_template_with_one_magcache_per_expert(comfy, object_info):
