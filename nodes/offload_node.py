@@ -188,16 +188,14 @@ class OffloadSession(FeatureSession):
         if self._loaded:  # one placement per run
             return
         self._loaded = True
-        reason = dynamic_vram_reason(patcher)
-        if reason is not None:
-            self._stand_down(f"{reason}: ComfyUI loads and offloads this model's weights itself there, so CPU "
-                             "Offload leaves them to it and changes nothing")
-            return
         target = offload_target(patcher)
-        if target is None:
-            self._stand_down(f"nothing to offload to: {no_target_reason(patcher)}, so CPU Offload changes nothing")
+        reason = self._reason_to_change_nothing(patcher, target)
+        if reason is not None:
+            self.notes.append(reason)  # logged with the run's line at close
             return
         self.target = target
+        if target.type != "cuda":
+            self.notes.append(f"copies to {target} are synchronous: look-ahead copies need CUDA streams")
         blocks = list(detect_adapter(patcher).build_stack(patcher.model.diffusion_model).blocks)
         footprints = [BlockFootprint.of(block, target) for block in blocks]
         available = self._available_for_blocks(patcher, target, footprints)
@@ -285,9 +283,20 @@ class OffloadSession(FeatureSession):
 
     # -- helpers --------------------------------------------------------------------------------------------------
 
-    def _stand_down(self, note: str) -> None:
-        self.notes.append(note)
-        log.info("OmniHooks %s: %s", self.feature.describe(), note)
+    def _reason_to_change_nothing(self, patcher, target: torch.device | None) -> str | None:
+        dynamic = dynamic_vram_reason(patcher)
+        if dynamic is not None:
+            return (f"{dynamic}: ComfyUI loads and offloads this model's weights itself there, so CPU Offload leaves "
+                    "them to it and changes nothing")
+        if target is None:
+            return f"nothing to offload to: {no_target_reason(patcher)}, so CPU Offload changes nothing"
+        if getattr(patcher, "hook_patches", None) or getattr(patcher, "forced_hooks", None) is not None:
+            return ("this MODEL has ComfyUI weight hooks (Create Hook LoRA and the like), which patch weights in the "
+                    "middle of sampling; CPU Offload does not move weights ComfyUI may patch during the run, so it "
+                    "changes nothing")
+        if self.settings.blocks_to_offload == 0:
+            return "blocks_to_offload is 0: nothing offloaded"
+        return None
 
     def _available_for_blocks(self, patcher, target: torch.device, footprints: list[BlockFootprint]) -> int:
         """Device bytes the blocks may hold during the run, and a note saying how that was decided."""

@@ -380,7 +380,25 @@ def test_zero_blocks_offloads_nothing(env, wan, forced):
     env.tiny.sample(wan, model=probe.model, steps=2)
     summary = probe.session(env).summary()
     assert summary["blocks_offloaded"] == 0 and not summary["active"] and summary["bytes_moved"] == 0
+    assert "blocks_to_offload is 0: nothing offloaded" in summary["notes"]
     assert_same_state(before, weights_state(wan.diffusion_model))
+
+
+def test_weight_hooks_that_patch_during_sampling_make_it_stand_down(env, wan, forced):
+    """A hook LoRA on the conditioning (ComfyUI's Create Hook LoRA) patches weights in the middle of sampling."""
+    import dataclasses
+
+    import comfy.hooks
+
+    hooks = comfy.hooks.create_hook_lora(tiny_lora(wan.diffusion_model, seed=7), 1.0, 0.0)
+    hooked = dataclasses.replace(wan, positive=comfy.hooks.set_hooks_for_conditioning(wan.positive, hooks))
+    reference = env.tiny.sample(hooked, steps=STEPS)
+    assert not torch.equal(reference, env.tiny.sample(wan, steps=STEPS))  # the hook does change the output
+    probe = Probe(env, env.offload(wan.patcher, blocks=LAYERS))
+    assert torch.equal(env.tiny.sample(hooked, model=probe.model, steps=STEPS), reference)
+    summary = probe.session(env).summary()
+    assert not summary["active"] and any("weight hooks" in n for n in summary["notes"]), summary["notes"]
+    assert_unhooked(wan.diffusion_model)
 
 
 def test_pin_memory_on_without_cuda_is_a_note_not_a_failure(env, wan, forced):
@@ -404,6 +422,20 @@ def test_dynamic_vram_is_detected_and_left_to_comfyui(env, wan, forced, monkeypa
     assert not summary["active"] and summary["bytes_moved"] == 0
     assert any("dynamic VRAM" in n and "changes nothing" in n for n in summary["notes"]), summary["notes"]
     assert_same_state(before, weights_state(wan.diffusion_model))
+
+
+def test_the_node_is_registered_namespaced_with_a_tooltip_on_every_input(env):
+    import asyncio
+
+    from omnitest.pack import pack_module
+
+    schema = env.node.CPUOffload.define_schema()
+    assert schema.node_id == "OmniHooks.CPUOffload"  # never core's NOP'ed "wanBlockSwap" (ComfyUI PR #10783)
+    assert [i.id for i in schema.inputs] == ["model", "blocks_to_offload", "prefetch_blocks", "pin_memory",
+                                              "vram_budget_gb"]
+    assert all(i.tooltip for i in schema.inputs), [i.id for i in schema.inputs if not i.tooltip]
+    nodes = asyncio.run(pack_module("nodes.extension").OmniHooksExtension().get_node_list())
+    assert env.node.CPUOffload in nodes
 
 
 def test_bad_inputs_are_clear_errors_naming_the_node(env, wan):
