@@ -216,6 +216,40 @@ def test_offload_is_bit_identical_and_everything_is_restored(env, wan, forced, b
     assert torch.equal(env.tiny.sample(wan, steps=STEPS), baseline)  # the input MODEL is untouched
 
 
+@pytest.mark.parametrize("room_for_kept", [2, 1])
+def test_kept_blocks_that_comfyui_left_off_the_device_are_completed_while_they_fit(env, wan, monkeypatch, room_for_kept):
+    """Target "cpu:0": a device that compares unequal to "cpu", so every weight counts as left off the device by
+    ComfyUI's partial load, and completing (promoting) the kept blocks really copies them."""
+    import comfy.model_management as mm
+
+    monkeypatch.setattr(env.node, "offload_target", lambda patcher: torch.device("cpu", 0))
+    per_block = block_bytes(wan.diffusion_model.blocks[0])
+    reserve = int(mm.minimum_inference_memory())
+    # the blocks hold nothing "on the device": available = free - reserve = 2 slots (prefetch 1) + room_for_kept blocks
+    free = reserve + (2 + room_for_kept) * per_block + per_block // 2
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (free, free)
+                        if torch_free_too else free)
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    own_count = wan.patcher.model.model_loaded_weight_memory
+    before = weights_state(wan.diffusion_model)
+    probe = Probe(env, env.offload(wan.patcher, blocks=2, prefetch=1))
+    out = env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    assert torch.equal(out, baseline)
+    summary = probe.session(env).summary()
+    assert summary["blocks_offloaded"] == 2 and summary["freed_device_bytes"] == 0
+    assert summary["blocks_promoted"] == room_for_kept and summary["promoted_bytes"] == room_for_kept * per_block
+    assert summary["blocks_partly_streamed"] == 2 - room_for_kept
+    assert set(probe.loaded_weight_memory) == {own_count + summary["device_bytes"] + summary["promoted_bytes"]}
+    if room_for_kept < 2:
+        assert any("stay partly on the offload device" in n for n in summary["notes"]), summary["notes"]
+    after = weights_state(wan.diffusion_model)
+    assert_same_state(before, after)
+    kept = [name for name in before if name.startswith(("blocks.0.", "blocks.1."))]
+    assert all(after[n][5] == before[n][5] for n in kept)  # completed blocks got their very storage back
+    assert wan.patcher.model.model_loaded_weight_memory == own_count
+    assert_unhooked(wan.diffusion_model)
+
+
 def test_summary_is_json_safe_and_logged_once(env, wan, forced, caplog):
     import json
 
