@@ -20,7 +20,8 @@ from ..omni_hooks.context import CallContext
 from ..omni_hooks.stack_cache import StackCacheRun
 from ..omni_hooks.stats import CacheRunStats
 from . import calibration_files, stats_store
-from .adapters import SUPPORTED_FAMILIES, ModelAdapter, UnsupportedModelError, detect_adapter
+from .families import DetectedModel as ModelAdapter, UnsupportedModelError, supported_families
+from .families import detect as detect_adapter
 from .features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, register_feature
 from .node_inputs import (cache_device_for, cache_device_input, calibration_sampler_inputs, check_cache_device,
                           sample_calibrating, validate_calibration_name)
@@ -205,7 +206,7 @@ def percent_window_inputs(end_note: str = "") -> list[io.Input]:
 
 
 def model_input(extra: str = "") -> io.Model.Input:
-    return io.Model.Input("model", tooltip=f"A diffusion-transformer MODEL ({SUPPORTED_FAMILIES}).{extra}")
+    return io.Model.Input("model", tooltip=f"A diffusion-transformer MODEL ({supported_families()}).{extra}")
 
 
 def _schema(node_id: str, title: str, description: str, inputs: list[io.Input], outputs: list[io.Output],

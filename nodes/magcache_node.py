@@ -1,7 +1,7 @@
 """MagCache as a ``CacheSpec``: its settings, published curves, calibration file, and its two nodes (Apply MagCache,
 MagCache Calibrate) built by ``nodes.caches``.
 
-Same families, detection (``nodes.adapters``), run lifecycle (``nodes.features``), branch and batch handling and
+Same families, detection (``nodes.families``), run lifecycle (``nodes.features``), branch and batch handling and
 per-run statistics as Apply TeaCache; one cache per MODEL (Apply TeaCache and Apply MagCache on one MODEL, in either
 order, is an error naming both nodes).
 
@@ -34,8 +34,8 @@ from ..omni_hooks.magcache import MagCacheConfig, MagCacheRun, MagCacheStrategy,
 from ..omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_interleaved
 from ..omni_hooks.stack_cache import StackCacheRun
 from . import calibration_files
-from .adapters import ModelAdapter
 from .caches import CacheSession, CacheSpec, apply_node, calibrate_node, percent_window_inputs
+from .families import DetectedModel as ModelAdapter
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
 
 NODE_ID = "OmniHooks.ApplyMagCache"

@@ -12,9 +12,9 @@ from comfy_api.latest import io
 from ..omni_hooks.stack_cache import StackCacheRun
 from ..omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients
 from . import calibration_files
-from .adapters import ModelAdapter
 from .caches import CacheSession, CacheSpec, apply_node, calibrate_node, percent_window_inputs
 from .coefficients import PUBLISHED, TeaCacheCoefficients, for_family
+from .families import DetectedModel as ModelAdapter
 
 KIND = "teacache"
 NODE_ID = "OmniHooks.ApplyTeaCache"
