@@ -19,9 +19,8 @@ from comfy_api.latest import io
 from ..omni_hooks.context import CallContext
 from ..omni_hooks.stack_cache import StackCacheRun
 from ..omni_hooks.stats import CacheRunStats
-from . import calibration_files, stats_store
-from .families import DetectedModel as ModelAdapter, UnsupportedModelError, supported_families
-from .families import detect as detect_adapter
+from . import calibration_files, families, stats_store
+from .families import DetectedModel, UnsupportedModelError, supported_families
 from .features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, register_feature
 from .node_inputs import (cache_device_for, cache_device_input, calibration_sampler_inputs, check_cache_device,
                           sample_calibrating, validate_calibration_name)
@@ -62,19 +61,19 @@ class CacheSpec:
     variant_tooltip: str
     published: Mapping[str, Recommendation]
     # (adapter) -> the published key 'auto' picks, or None; and the error text when it picks none
-    auto_key: Callable[[ModelAdapter], str | None]
-    no_auto_fit: Callable[[ModelAdapter], str]
+    auto_key: Callable[[DetectedModel], str | None]
+    no_auto_fit: Callable[[DetectedModel], str]
     # (adapter, option value, file name, file contents) -> a Recommendation; ValueError for a malformed file
-    from_file: Callable[[ModelAdapter, str, str, dict], Recommendation]
+    from_file: Callable[[DetectedModel, str, str, dict], Recommendation]
     tuning_inputs: Callable[[], list[io.Input]]
     # (adapter, recommendation or None when calibrating, tuning inputs, auto chosen) -> settings; ValueError if bad
-    make_settings: Callable[[ModelAdapter, Recommendation | None, dict[str, Any], bool], CacheSettings]
+    make_settings: Callable[[DetectedModel, Recommendation | None, dict[str, Any], bool], CacheSettings]
     calibrate_tuning: dict[str, Any]  # the tuning inputs a calibration run uses
     # (session, diffusion model) -> the installed StackCacheRun
     build_run: Callable[["CacheSession", torch.nn.Module], StackCacheRun]
     # (run) -> what a calibrating run recorded; (recorded parts, adapter) -> the calibration file's contents
     collect_calibration: Callable[[StackCacheRun], Any]
-    calibration_file: Callable[[list[Any], ModelAdapter], dict]
+    calibration_file: Callable[[list[Any], DetectedModel], dict]
     describe_calibration: Callable[[dict], str]
     min_calibration_steps: int
     calibration_noun: str                  # what the calibration file holds ("fitted coefficients", "curve")
@@ -89,14 +88,14 @@ def variant_options(spec: CacheSpec) -> list[str]:
     return [AUTO, *spec.published, *(calibration_files.option(name) for name in names)]
 
 
-def detect(spec_title: str, model) -> ModelAdapter:
+def detect(spec_title: str, model) -> DetectedModel:
     try:
-        return detect_adapter(model)
+        return families.detect(model)
     except UnsupportedModelError as e:
         raise ValueError(f"{spec_title}: {e}") from None
 
 
-def resolve(spec: CacheSpec, adapter: ModelAdapter, value: str) -> Recommendation:
+def resolve(spec: CacheSpec, adapter: DetectedModel, value: str) -> Recommendation:
     """The recommendation for this model and widget value: 'auto', a calibration file or a published entry."""
     title, word = spec.apply_title, spec.variant_input
     if value == AUTO:
@@ -152,7 +151,7 @@ class CacheSession(FeatureSession):
         self.settings = settings
         self.stats = CacheRunStats(kind=spec.kind, model=settings.model_label, threshold=settings.threshold,
                                    notes=list(settings.notes))
-        self.adapter = detect_adapter(patcher)
+        self.adapter = families.detect(patcher)
         self.cache_device = cache_device_for(patcher, settings.cache_device)
         self.run: StackCacheRun | None = None
         self.calibration: list[Any] = []  # what each installed run recorded while calibrating

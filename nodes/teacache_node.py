@@ -14,7 +14,7 @@ from ..omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_ho
 from . import calibration_files
 from .caches import CacheSession, CacheSpec, apply_node, calibrate_node, percent_window_inputs
 from .coefficients import PUBLISHED, TeaCacheCoefficients, for_family
-from .families import DetectedModel as ModelAdapter
+from .families import DetectedModel
 
 KIND = "teacache"
 NODE_ID = "OmniHooks.ApplyTeaCache"
@@ -45,12 +45,12 @@ class TeaCacheSettings:
         return self.rel_l1_thresh
 
 
-def _no_auto_fit(adapter: ModelAdapter) -> str:
+def _no_auto_fit(adapter: DetectedModel) -> str:
     return (f"no published TeaCache coefficients fit {adapter.describe()}. " + " ".join(adapter.notes)
             + " Choose a model_variant, or run 'TeaCache Calibrate' on this model and choose its file.")
 
 
-def _from_file(adapter: ModelAdapter, value: str, name: str, data: dict) -> TeaCacheCoefficients:
+def _from_file(adapter: DetectedModel, value: str, name: str, data: dict) -> TeaCacheCoefficients:
     """The coefficient set of a calibration file's contents; a clear error for a malformed file."""
     def bad(what: str) -> ValueError:
         return ValueError(f"{NODE_TITLE}: calibration {name!r} ({calibration_files.directory(KIND)}) {what}; "
@@ -86,7 +86,7 @@ def _tuning_inputs() -> list[io.Input]:
     ]
 
 
-def _settings(adapter: ModelAdapter, found: TeaCacheCoefficients | None, tuning: dict[str, Any],
+def _settings(adapter: DetectedModel, found: TeaCacheCoefficients | None, tuning: dict[str, Any],
               auto: bool) -> TeaCacheSettings:
     calibrate = found is None
     if calibrate:
@@ -117,7 +117,7 @@ def _collect(run: StackCacheRun) -> list[tuple[float, float]]:
     return run.calibration_pairs()
 
 
-def _calibration_file(parts: list[list[tuple[float, float]]], adapter: ModelAdapter) -> dict:
+def _calibration_file(parts: list[list[tuple[float, float]]], adapter: DetectedModel) -> dict:
     pairs = [pair for part in parts for pair in part]
     coefficients = fit_coefficients(pairs)
     return {
