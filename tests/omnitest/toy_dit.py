@@ -44,7 +44,7 @@ def attention(q, k, v, heads, transformer_options, **kwargs):
 
 def rope_table(positions: torch.Tensor, dim: int) -> torch.Tensor:
     """cos/sin of ``positions`` ``[N]`` at ``dim/2`` frequencies: ``[N, dim/2, 2]``."""
-    freqs = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    freqs = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim))
     angles = positions.double()[:, None] * freqs[None]
     return torch.stack([angles.cos(), angles.sin()], -1).to(torch.float32)
 
