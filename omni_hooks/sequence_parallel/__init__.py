@@ -16,6 +16,7 @@ Usage (every rank, after ``torch.distributed.init_process_group``)::
 """
 from .attention import (
     SequenceParallelAttention,
+    attention_math_with_lse,
     attention_with_lse,
     heads_to_sequence,
     merge_attention,
@@ -71,6 +72,7 @@ __all__ = [
     "SequenceParallelSelfAttentionHook",
     "SequenceParallelSplitHook",
     "apply_sequence_parallel",
+    "attention_math_with_lse",
     "attention_with_lse",
     "get_sp_plan_from_model",
     "group_layout",

@@ -27,8 +27,8 @@ from .comm import Communicator
 if TYPE_CHECKING:
     from .runtime import ActiveSite, SequenceParallelRuntime
 
-# Ring blocks are computed in chunks of query rows so that one chunk's score matrix holds at most this many elements
-# (2^25 float32 = 128 MiB), whatever the sequence length.
+# Where ring blocks are computed by torch's math, it is in chunks of query rows so that one chunk's score matrix holds
+# at most this many elements (2^25 float32 = 128 MiB), whatever the sequence length.
 RING_SCORE_CHUNK_ELEMENTS = 1 << 25
 
 ULYSSES_KIND = "ulysses_all_to_all"
@@ -91,14 +91,35 @@ def head_divisibility_error(heads: int, ulysses_degree: int) -> ValueError:
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``q`` over ``k``/``v`` (``[B, H, L, D]``) in ``dtype``, with its log-sum-exp.
+    """Softmax attention of ``q`` over ``k``/``v`` (``[B, H, L, D]``) with its log-sum-exp, in ``dtype``.
 
-    Returns ``(out [B, H, Lq, D], lse [B, H, Lq])``. Torch's own math, in chunks of query rows bounded by
-    ``RING_SCORE_CHUNK_ELEMENTS``.
+    Returns ``(out [B, H, Lq, D], lse [B, H, Lq])``, both in ``dtype``. Torch's own kernels that return the
+    log-sum-exp: on CPU its flash attention computed in ``dtype``; on CUDA its memory-efficient attention on the
+    inputs' dtype (accumulating in float32), falling back to the math below for what that kernel refuses (e.g.
+    float64); elsewhere ``attention_math_with_lse``.
     """
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.to(dtype), k.to(dtype), v.to(dtype),
+                                                                           scale=scale)
+    if q.device.type == "cuda":
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, scale=scale)[:2]
+        except RuntimeError:  # a dtype or shape the kernel does not take: exact math instead
+            pass
+        else:  # the kernel may pad the log-sum-exp's sequence dim (to a multiple of 32)
+            return out.to(dtype), lse[..., :q.shape[2]].to(dtype)
+    return attention_math_with_lse(q, k, v, scale, dtype)
+
+
+def attention_math_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_with_lse`` by torch's math in ``dtype``, in chunks of query rows whose score matrix holds at most
+    ``RING_SCORE_CHUNK_ELEMENTS`` elements (one chunk for "meta" tensors, which hold no memory)."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     b, h, lq, _ = q.shape
     rows = max(1, RING_SCORE_CHUNK_ELEMENTS // max(1, b * h * k.shape[2]))
+    if q.device.type == "meta":
+        rows = max(1, lq)
     outs, lses = [], []
     for start in range(0, lq, rows):
         scores = torch.matmul(q[:, :, start:start + rows], k.transpose(-1, -2)) * scale
@@ -129,9 +150,9 @@ def ring_attention(comm: Communicator, q: torch.Tensor, k: torch.Tensor, v: torc
     ``q``: this rank's queries (all of them stay here); ``k``/``v``: this rank's key/value block, which travels
     around the ring (block of member ``j`` = the ``j``-th segment of the sequence). ``joint_k``/``joint_v``: replicated
     keys every query also attends to, added once at step 0. ``valid_keys(j)``: how many leading keys of member ``j``'s
-    block are real (the rest is padding and is left out). Blocks are computed with torch's own math (they need the
-    log-sum-exp, which a host's attention function does not return) in float32, or float64 for float64 inputs, and
-    merged in that precision; the next block is in flight while one is computed.
+    block are real (the rest is padding and is left out). Blocks are computed by torch itself (``attention_with_lse``:
+    they need the log-sum-exp, which a host's attention function does not return) in float32, or float64 for
+    float64 inputs, and merged in that precision; the next block is in flight while one is computed.
     """
     size, me = comm.size, comm.group.rank
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -12,6 +12,7 @@ from omni_hooks.sequence_parallel import (
     SequenceParallelMesh,
     SequenceParallelRuntime,
     SequenceParallelSelfAttention,
+    attention_math_with_lse,
     attention_with_lse,
     merge_attention,
     sdpa_attention,
@@ -31,19 +32,28 @@ def qkv(b=2, h=3, lq=7, lk=24, d=8, dtype=torch.float64, seed=0):
             torch.randn(b, h, lk, d, generator=g, dtype=dtype))
 
 
-def test_blockwise_attention_returns_the_reference_output_and_lse():
+@pytest.mark.parametrize("blockwise", [attention_with_lse, attention_math_with_lse])
+def test_blockwise_attention_returns_the_reference_output_and_lse(blockwise):
     q, k, v = qkv()
-    out, lse = attention_with_lse(q, k, v, q.shape[-1] ** -0.5, torch.float64)
+    out, lse = blockwise(q, k, v, q.shape[-1] ** -0.5, torch.float64)
     ref_out, ref_lse = reference(q, k, v)
     torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
 
 
+def test_blockwise_attention_of_bf16_inputs_is_computed_in_float32():
+    q, k, v = qkv(dtype=torch.bfloat16)
+    out, lse = attention_with_lse(q, k, v, q.shape[-1] ** -0.5, torch.float32)
+    assert out.dtype == lse.dtype == torch.float32
+    ref_out, ref_lse = reference(q, k, v)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+
+
 def test_query_chunking_changes_nothing(monkeypatch):
     q, k, v = qkv(lq=13)
-    whole = attention_with_lse(q, k, v, 0.3, torch.float64)
+    whole = attention_math_with_lse(q, k, v, 0.3, torch.float64)
     monkeypatch.setattr(sp_attention, "RING_SCORE_CHUNK_ELEMENTS", 2 * 3 * 24 * 2)  # 2 query rows per chunk
-    chunked = attention_with_lse(q, k, v, 0.3, torch.float64)
+    chunked = attention_math_with_lse(q, k, v, 0.3, torch.float64)
     torch.testing.assert_close(chunked, whole, rtol=1e-13, atol=1e-13)
 
 
