@@ -47,23 +47,31 @@ def _dims_match(hook: ModelHook, x: torch.Tensor, expected: int | None, what: st
     return False
 
 
-class SequenceParallelSplitHook(ModelHook):
-    """Splits a module's planned inputs before it runs (and ``split_output`` elements of its output after)."""
+class SequenceParallelHook(ModelHook):
+    """What the three hooks share: the sharding phase, the runtime, their plan entry and where it sits."""
 
     phase = HookPhase.SHARDING
 
-    def __init__(self, runtime: SequenceParallelRuntime, specs: dict, module_id: str):
+    def __init__(self, runtime: SequenceParallelRuntime, spec: Any, module_id: str):
         self.runtime = runtime
-        self.specs = specs
+        self.spec = spec
         self.module_id = module_id
         self.module_forward_metadata: ModuleForwardMetadata | None = None
+        self._warned: set = set()
+
+
+class SequenceParallelSplitHook(SequenceParallelHook):
+    """Splits a module's planned inputs before it runs (and ``split_output`` elements of its output after).
+    ``spec``: the plan's dict of parameter name / output index -> input spec."""
+
+    def __init__(self, runtime: SequenceParallelRuntime, spec: dict, module_id: str):
+        super().__init__(runtime, spec, module_id)
         self._call: tuple[tuple, dict] = ((), {})
         self._recorded: dict[str | None, PaddingRecord] = {}
-        self._warned: set = set()
 
     def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
         self.module_forward_metadata = ModuleForwardMetadata(module)
-        for name in self.specs:
+        for name in self.spec:
             if isinstance(name, str):
                 try:
                     self.module_forward_metadata.check(name)
@@ -75,7 +83,7 @@ class SequenceParallelSplitHook(ModelHook):
         metadata = self.module_forward_metadata
         self._call = (args, kwargs)
         self._recorded = {}
-        for name, spec in self.specs.items():
+        for name, spec in self.spec.items():
             if isinstance(name, int) or (not isinstance(spec, (list, tuple)) and spec.split_output):
                 continue
             value = metadata.lookup(name, args, kwargs)
@@ -96,7 +104,7 @@ class SequenceParallelSplitHook(ModelHook):
         return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        indices = [i for i in self.specs if isinstance(i, int)]
+        indices = [i for i in self.spec if isinstance(i, int)]
         if not indices:
             return output
         single = isinstance(output, torch.Tensor)
@@ -106,7 +114,7 @@ class SequenceParallelSplitHook(ModelHook):
                 raise ValueError(f"{self._where(i)}: index {i} out of bounds for {len(outputs)} output(s)")
             if not isinstance(outputs[i], torch.Tensor):
                 raise ValueError(f"{self._where(i)}: output {i} is a {type(outputs[i]).__name__}, not a tensor")
-            outputs[i] = self._split(module, outputs[i], self.specs[i], f"output {i}")
+            outputs[i] = self._split(module, outputs[i], self.spec[i], f"output {i}")
         return outputs[0] if single else type(output)(outputs)
 
     def _where(self, name: str | int) -> str:
@@ -155,16 +163,9 @@ class SequenceParallelSplitHook(ModelHook):
         return part
 
 
-class SequenceParallelGatherHook(ModelHook):
-    """Gathers a module's planned output(s) from every rank, dropping padding, after it runs."""
-
-    phase = HookPhase.SHARDING
-
-    def __init__(self, runtime: SequenceParallelRuntime, specs: list, module_id: str):
-        self.runtime = runtime
-        self.specs = specs
-        self.module_id = module_id
-        self._warned: set = set()
+class SequenceParallelGatherHook(SequenceParallelHook):
+    """Gathers a module's planned output(s) from every rank, dropping padding, after it runs. ``spec``: one
+    ``SequenceParallelOutput`` (or None) per output element."""
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         single = isinstance(output, torch.Tensor)
@@ -173,10 +174,10 @@ class SequenceParallelGatherHook(ModelHook):
             raise ValueError(f"sequence-parallel gather at {self.module_id!r}: the output must be a tensor or a "
                              f"list/tuple of tensors, got {type(output).__name__}")
         outputs = [output] if single else list(output)
-        if len(outputs) != len(self.specs):
-            raise ValueError(f"sequence-parallel gather at {self.module_id!r}: Expected {len(self.specs)} outputs, "
+        if len(outputs) != len(self.spec):
+            raise ValueError(f"sequence-parallel gather at {self.module_id!r}: Expected {len(self.spec)} outputs, "
                              f"got {len(outputs)}.")
-        for i, spec in enumerate(self.specs):
+        for i, spec in enumerate(self.spec):
             x = outputs[i]
             if spec is None or x is None or not _dims_match(self, x, spec.expected_dims,
                                                             f"output {i} at {self.module_id!r}"):
@@ -190,16 +191,9 @@ class SequenceParallelGatherHook(ModelHook):
         return outputs[0] if single else type(output)(outputs)
 
 
-class SequenceParallelSelfAttentionHook(ModelHook):
-    """Marks the module's forward as a self-attention site for the runtime's attention entry."""
-
-    phase = HookPhase.SHARDING
-
-    def __init__(self, runtime: SequenceParallelRuntime, spec: SequenceParallelSelfAttention, module_id: str):
-        self.runtime = runtime
-        self.spec = spec
-        self.module_id = module_id
-        self.module_forward_metadata: ModuleForwardMetadata | None = None
+class SequenceParallelSelfAttentionHook(SequenceParallelHook):
+    """Marks the module's forward as a self-attention site for the runtime's attention entry. ``spec``: its
+    ``SequenceParallelSelfAttention``."""
 
     def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
         self.module_forward_metadata = ModuleForwardMetadata(module)

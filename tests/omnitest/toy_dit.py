@@ -111,19 +111,26 @@ class CrossAttention(torch.nn.Module):
         return attention(self.q(x), k.contiguous(), v.contiguous(), self.heads, transformer_options)
 
 
-class JointBlock(torch.nn.Module):
-    def __init__(self, dim: int, heads: int):
+class ModulatedBlock(torch.nn.Module):
+    """A block's timestep modulation (scale and shift of the normalised stream) and MLP."""
+
+    def __init__(self, dim: int):
         super().__init__()
         self.mod = torch.nn.Linear(dim, 2 * dim)
         self.norm = torch.nn.LayerNorm(dim, elementwise_affine=False)
-        self.attn = JointAttention(dim, heads)
-        self.proj_img = torch.nn.Linear(dim, dim)
-        self.proj_txt = torch.nn.Linear(dim, dim)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
 
     def modulated(self, x, temb):
         scale, shift = self.mod(temb)[:, None].chunk(2, -1)
         return self.norm(x) * (1 + scale) + shift
+
+
+class JointBlock(ModulatedBlock):
+    def __init__(self, dim: int, heads: int):
+        super().__init__(dim)
+        self.attn = JointAttention(dim, heads)
+        self.proj_img = torch.nn.Linear(dim, dim)
+        self.proj_txt = torch.nn.Linear(dim, dim)
 
     def forward(self, x, c, temb, table, transformer_options):
         img, txt = self.attn(self.modulated(x, temb), self.norm(c), table, transformer_options)
@@ -132,18 +139,11 @@ class JointBlock(torch.nn.Module):
         return x + self.mlp(self.norm(x)), c
 
 
-class SelfCrossBlock(torch.nn.Module):
+class SelfCrossBlock(ModulatedBlock):
     def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.mod = torch.nn.Linear(dim, 2 * dim)
-        self.norm = torch.nn.LayerNorm(dim, elementwise_affine=False)
+        super().__init__(dim)
         self.self_attn = SelfAttention(dim, heads)
         self.cross_attn = CrossAttention(dim, heads)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
-
-    def modulated(self, x, temb):
-        scale, shift = self.mod(temb)[:, None].chunk(2, -1)
-        return self.norm(x) * (1 + scale) + shift
 
     def forward(self, x, c, temb, table, transformer_options):
         x = x + self.self_attn(self.modulated(x, temb), table[c.shape[1]:], transformer_options)
