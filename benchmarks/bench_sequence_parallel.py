@@ -14,6 +14,7 @@ Run: .venv/bin/python benchmarks/bench_sequence_parallel.py      (prints markdow
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -141,6 +142,7 @@ def toy_table(rounds: int, repeats: int) -> None:
 
     modes = ["one process", "ulysses", "ring"]
     best = {m: (float("inf"), 0.0, 0) for m in modes}
+    load_before = os.getloadavg()[0]
     pool = RankPool(2)
     try:
         for _ in range(rounds):
@@ -155,7 +157,8 @@ def toy_table(rounds: int, repeats: int) -> None:
     print(f"\nToy DiT (dim {TOY['dim']}, {TOY['heads']} heads, {TOY['depth']} blocks: joint text+image and "
           f"self+cross attention), batch {TOY_INPUT['batch']}, {TOY_INPUT['image_tokens']} image + "
           f"{TOY_INPUT['text_tokens']} text tokens, float32, CPU, 1 thread per process, gloo on loopback; best of "
-          f"{rounds} interleaved rounds x {repeats} forwards\n")
+          f"{rounds} interleaved rounds x {repeats} forwards; {os.cpu_count()} CPU cores, 1-minute load average "
+          f"{load_before:.1f} before and {os.getloadavg()[0]:.1f} after\n")
     print("| run | forward (ms) | speedup | max abs difference to 1 process | bytes sent per rank per forward |")
     print("|---|---|---|---|---|")
     for mode in modes:

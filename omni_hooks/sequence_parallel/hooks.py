@@ -158,7 +158,7 @@ class SequenceParallelSplitHook(SequenceParallelHook):
         part = shard(x, dim, world, self.runtime.rank, self._where(name))
         if text is not None:
             part = torch.cat([text, part], dim)
-        elif getattr(spec, "clone_shard", False):
+        elif isinstance(spec, SequenceParallelInput) and spec.clone_shard:
             part = part.clone(memory_format=torch.contiguous_format)
         return part
 

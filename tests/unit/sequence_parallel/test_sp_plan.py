@@ -239,6 +239,14 @@ def test_auto_pad_pads_at_the_end_and_records_the_length():
     assert runtime.padding[None].pad == 0
 
 
+def test_a_shard_is_a_view_unless_clone_shard_asks_for_its_own_storage():
+    x = torch.zeros(1, 8, 2)
+    view, _ = split_once(SequenceParallelInput(split_dim=1), x, rank=1)
+    own, _ = split_once(SequenceParallelInput(split_dim=1, clone_shard=True), x, rank=1)
+    assert view.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert own.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() and own.is_contiguous()
+
+
 def test_tensors_of_one_shard_group_must_agree():
     spec = SequenceParallelInput(split_dim=1, auto_pad=True)
     with pytest.raises(ValueError, match="same sequence"):

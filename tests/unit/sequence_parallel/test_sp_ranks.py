@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from omni_hooks.blockstack import BlockStack
 from omni_hooks.context import CallContext
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.magcache.strategy import MagCacheStrategy
@@ -40,7 +39,7 @@ def degrees(ulysses: int, ring: int) -> SequenceParallelConfig:
     return SequenceParallelConfig(ulysses_degree=ulysses, ring_degree=ring)
 
 
-# -- split and gather ---------------------------------------------------------------------------------------------
+# -- split and gather -------------------------------------------------------------------------------------------------
 
 class Body(torch.nn.Module):
     def forward(self, x, ids):
@@ -81,7 +80,8 @@ def rank_split_gather_round_trip():
         shard_x, shard_ids = model.body.seen
         remove_sequence_parallel(model, plan)
         local = -(-length // world)
-        expected_shard = torch.cat([x, x.new_zeros(2, local * world - length, 3)], 1)[:, rank * local:(rank + 1) * local]
+        padded = torch.cat([x, x.new_zeros(2, local * world - length, 3)], 1)
+        expected_shard = padded[:, rank * local:(rank + 1) * local]
         results.append(dict(
             gathered=torch.equal(out, x * 2) and torch.equal(img_ids, ids[3:] + 0.5),
             shard=torch.equal(shard_x, expected_shard),
@@ -135,7 +135,7 @@ def test_ulysses_all_to_all_gives_each_rank_its_heads_of_the_whole_sequence_and_
     assert rank_pool(world).run(rank_all_to_all, timeout=TIMEOUT_S) == [True] * world
 
 
-# -- attention against a float64 reference ------------------------------------------------------------------------------
+# -- attention against a float64 reference ----------------------------------------------------------------------------
 
 def max_error(got, want):
     """Largest absolute difference (0 for empty tensors: a rank may hold nothing but padding)."""
@@ -267,7 +267,7 @@ def test_indivisible_heads_fail_on_every_rank_without_a_hang(rank_pool):
     assert rank_pool(2).run(rank_all_to_all, timeout=TIMEOUT_S) == [True, True]  # the group is still in step
 
 
-# -- the toy DiT ----------------------------------------------------------------------------------------------------------
+# -- the toy DiT ------------------------------------------------------------------------------------------------------
 
 def rank_toy_dit(ulysses: int, ring: int, image_tokens: int):
     model = ToyDiT()
@@ -294,7 +294,7 @@ def test_toy_dit_on_four_ranks_equals_one_process(rank_pool, ulysses, ring, imag
         assert error <= 1e-5 and restored and sent > 0
 
 
-# -- caches under sequence parallelism ------------------------------------------------------------------------------------
+# -- caches under sequence parallelism --------------------------------------------------------------------------------
 
 STEPS = 10
 
@@ -394,7 +394,7 @@ def test_magcache_decides_alike_on_every_rank_with_differing_rank_curves(rank_po
     assert all(r["finite"] and r["residual_tokens"] == 16 // world for r in results)
 
 
-# -- CUDA / NCCL -----------------------------------------------------------------------------------------------------
+# -- CUDA / NCCL ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
