@@ -74,6 +74,9 @@ class SequenceParallelMesh:
             raise ValueError(f"Configuration mismatch: expected SP size {size} (ulysses_degree "
                              f"{config.ulysses_degree} x ring_degree {config.ring_degree}), but actual sequence "
                              f"parallel world size is {len(ranks)}; make the degrees' product equal the group size")
+        if dist.get_rank() not in ranks:
+            raise ValueError(f"apply_sequence_parallel: this process (rank {dist.get_rank()}) is not in the config's "
+                             f"process_group (ranks {list(ranks)}); apply sequence parallelism on its members only")
         me = ranks.index(dist.get_rank())
         pg = group if group is not None else dist.group.WORLD
         backend = str(dist.get_backend(pg))

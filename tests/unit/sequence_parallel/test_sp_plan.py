@@ -364,3 +364,23 @@ def test_outside_a_site_the_attention_entry_calls_the_host_function_unchanged():
     assert runtime.attention(host, q, q, q, 4, skip_reshape=False, transformer_options={"a": 1}) is q
     assert calls == [((1, 3, 8), 4, {"mask": None, "skip_reshape": False, "transformer_options": {"a": 1}})]
     assert runtime.stats.bytes_sent == 0
+
+
+def test_a_site_is_active_only_during_its_modules_forward_and_reset_forgets_a_stale_one():
+    model = Model()
+    config, mesh = simulated()
+    runtime = apply_sequence_parallel(model, config, {"blocks.1": SequenceParallelSelfAttention()}, mesh=mesh)
+    seen = []
+    for block in model.blocks:  # what each block's own forward sees
+        original = block.__dict__.get("_omni_original_forward", block.forward)
+        run = (lambda original: lambda x: seen.append(runtime.active_site) or original(x))(original)
+        if "_omni_original_forward" in block.__dict__:
+            block.__dict__["_omni_original_forward"] = run
+        else:
+            block.forward = run
+    model(torch.zeros(1, 4, 2))
+    assert seen[0] is None and seen[2] is None and runtime.active_site is None
+    assert seen[1] is not None and seen[1].module is model.blocks[1] and seen[1].joint_tokens == 0
+    runtime.enter_site(seen[1])  # as if a forward had raised inside the site
+    runtime.reset()
+    assert runtime.active_site is None and runtime.padding == {}

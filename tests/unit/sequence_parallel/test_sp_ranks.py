@@ -294,6 +294,28 @@ def test_toy_dit_on_four_ranks_equals_one_process(rank_pool, ulysses, ring, imag
         assert error <= 1e-5 and restored and sent > 0
 
 
+def rank_toy_dit_in_subgroups(ulysses: int, ring: int):
+    """Two independent SP groups of two ranks ({0, 1} and {2, 3}) on one default group of four."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in the same order
+    config = SequenceParallelConfig(ulysses_degree=ulysses, ring_degree=ring, process_group=groups[rank // 2])
+    model = ToyDiT()
+    inputs = toy_inputs(image_tokens=14 + rank // 2)  # the two groups run different inputs
+    plan = sp_plan(auto_pad=True)
+    with torch.no_grad():
+        reference = model(**inputs)
+        sp = apply_sequence_parallel(model, config, plan)
+        out = model(**inputs, transformer_options={"attention_override": sp.attention})
+    return (out - reference).abs().max().item(), sp.mesh.sp.ranks, sp.rank
+
+
+@pytest.mark.parametrize("ulysses, ring", [(2, 1), (1, 2)])
+def test_a_config_process_group_runs_sequence_parallelism_inside_a_subgroup(rank_pool, ulysses, ring):
+    results = rank_pool(4).run(rank_toy_dit_in_subgroups, ulysses, ring, timeout=TIMEOUT_S)
+    assert [r[1:] for r in results] == [((0, 1), 0), ((0, 1), 1), ((2, 3), 0), ((2, 3), 1)]
+    assert all(r[0] <= 1e-5 for r in results)
+
+
 # -- caches under sequence parallelism --------------------------------------------------------------------------------
 
 STEPS = 10
