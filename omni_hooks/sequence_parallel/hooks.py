@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..base import REGISTRY_ATTR, HookPhase, HookRegistry, ModelHook, module_has_active_hooks
+from ..base import REGISTRY_ATTR, HookPhase, HookRegistry, ModelHook, module_has_active_hooks, remove_hook_and_restore
 from .config import SequenceParallelConfig
 from .mesh import SequenceParallelMesh
 from .plan import (
@@ -259,22 +259,16 @@ def apply_sequence_parallel(module: torch.nn.Module, config: SequenceParallelCon
             installed.append((target, name))
     except Exception:
         for target, name in reversed(installed):
-            _remove_hook(target, name)
+            remove_hook_and_restore(target, name)
         raise
     return runtime
 
 
 def _drop_empty_registry(module: torch.nn.Module) -> None:
+    """Undo ``get_or_create`` on a module whose registration failed, if it holds no other hook."""
     registry = module.__dict__.get(REGISTRY_ATTR)
     if registry is not None and not module_has_active_hooks(module):
         registry.reset()
-
-
-def _remove_hook(module: torch.nn.Module, name: str) -> None:
-    registry = module.__dict__.get(REGISTRY_ATTR)
-    if registry is not None:
-        registry.remove_hook(name)
-        _drop_empty_registry(module)
 
 
 def remove_sequence_parallel(module: torch.nn.Module, plan: SequenceParallelModelPlan) -> None:
@@ -284,4 +278,4 @@ def remove_sequence_parallel(module: torch.nn.Module, plan: SequenceParallelMode
     for module_id, spec in plan.items():
         name = _hooks_for(module_id, spec)[0]
         for target in resolve_submodules(module, module_id):
-            _remove_hook(target, name)
+            remove_hook_and_restore(target, name)
