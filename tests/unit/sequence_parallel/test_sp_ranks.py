@@ -13,6 +13,7 @@ import torch.distributed as dist
 from omni_hooks.context import CallContext
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.magcache.strategy import MagCacheStrategy
+from omni_hooks.offload import apply_layerwise_offload
 from omni_hooks.sequence_parallel import (
     ActiveSite,
     SequenceParallelConfig,
@@ -417,6 +418,35 @@ def test_magcache_decides_alike_on_every_rank_with_differing_rank_curves(rank_po
     assert results[0]["local"] != results[1]["local"]  # the ranks' own decisions differ ...
     assert "other-rank" in results[0]["reasons"]  # ... and rank 0 computed because a peer had to
     assert all(r["finite"] and r["residual_tokens"] == 16 // world for r in results)
+
+
+def rank_sp_with_offload_and_teacache(ulysses: int, ring: int):
+    """Sequence parallel, TeaCache and block offload (to "cpu": real slot copies) on one model, against the same
+    without offload: the phases order the hooks, so the outputs and the skip pattern must not change."""
+    rank = dist.get_rank()
+
+    def sampled(offload: bool):
+        model = ToyDiT()
+        sp = apply_sequence_parallel(model, degrees(ulysses, ring), sp_plan())
+        handle = apply_layerwise_offload(list(model.blocks), "cpu", prefetch_blocks=1) if offload else None
+        run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(rel_l1_thresh=0.07), rank_signal(rank))
+        outputs = sample(model, run, sp)
+        block_calls = handle.collect_stats().block_calls if handle is not None else None
+        return outputs, [e.computed for e in run.stats.evaluations], block_calls
+
+    plain, plain_pattern, _ = sampled(False)
+    offloaded, pattern, block_calls = sampled(True)
+    return (max((a - b).abs().max().item() for a, b in zip(plain, offloaded)), pattern == plain_pattern,
+            pattern, block_calls)
+
+
+@pytest.mark.parametrize("ulysses, ring", [(2, 1), (1, 2)])
+def test_sequence_parallel_composes_with_offload_and_teacache(rank_pool, ulysses, ring):
+    results = rank_pool(2).run(rank_sp_with_offload_and_teacache, ulysses, ring, timeout=TIMEOUT_S)
+    for difference, same_pattern, pattern, block_calls in results:
+        assert difference == 0 and same_pattern and False in pattern
+        assert block_calls == 2 * sum(pattern)  # offload runs only the blocks of computed steps (2 each)
+    assert results[0][2] == results[1][2]
 
 
 # -- CUDA / NCCL ------------------------------------------------------------------------------------------------------
