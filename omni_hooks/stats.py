@@ -12,7 +12,7 @@ class BranchDecision:
     branch: str            # "cond", "uncond", "cond.1", ...
     computed: bool
     reason: str            # "first", "forced", "window", "retention", "shape", "threshold", "max-skips", "reuse",
-    #                        "calibrate", "disabled", "other-branch"
+    #                        "calibrate", "disabled", "other-branch", "other-rank"
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
 
