@@ -132,6 +132,13 @@ class CacheRunStats:
         model_seconds = self.model_seconds
         saved = self.estimated_seconds_saved()
         warnings = list(self.warnings)
+        non_finite = sum(1 for e in self.evaluations for b in e.branches
+                         if b.metric is not None and not math.isfinite(b.metric))
+        if non_finite or not math.isfinite(self.threshold):
+            what = (f"the measured change was not a finite number in {non_finite} branch evaluation(s)" if non_finite
+                    else f"the threshold is {self.threshold}")
+            warnings.append(f"{what}: the coefficients or threshold overflow for this model, so every such step is "
+                            "computed; calibrate this model again or choose other coefficients")
         nothing = self.why_nothing_was_reused()
         if nothing:
             warnings.append(f"nothing was reused: {nothing}")

@@ -43,6 +43,14 @@ def test_a_run_with_an_infinite_threshold_and_nan_metrics_serialises_strictly():
     assert [e["branches"][0]["metric"] for e in with_nan["evaluations"]] == ["NaN", 0.5, "Infinity", None]
     assert stats.summary()["threshold"] == math.inf  # the Python API keeps numbers
     assert "threshold inf" in stats.log_line()
+    (warning,) = [w for w in stats.summary()["warnings"] if "not a finite number" in w]
+    assert warning.startswith("the measured change was not a finite number in 2 branch evaluation(s)")
+
+
+def test_a_finite_run_has_no_overflow_warning():
+    assert not [w for w in run_with(0.3, [0.1, 0.2, None]).summary()["warnings"] if "finite" in w]
+    (warning,) = run_with(math.nan, [None]).summary()["warnings"][:1]
+    assert warning.startswith("the threshold is nan")
 
 
 def test_timeline_bins_keep_counts_reasons_and_metric_peaks():
