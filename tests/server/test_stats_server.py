@@ -1,4 +1,5 @@
-"""Cache statistics over the real server: websocket events, the /omni_hooks/runs route, headless reads by prompt id."""
+"""Cache statistics over the real server: websocket events, the /omni_hooks/runs route, headless reads by prompt id;
+always strict JSON, with the node's title and workflow of each run."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ from omnitest.graphs import tiny_wan_graph
 pytestmark = pytest.mark.server
 
 CALIBRATION = "stats-identity"
+OVERFLOW = "stats-overflow"  # finite coefficients whose polynomial overflows to inf for any real change
 STEPS = 12
 
 
@@ -21,13 +23,24 @@ def identity_calibration(comfy_server):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{CALIBRATION}.json").write_text(json.dumps(
         {"kind": "teacache", "family": "wan", "signal": "default", "coefficients": [0, 0, 0, 1, 0]}))
+    big = 1.79e308  # Horner: (big * x + big) overflows to inf for x > 0.004, and inf * x stays inf
+    (folder / f"{OVERFLOW}.json").write_text(json.dumps(
+        {"kind": "teacache", "family": "wan", "signal": "default", "coefficients": [big, big, 0, 0, 0]}))
 
 
-def teacache(threshold: float):
+def teacache(threshold: float, calibration: str = CALIBRATION, title: str | None = None):
     graph = tiny_wan_graph([("OmniHooks.ApplyTeaCache", {
         "rel_l1_thresh": threshold, "start_percent": 0.0, "end_percent": 1.0, "cache_device": "compute device",
-        "model_variant": f"calibration: {CALIBRATION}"})], steps=STEPS, cfg=3.0)
+        "model_variant": f"calibration: {calibration}"})], steps=STEPS, cfg=3.0)
+    graph.patches[0].title = title
     return graph.set_nonce(time.monotonic_ns())
+
+
+def strict(text: str):
+    """``text`` as strict JSON: NaN/Infinity/-Infinity are not JSON and fail here."""
+    def refuse(constant):
+        raise AssertionError(f"non-JSON constant {constant}")
+    return json.loads(text, parse_constant=refuse)
 
 
 def test_route_reports_the_same_totals_as_the_events(comfy):
@@ -68,3 +81,36 @@ def test_route_errors_and_limits(comfy):
     assert comfy.get("/omni_hooks/runs", {"limit": "many"}).status_code == 400
     assert len(comfy.get_json("/omni_hooks/runs", {"limit": 1})["runs"]) <= 1
     assert comfy.get_json("/omni_hooks/runs", {"prompt_id": "unknown"})["runs"] == []
+
+
+def test_an_overflowing_metric_is_sent_and_served_as_strict_json(comfy):
+    result = comfy.run(teacache(1.0, OVERFLOW).prompt())
+    for event in result.events("omni_hooks.step") + result.events("omni_hooks.run"):
+        json.dumps(event, allow_nan=False)  # a bare Infinity on the wire would have been read as a float inf
+    (run_event,) = result.events("omni_hooks.run")
+    metrics = [b["metric"] for e in run_event["evaluations"] for b in e["branches"]]
+    assert "Infinity" in metrics and all(m is None or isinstance(m, (int, float, str)) for m in metrics)
+    assert any("not a finite number" in w for w in run_event["summary"]["warnings"])
+    listed = strict(comfy.get("/omni_hooks/runs", {"limit": 100}).text)["runs"]
+    assert run_event["run_id"] in [r["run_id"] for r in listed]  # the history still loads with it among them
+    assert strict(comfy.get(f"/omni_hooks/runs/{run_event['run_id']}").text)["evaluations"] == run_event["evaluations"]
+
+
+def test_a_run_names_its_node_title_and_workflow(comfy):
+    titled = comfy.run(teacache(1.0, title="My TeaCache").prompt(),
+                       extra_data={"extra_pnginfo": {"workflow": {"id": "wf-1234", "nodes": []}}})
+    (run,) = titled.events("omni_hooks.run")
+    assert (run["node_title"], run["workflow_id"], run["threshold"]) == ("My TeaCache", "wf-1234", 1.0)
+    assert titled.events("omni_hooks.step")[0]["node_title"] == "My TeaCache"
+    plain = comfy.run(teacache(1.0).prompt())  # an API user: no title, no workflow
+    (run,) = plain.events("omni_hooks.run")
+    assert (run["node_title"], run["workflow_id"]) == ("Apply TeaCache", None)
+
+
+def test_the_list_without_detail_leaves_out_the_evaluations(comfy):
+    result = comfy.run(teacache(1.0).prompt())
+    (full,) = comfy.get_json("/omni_hooks/runs", {"prompt_id": result.prompt_id})["runs"]
+    (light,) = comfy.get_json("/omni_hooks/runs", {"prompt_id": result.prompt_id, "detail": 0})["runs"]
+    assert len(full["evaluations"]) == STEPS and full["detail"] == "evaluations"
+    assert light["evaluations"] == [] and light["summary"] == full["summary"] and light["run_id"] == full["run_id"]
+    assert comfy.get("/omni_hooks/runs", {"detail": "some"}).status_code == 400
