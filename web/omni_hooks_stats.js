@@ -5,7 +5,7 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import {
-  REASONS, RUN_EVENT, STEP_EVENT, applyRun, applyStep, badgeFor, branchExplanation, cellReason, counters, createState,
+  REASONS, RUN_EVENT, STEP_EVENT, applyRun, applyStep, badgeFor, branchExplanation, branchOrder, cellReason, counters, createState,
   describeCell, featureCards, formatBytes, formatPercent, formatSeconds, formatSpeedup, formatValue, formatWhen, lanes,
   legend, plotData, progress, selectRun, shownRun, speedupBasis, stepTicks, UNSET_WORKFLOW_ID, warnings,
 } from "./stats_model.js";
@@ -218,7 +218,7 @@ function detailsView(run) {
     rows.push(["time in model", formatSeconds(s.model_seconds)], ["cache memory", formatBytes(s.cache_bytes)]);
     // per branch, one row for branches with the same counts
     const byCounts = new Map();
-    for (const [name, b] of Object.entries(s.branches ?? {})) {
+    for (const [name, b] of Object.entries(s.branches ?? {}).sort(([a], [b]) => branchOrder(a, b))) {
       const counts = `${b.reused}/${b.computed + b.reused}`;
       byCounts.set(counts, [...(byCounts.get(counts) ?? []), name]);
     }

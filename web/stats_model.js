@@ -281,7 +281,8 @@ function laneKey(cells) {
   return cells.map((c) => `${c.first_step}:${Object.entries(c.reasons).sort().join(",")}`).join(";");
 }
 
-function branchOrder(a, b) {
+/** Sort order of branch names: cond entries, then uncond entries, then the rest (numbers by value). */
+export function branchOrder(a, b) {
   const rank = (n) => (n.startsWith("cond") ? 0 : n.startsWith("uncond") ? 1 : 2);
   return rank(a) - rank(b) || a.localeCompare(b, undefined, { numeric: true });
 }

@@ -142,10 +142,27 @@ def wait_for_run(page, run_id: str, timeout: float = 30000) -> None:
     page.wait_for_selector(f".omni-run-view[data-run='{run_id}'] .omni-status:not(.omni-status-running)", timeout=timeout)
 
 
+def set_sidebar_width(page, width: int) -> None:
+    """Drag-free resize of the sidebar (as the splitter does), then wait for the panel to redraw at that width."""
+    page.evaluate("(w) => { const p = document.querySelector('.side-bar-panel'); p.style.flex = `0 0 ${w}px`; p.style.width = w + 'px'; }", width)
+    page.wait_for_function("""(w) => {
+        const panel = document.querySelector('.omni-hooks-panel'), plot = document.querySelector('.omni-plot');
+        return Math.abs(panel.getBoundingClientRect().width - w) < 2 && (!plot
+            || Math.abs(plot.getBoundingClientRect().width - (document.querySelector('.omni-body').clientWidth - 16)) < 2);
+    }""", arg=width, timeout=5000)
+
+
 def screenshot(page, name: str) -> Path:
+    """The panel down to the end of its content (the sidebar below it is empty)."""
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / name
-    page.locator(".omni-hooks-panel").screenshot(path=str(path))
+    box = page.evaluate("""() => {
+        document.querySelector('.omni-body').scrollTop = 0;
+        const panel = document.querySelector('.omni-hooks-panel').getBoundingClientRect();
+        const last = document.querySelector('.omni-body').lastElementChild.getBoundingClientRect();
+        return {x: panel.x, y: panel.y, width: panel.width, height: Math.min(panel.height, last.bottom - panel.y + 8)};
+    }""")
+    page.screenshot(path=str(path), clip=box)
     return path
 
 
@@ -236,7 +253,9 @@ def test_a_live_run_step_by_step_then_every_number_and_reason_and_after_reload(p
     # recent runs: time and workflow
     item = page.locator(f".omni-run[data-run='{run['run_id']}']")
     assert re.search(r"cache stats demo · teacache · \d\d:\d\d:\d\d", item.inner_text())
-    shot = screenshot(page, "stats_panel_dark.png")
+    screenshot(page, "stats_panel_dark.png")
+    set_sidebar_width(page, 360)  # the README's picture: a comfortably wide sidebar
+    shot = screenshot(page, "stats_panel_readme.png")
     if os.environ.get("OMNIHOOKS_UPDATE_DOCS"):
         shutil.copy(shot, PACK_ROOT / "docs" / "stats-panel.png")
 
@@ -254,11 +273,8 @@ def test_the_panel_fits_narrow_and_wide_sidebars(page, comfy):
     open_panel(page)
     run_in_page(page, comfy, teacache_graph(threshold=1.0), "fit check")
     page.wait_for_selector(".omni-run-view svg.omni-plot", timeout=30000)
-    for width in (224, 320, 560):
-        page.evaluate("(w) => { const p = document.querySelector('.side-bar-panel'); p.style.flexBasis = w + 'px'; p.style.width = w + 'px'; }", width)
-        page.wait_for_function(
-            "(w) => { const s = document.querySelector('.omni-plot'); return s && Math.abs(s.getBoundingClientRect().width - (document.querySelector('.omni-body').clientWidth - 16)) < 2; }",
-            arg=width, timeout=5000)
+    for width in (224, 320, 480):
+        set_sidebar_width(page, width)
         geometry = page.evaluate("""() => {
             const body = document.querySelector('.omni-body'), b = body.getBoundingClientRect();
             const inside = (sel) => [...document.querySelectorAll(sel)].every(e => {
