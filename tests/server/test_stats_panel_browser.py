@@ -7,7 +7,6 @@ OMNIHOOKS_UPDATE_DOCS=1 to also refresh docs/stats-panel.png).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -17,14 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from omnitest.calibrations import IDENTITY_TEACACHE, OVERFLOWING_TEACACHE, write_calibration
 from omnitest.comfy_path import PACK_ROOT
+from omnitest.strict import strict_json
 
 pytestmark = [pytest.mark.server, pytest.mark.browser]
 
 CHROMIUM = os.environ.get("OMNIHOOKS_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = PACK_ROOT / "test-artifacts"
 IDENTITY = "browser-identity"
-OVERFLOW = "browser-overflow"  # finite coefficients whose polynomial overflows to inf for any real change
+OVERFLOW = "browser-overflow"
 STEPS = 40
 APPLY_ID = 10
 APPLY_TITLE = "TeaCache on the tiny Wan"
@@ -47,13 +48,8 @@ def browser():
 
 @pytest.fixture(scope="module", autouse=True)
 def calibrations(comfy_server):
-    folder = Path(comfy_server.base_dir) / "user" / "omni_hooks" / "teacache"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{IDENTITY}.json").write_text(json.dumps(
-        {"kind": "teacache", "family": "wan", "signal": "default", "coefficients": [0, 0, 0, 1, 0]}))
-    big = 1.79e308  # Horner: (big * x + big) overflows to inf for x > 0.004, and inf * x stays inf
-    (folder / f"{OVERFLOW}.json").write_text(json.dumps(
-        {"kind": "teacache", "family": "wan", "signal": "default", "coefficients": [big, big, 0, 0, 0]}))
+    write_calibration(comfy_server.base_dir, "teacache", IDENTITY, IDENTITY_TEACACHE)
+    write_calibration(comfy_server.base_dir, "teacache", OVERFLOW, OVERFLOWING_TEACACHE)
 
 
 @pytest.fixture
@@ -125,15 +121,8 @@ def run_in_page(page, comfy, graph, name: str, timeout: float = 180) -> tuple[st
     return prompt_id, route_run(comfy, prompt_id)
 
 
-def strict_json(response) -> dict:
-    """The body as strict JSON: NaN/Infinity/-Infinity are not JSON and fail here."""
-    def refuse(constant):
-        raise AssertionError(f"non-JSON constant {constant} in {response.url}")
-    return json.loads(response.text, parse_constant=refuse)
-
-
 def route_run(comfy, prompt_id: str) -> dict:
-    runs = strict_json(comfy.get("/api/omni_hooks/runs", {"prompt_id": prompt_id}))["runs"]
+    runs = strict_json(comfy.get("/api/omni_hooks/runs", {"prompt_id": prompt_id}).text)["runs"]
     assert len(runs) == 1
     return runs[0]
 
@@ -195,9 +184,10 @@ def test_a_live_run_step_by_step_then_every_number_and_reason_and_after_reload(p
     page.evaluate("""() => {
         window.__omniSeen = [];
         const observer = new MutationObserver(() => {
-            const v = document.querySelector('.omni-stat-reused .omni-stat-value');
-            const s = document.querySelector('.omni-run-view .omni-status');
-            if (v) window.__omniSeen.push([v.textContent, s ? s.textContent : '']);
+            const view = document.querySelector('.omni-run-view');
+            const v = view?.querySelector('.omni-stat-reused .omni-stat-value');
+            const s = view?.querySelector('.omni-status');
+            if (v) window.__omniSeen.push([view.dataset.run, v.textContent, s ? s.textContent : '']);
         });
         observer.observe(document.body, {subtree: true, childList: true, characterData: true});
     }""")
@@ -212,7 +202,7 @@ def test_a_live_run_step_by_step_then_every_number_and_reason_and_after_reload(p
     wait_for_run(page, run["run_id"])
 
     # it updated while the run was going, counting 1-based steps like ComfyUI's progress bar
-    seen = page.evaluate("() => window.__omniSeen")
+    seen = [(v, s) for run_id, v, s in page.evaluate("() => window.__omniSeen") if run_id == run["run_id"]]
     totals = [int(v.split("/")[1]) for v, _ in seen]
     assert len(set(totals)) >= 3 and totals == sorted(totals)
     running = [int(m.group(1)) for _, s in seen if (m := re.match(r"running step (\d+)/40$", s))]

@@ -4,28 +4,24 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
+from omnitest.calibrations import IDENTITY_TEACACHE, OVERFLOWING_TEACACHE, write_calibration
 from omnitest.graphs import tiny_wan_graph
+from omnitest.strict import strict_json
 
 pytestmark = pytest.mark.server
 
 CALIBRATION = "stats-identity"
-OVERFLOW = "stats-overflow"  # finite coefficients whose polynomial overflows to inf for any real change
+OVERFLOW = "stats-overflow"
 STEPS = 12
 
 
 @pytest.fixture(scope="module", autouse=True)
-def identity_calibration(comfy_server):
-    folder = Path(comfy_server.base_dir) / "user" / "omni_hooks" / "teacache"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{CALIBRATION}.json").write_text(json.dumps(
-        {"kind": "teacache", "family": "wan", "signal": "default", "coefficients": [0, 0, 0, 1, 0]}))
-    big = 1.79e308  # Horner: (big * x + big) overflows to inf for x > 0.004, and inf * x stays inf
-    (folder / f"{OVERFLOW}.json").write_text(json.dumps(
-        {"kind": "teacache", "family": "wan", "signal": "default", "coefficients": [big, big, 0, 0, 0]}))
+def calibrations(comfy_server):
+    write_calibration(comfy_server.base_dir, "teacache", CALIBRATION, IDENTITY_TEACACHE)
+    write_calibration(comfy_server.base_dir, "teacache", OVERFLOW, OVERFLOWING_TEACACHE)
 
 
 def teacache(threshold: float, calibration: str = CALIBRATION, title: str | None = None):
@@ -34,13 +30,6 @@ def teacache(threshold: float, calibration: str = CALIBRATION, title: str | None
         "model_variant": f"calibration: {calibration}"})], steps=STEPS, cfg=3.0)
     graph.patches[0].title = title
     return graph.set_nonce(time.monotonic_ns())
-
-
-def strict(text: str):
-    """``text`` as strict JSON: NaN/Infinity/-Infinity are not JSON and fail here."""
-    def refuse(constant):
-        raise AssertionError(f"non-JSON constant {constant}")
-    return json.loads(text, parse_constant=refuse)
 
 
 def test_route_reports_the_same_totals_as_the_events(comfy):
@@ -91,9 +80,9 @@ def test_an_overflowing_metric_is_sent_and_served_as_strict_json(comfy):
     metrics = [b["metric"] for e in run_event["evaluations"] for b in e["branches"]]
     assert "Infinity" in metrics and all(m is None or isinstance(m, (int, float, str)) for m in metrics)
     assert any("not a finite number" in w for w in run_event["summary"]["warnings"])
-    listed = strict(comfy.get("/omni_hooks/runs", {"limit": 100}).text)["runs"]
+    listed = strict_json(comfy.get("/omni_hooks/runs", {"limit": 100}).text)["runs"]
     assert run_event["run_id"] in [r["run_id"] for r in listed]  # the history still loads with it among them
-    assert strict(comfy.get(f"/omni_hooks/runs/{run_event['run_id']}").text)["evaluations"] == run_event["evaluations"]
+    assert strict_json(comfy.get(f"/omni_hooks/runs/{run_event['run_id']}").text)["evaluations"] == run_event["evaluations"]
 
 
 def test_a_run_names_its_node_title_and_workflow(comfy):
