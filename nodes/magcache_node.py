@@ -237,6 +237,7 @@ MAGCACHE = CacheSpec(
     auto_key=_auto_key,
     no_auto_fit=_no_auto_fit,
     from_file=_from_file,
+    check_file=_curves_from_file,
     tuning_inputs=_tuning_inputs,
     make_settings=_settings,
     calibrate_tuning={"threshold": 0.0, "max_skip_steps": 0, "retention_ratio": 0.0, "start_percent": 0.0,
