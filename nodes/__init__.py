@@ -1,1 +1,1 @@
-"""Everything that knows ComfyUI: node classes, the run lifecycle, model adapters, statistics publishing."""
+"""Everything that knows ComfyUI: node classes, the run lifecycle, model families, statistics publishing."""

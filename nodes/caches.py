@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol
 
@@ -19,11 +20,11 @@ from comfy_api.latest import io
 from ..omni_hooks.context import CallContext
 from ..omni_hooks.stack_cache import StackCacheRun
 from ..omni_hooks.stats import CacheRunStats
-from . import calibration_files, stats_store
-from .adapters import SUPPORTED_FAMILIES, ModelAdapter, UnsupportedModelError, detect_adapter
+from . import calibration_files, families, stats_store
+from .families import DetectedModel, UnsupportedModelError, supported_families
 from .features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, register_feature
-from .node_inputs import (cache_device_for, cache_device_input, calibration_sampler_inputs, check_cache_device,
-                          sample_calibrating, validate_calibration_name)
+from .node_inputs import (cache_device_for, cache_device_input, calibration_name, calibration_sampler_inputs,
+                          check_cache_device, sample_calibrating, validate_calibration_name)
 
 log = logging.getLogger("OmniHooks")
 
@@ -61,19 +62,21 @@ class CacheSpec:
     variant_tooltip: str
     published: Mapping[str, Recommendation]
     # (adapter) -> the published key 'auto' picks, or None; and the error text when it picks none
-    auto_key: Callable[[ModelAdapter], str | None]
-    no_auto_fit: Callable[[ModelAdapter], str]
+    auto_key: Callable[[DetectedModel], str | None]
+    no_auto_fit: Callable[[DetectedModel], str]
     # (adapter, option value, file name, file contents) -> a Recommendation; ValueError for a malformed file
-    from_file: Callable[[ModelAdapter, str, str, dict], Recommendation]
+    from_file: Callable[[DetectedModel, str, str, dict], Recommendation]
+    # (file name, file contents): ValueError naming the file when no model could use it (the variant list skips it)
+    check_file: Callable[[str, dict], object]
     tuning_inputs: Callable[[], list[io.Input]]
     # (adapter, recommendation or None when calibrating, tuning inputs, auto chosen) -> settings; ValueError if bad
-    make_settings: Callable[[ModelAdapter, Recommendation | None, dict[str, Any], bool], CacheSettings]
+    make_settings: Callable[[DetectedModel, Recommendation | None, dict[str, Any], bool], CacheSettings]
     calibrate_tuning: dict[str, Any]  # the tuning inputs a calibration run uses
     # (session, diffusion model) -> the installed StackCacheRun
     build_run: Callable[["CacheSession", torch.nn.Module], StackCacheRun]
     # (run) -> what a calibrating run recorded; (recorded parts, adapter) -> the calibration file's contents
     collect_calibration: Callable[[StackCacheRun], Any]
-    calibration_file: Callable[[list[Any], ModelAdapter], dict]
+    calibration_file: Callable[[list[Any], DetectedModel], dict]
     describe_calibration: Callable[[dict], str]
     min_calibration_steps: int
     calibration_noun: str                  # what the calibration file holds ("fitted coefficients", "curve")
@@ -84,18 +87,19 @@ class CacheSpec:
 
 
 def variant_options(spec: CacheSpec) -> list[str]:
-    names = calibration_files.list_names(spec.kind)
+    """'auto', the published entries, and the calibration files of this cache that can be used."""
+    names = calibration_files.list_names(spec.kind, validate=spec.check_file)
     return [AUTO, *spec.published, *(calibration_files.option(name) for name in names)]
 
 
-def detect(spec_title: str, model) -> ModelAdapter:
+def detect(spec_title: str, model) -> DetectedModel:
     try:
-        return detect_adapter(model)
+        return families.detect(model)
     except UnsupportedModelError as e:
         raise ValueError(f"{spec_title}: {e}") from None
 
 
-def resolve(spec: CacheSpec, adapter: ModelAdapter, value: str) -> Recommendation:
+def resolve(spec: CacheSpec, adapter: DetectedModel, value: str) -> Recommendation:
     """The recommendation for this model and widget value: 'auto', a calibration file or a published entry."""
     title, word = spec.apply_title, spec.variant_input
     if value == AUTO:
@@ -129,6 +133,9 @@ def settings_for(spec: CacheSpec, model, inputs: dict[str, Any], calibrate: bool
     tuning = dict(inputs)
     value = tuning.pop(spec.variant_input, AUTO)
     check_cache_device(spec.apply_title, tuning["cache_device"])
+    for name, value in tuning.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{spec.apply_title}: {name} must be a finite number, got {value}")
     start, end = tuning["start_percent"], tuning["end_percent"]
     if not 0.0 <= start <= end <= 1.0:
         raise ValueError(f"{spec.apply_title}: start_percent ({start}) must not be above end_percent ({end})")
@@ -151,7 +158,7 @@ class CacheSession(FeatureSession):
         self.settings = settings
         self.stats = CacheRunStats(kind=spec.kind, model=settings.model_label, threshold=settings.threshold,
                                    notes=list(settings.notes))
-        self.adapter = detect_adapter(patcher)
+        self.adapter = families.detect(patcher)
         self.cache_device = cache_device_for(patcher, settings.cache_device)
         self.run: StackCacheRun | None = None
         self.calibration: list[Any] = []  # what each installed run recorded while calibrating
@@ -159,6 +166,8 @@ class CacheSession(FeatureSession):
         self.run_id = ""
         self.prompt_id: str | None = None
         self.sampler_node_id: str | None = None
+        self.node_title: str | None = None
+        self.workflow_id: str | None = None
         self.started_at: float | None = None
         stats_store.run_started(self)
 
@@ -180,11 +189,9 @@ class CacheSession(FeatureSession):
             self.calibration.append(self.spec.collect_calibration(run))  # before remove(), which clears the states
             run.remove()
 
-    def close(self, status: str) -> None:
-        try:
-            self.remove()
-        finally:
-            stats_store.run_finished(self, status)
+    def publish(self, status: str, features: list[dict[str, Any]]) -> bool:
+        stats_store.run_finished(self, status, extra={"features": features} if features else None)
+        return True
 
 
 def _register(spec: CacheSpec) -> None:
@@ -205,7 +212,7 @@ def percent_window_inputs(end_note: str = "") -> list[io.Input]:
 
 
 def model_input(extra: str = "") -> io.Model.Input:
-    return io.Model.Input("model", tooltip=f"A diffusion-transformer MODEL ({SUPPORTED_FAMILIES}).{extra}")
+    return io.Model.Input("model", tooltip=f"A diffusion-transformer MODEL ({supported_families()}).{extra}")
 
 
 def _schema(node_id: str, title: str, description: str, inputs: list[io.Input], outputs: list[io.Output],
@@ -231,6 +238,11 @@ def apply_node(spec: CacheSpec, class_name: str) -> type[io.ComfyNode]:
             cache_name = spec.apply_title.removeprefix("Apply ")
             output = io.Model.Output(tooltip=f"The same MODEL with {cache_name} attached for its sampling runs.")
             return _schema(spec.apply_node_id, spec.apply_title, spec.apply_description, inputs, [output])
+
+        @classmethod
+        def fingerprint_inputs(cls, **inputs: Any) -> str:
+            # a calibration file re-made under the same name must re-execute this node (ComfyUI caches its output)
+            return calibration_files.fingerprint_option(spec.kind, inputs.get(spec.variant_input))
 
         @classmethod
         def execute(cls, model, **inputs: Any) -> io.NodeOutput:
@@ -272,8 +284,12 @@ def calibrate_node(spec: CacheSpec, class_name: str) -> type[io.ComfyNode]:
         @classmethod
         def execute(cls, model, seed: int, steps: int, cfg: float, sampler_name: str, scheduler: str, positive,
                     negative, latent_image, name: str) -> io.NodeOutput:
-            name = calibration_files.check_name(name)
+            name = calibration_name(spec.calibrate_title, name)
             adapter = detect(spec.calibrate_title, model)
+            try:
+                calibration_files.check_writable(spec.kind)  # before sampling, not after
+            except ValueError as e:
+                raise ValueError(f"{spec.calibrate_title}: {e}") from None
             settings = settings_for(spec, model, dict(spec.calibrate_tuning), calibrate=True)
             feature = AppliedFeature(kind=spec.kind, category=Category.CACHE, node_title=spec.calibrate_title,
                                      node_id=cls.hidden.unique_id, settings=settings)
@@ -287,7 +303,10 @@ def calibrate_node(spec: CacheSpec, class_name: str) -> type[io.ComfyNode]:
                 raise ValueError(message if message.startswith(spec.calibrate_title)
                                  else f"{spec.calibrate_title}: {message}") from None
             data["sampler"] = {"steps": steps, "cfg": cfg, "sampler_name": sampler_name, "scheduler": scheduler}
-            path = calibration_files.save(spec.kind, name, data)
+            try:
+                path = calibration_files.save(spec.kind, name, data)
+            except ValueError as e:  # non-finite results (a NaN cfg, a model producing NaN): the old file stays
+                raise ValueError(f"{spec.calibrate_title}: {e}") from None
             what = spec.describe_calibration(data)
             log.info("OmniHooks %s: %s on %s, saved to %s", spec.calibrate_title, what, adapter.describe(), path)
             return io.NodeOutput(latent, json.dumps(data, indent=1), ui={"text": [f"saved {path.name}: {what}"]})

@@ -118,8 +118,16 @@ class FeatureSession:
         """The model call ended (also after an error inside it)."""
 
     def close(self, status: str) -> None:
-        """The run ended with ``status`` ("success", "error", "interrupted"): undo everything, publish statistics."""
+        """The run ended with ``status`` ("success", "error", "interrupted"): undo everything."""
         self.remove()
+
+    def summary(self) -> dict[str, Any] | None:
+        """What this feature did in the run, JSON-safe, for the run history (None: nothing to show)."""
+        return None
+
+    def publish(self, status: str, features: list[dict[str, Any]]) -> bool:
+        """Publish the run's statistics with the other features' summaries; True if this session did (a cache)."""
+        return False
 
 
 SessionFactory = Callable[[Any, AppliedFeature], FeatureSession]
@@ -271,7 +279,8 @@ class RunSession:
         self.installed_on = None
 
     def close(self, status: str) -> None:
-        """Close every session in reverse order, each whatever the others did; re-raise the first failure."""
+        """Close every session in reverse order, each whatever the others did, then publish the run's statistics
+        (one entry: the cache's numbers with the other features' summaries); re-raise the first failure."""
         if self.closed:
             return
         self.closed = True
@@ -283,8 +292,20 @@ class RunSession:
                 log.exception("OmniHooks: closing %s failed", session.feature.describe())
                 failure = failure or e
         self.installed_on = None
+        try:
+            self.publish(status)
+        except Exception:  # statistics never fail a run
+            log.exception("OmniHooks: publishing the run's statistics failed")
         if failure is not None:
             raise failure
+
+    def publish(self, status: str) -> None:
+        summaries = {id(s): s.summary() for s in self.sessions}
+        for session in self.sessions:
+            others = [{"kind": s.feature.kind, "node_id": s.feature.node_id, "node_title": s.feature.node_title,
+                       **summaries[id(s)]} for s in self.sessions if s is not session and summaries[id(s)]]
+            if session.publish(status, others):
+                return
 
 
 def _outer_sample(executor, *args, **kwargs):

@@ -1,7 +1,7 @@
 """MagCache as a ``CacheSpec``: its settings, published curves, calibration file, and its two nodes (Apply MagCache,
 MagCache Calibrate) built by ``nodes.caches``.
 
-Same families, detection (``nodes.adapters``), run lifecycle (``nodes.features``), branch and batch handling and
+Same families, detection (``nodes.families``), run lifecycle (``nodes.features``), branch and batch handling and
 per-run statistics as Apply TeaCache; one cache per MODEL (Apply TeaCache and Apply MagCache on one MODEL, in either
 order, is an error naming both nodes).
 
@@ -34,8 +34,8 @@ from ..omni_hooks.magcache import MagCacheConfig, MagCacheRun, MagCacheStrategy,
 from ..omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_interleaved
 from ..omni_hooks.stack_cache import StackCacheRun
 from . import calibration_files
-from .adapters import ModelAdapter
 from .caches import CacheSession, CacheSpec, apply_node, calibrate_node, percent_window_inputs
+from .families import DetectedModel
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
 
 NODE_ID = "OmniHooks.ApplyMagCache"
@@ -75,7 +75,7 @@ CALIBRATE_HINT = ("run 'MagCache Calibrate' once on this model (with the sampler
                   "choose its calibration file as the curve")
 
 
-def _auto_key(adapter: ModelAdapter) -> str | None:
+def _auto_key(adapter: DetectedModel) -> str | None:
     key = adapter.magcache_key
     if key is not None and adapter.magcache_notes:
         log.info("OmniHooks %s: 'auto' chose the %r curve for %s. %s", NODE_TITLE, key, adapter.describe(),
@@ -83,7 +83,7 @@ def _auto_key(adapter: ModelAdapter) -> str | None:
     return key
 
 
-def _no_auto_fit(adapter: ModelAdapter) -> str:
+def _no_auto_fit(adapter: DetectedModel) -> str:
     notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in adapter.magcache_notes)
     if not for_family(adapter.family):
         return (f"no MagCache curve is published for {adapter.describe()} models. {notes}To use MagCache, "
@@ -120,7 +120,7 @@ def _curves_from_file(name: str, data: dict) -> dict[str, list[float]]:
     return {"default": values}
 
 
-def _from_file(adapter: ModelAdapter, value: str, name: str, data: dict) -> ResolvedCurve:
+def _from_file(adapter: DetectedModel, value: str, name: str, data: dict) -> ResolvedCurve:
     curves = _curves_from_file(name, data)
     return ResolvedCurve(key=value, family=data.get("family", adapter.family),
                          curves=tuple((branch, tuple(values)) for branch, values in curves.items()))
@@ -144,7 +144,7 @@ def _tuning_inputs() -> list[io.Input]:
     ]
 
 
-def _settings(adapter: ModelAdapter, found: MagCacheCurve | ResolvedCurve | None, tuning: dict[str, Any],
+def _settings(adapter: DetectedModel, found: MagCacheCurve | ResolvedCurve | None, tuning: dict[str, Any],
               auto: bool) -> MagCacheSettings:
     calibrate = found is None
     start, end = float(tuning["start_percent"]), float(tuning["end_percent"])
@@ -200,7 +200,7 @@ def calibration_data(result: dict[str, dict[str, list[float]]]) -> dict:
     return data
 
 
-def _calibration_file(parts: list[dict[str, dict[str, list[float]]]], adapter: ModelAdapter) -> dict:
+def _calibration_file(parts: list[dict[str, dict[str, list[float]]]], adapter: DetectedModel) -> dict:
     result: dict[str, dict[str, list[float]]] = {}
     for part in parts:
         result.update(part)
@@ -237,6 +237,7 @@ MAGCACHE = CacheSpec(
     auto_key=_auto_key,
     no_auto_fit=_no_auto_fit,
     from_file=_from_file,
+    check_file=_curves_from_file,
     tuning_inputs=_tuning_inputs,
     make_settings=_settings,
     calibrate_tuning={"threshold": 0.0, "max_skip_steps": 0, "retention_ratio": 0.0, "start_percent": 0.0,

@@ -48,12 +48,27 @@ def calibration_sampler_inputs(min_steps: int, steps_tooltip: str, cfg_tooltip: 
     ]
 
 
-def validate_calibration_name(node_title: str, name: str) -> bool | str:
+def validate_calibration_name(node_title: str, name: str | None) -> bool | str:
+    """For a calibrate node's ``validate_inputs`` (at /prompt): True, or the message naming the node.
+
+    A linked ``name`` (a primitive or any node that outputs a STRING) has no value yet at /prompt: ComfyUI passes
+    None, which passes here; ``calibration_name`` checks the real value at execute time.
+    """
+    if name is None:
+        return True
     try:
         calibration_files.check_name(name)
     except ValueError as e:
         return f"{node_title}: {e}"
     return True
+
+
+def calibration_name(node_title: str, name: object) -> str:
+    """The checked calibration name at execute time; ``ValueError`` naming the node otherwise."""
+    try:
+        return calibration_files.check_name(name)
+    except ValueError as e:
+        raise calibration_files.CalibrationFileError(f"{node_title}: {e}") from None
 
 
 def sample_calibrating(model, feature: AppliedFeature, seed: int, steps: int, cfg: float, sampler_name: str,

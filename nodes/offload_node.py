@@ -29,7 +29,7 @@ from comfy_api.latest import io
 from ..omni_hooks.base import HookPhase, HookRegistry, ModelHook, remove_hook_and_restore
 from ..omni_hooks.context import CallContext
 from ..omni_hooks.offload import LayerwiseOffloadHandle, OffloadStats, apply_layerwise_offload, unpackable_reason
-from .adapters import detect_adapter
+from . import families
 from .caches import detect, model_input
 from .features import AppliedFeature, Category, FeatureSession, FeatureSpec, LoadRequest, attach_feature, \
     register_feature
@@ -196,7 +196,7 @@ class OffloadSession(FeatureSession):
         self.target = target
         if target.type != "cuda":
             self.notes.append(f"copies to {target} are synchronous: look-ahead copies need CUDA streams")
-        blocks = list(detect_adapter(patcher).build_stack(patcher.model.diffusion_model).blocks)
+        blocks = list(families.detect(patcher).build_stack(patcher.model.diffusion_model).blocks)
         footprints = [BlockFootprint.of(block, target) for block in blocks]
         available = self._available_for_blocks(patcher, target, footprints)
         self.plan = plan = plan_offload(footprints, self.settings.blocks_to_offload, self.settings.prefetch_blocks,

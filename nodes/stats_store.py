@@ -2,14 +2,25 @@
 history of runs served over HTTP.
 
 Events (``PromptServer.send_sync``, to the prompt's client only):
-  * ``omni_hooks.step``: after every model evaluation; ``{run_id, prompt_id, node_id, sampler_node_id, kind, model,
-    step, total_steps, computed, seconds, branches: [{branch, computed, reason, metric, threshold}]}``
+  * ``omni_hooks.step``: after every model evaluation; ``{run_id, prompt_id, node_id, node_title, workflow_id,
+    sampler_node_id, kind, model, threshold, started_at, step, total_steps, computed, seconds, branches: [{branch,
+    computed, reason, metric, threshold}]}`` (at most ``STEP_BRANCHES_LIMIT`` branches, ``branches_omitted`` counts
+    the rest);
   * ``omni_hooks.run``: when a run ends (also after an error or interrupt); the history entry below.
 Routes (registered at import, so also under ``/api``):
-  * ``GET /omni_hooks/runs?prompt_id=<id>&limit=<n>``: ``{"runs": [entry, ...]}``, newest first;
+  * ``GET /omni_hooks/runs?prompt_id=<id>&limit=<n>&detail=<0|1>``: ``{"runs": [entry, ...]}``, newest first;
+    ``detail=0`` leaves out ``evaluations`` and ``timeline`` (what a list of runs needs);
   * ``GET /omni_hooks/runs/{run_id}``: one entry, 404 if unknown.
-An entry: ``{run_id, prompt_id, node_id, sampler_node_id, kind, model, status, started_at, finished_at, summary,
-evaluations}`` (``summary`` as ``CacheRunStats.summary()``).
+An entry: ``{run_id, prompt_id, node_id, node_title, workflow_id, sampler_node_id, kind, model, threshold, status,
+started_at, finished_at, summary, detail, evaluations, timeline}``: ``summary`` as ``CacheRunStats.summary()`` (over
+every evaluation); ``detail`` says what the per-evaluation part holds: ``"evaluations"`` (every record, ``timeline``
+None), ``"timeline"`` (a run too long to keep each record: ``evaluations`` is empty and ``timeline`` is
+``CacheRunStats.timeline()``) or ``"summary"`` (neither fits: both empty). ``node_title`` is the node's title in the
+prompt (``_meta.title``) and ``workflow_id`` the id of the UI workflow it was queued from, when the client sent them.
+
+Everything sent or served is valid JSON (``omni_hooks.stats.json_safe``: non-finite numbers become "NaN",
+"Infinity", "-Infinity"). Sizes are bounded: an entry is at most ``ENTRY_BYTES_LIMIT`` of JSON (so is the run event),
+the history at most ``HISTORY_LIMIT`` entries and ``HISTORY_BYTES_LIMIT`` bytes (oldest dropped first).
 
 Publishing never breaks a run: no server, no client or a failing send is logged once and ignored. Nothing here
 touches a tensor, so the hot path gains no device sync.
@@ -18,22 +29,41 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import logging
 import threading
 import time
 from dataclasses import asdict
 from typing import Any
 
+from ..omni_hooks.stats import json_safe
+
 log = logging.getLogger("OmniHooks")
 
 HISTORY_LIMIT = 100
+HISTORY_BYTES_LIMIT = 8 * 1024 * 1024
+DETAIL_BYTES_LIMIT = 256 * 1024   # every evaluation is kept while they take at most this much JSON (~1000 with CFG)
+ENTRY_BYTES_LIMIT = 384 * 1024
+TIMELINE_BINS = 240
+STEP_BRANCHES_LIMIT = 32
 STEP_EVENT = "omni_hooks.step"
 RUN_EVENT = "omni_hooks.run"
 
 _lock = threading.Lock()
 _history: "collections.OrderedDict[str, dict[str, Any]]" = collections.OrderedDict()
+_sizes: dict[str, int] = {}  # run_id -> JSON bytes of its entry
 _run_numbers = itertools.count(1)
 _send_failed = False
+
+
+def json_bytes(value: Any) -> int:
+    """Size of ``value`` as strict JSON (raises ``ValueError`` on a non-finite number: pass ``json_safe`` data)."""
+    return len(json.dumps(value, allow_nan=False, separators=(",", ":")).encode())
+
+
+def dumps(value: Any) -> str:
+    """Strict JSON of ``value`` for responses: non-finite numbers become text first, never ``Infinity``."""
+    return json.dumps(json_safe(value), allow_nan=False)
 
 
 def _server():
@@ -66,36 +96,101 @@ def _executing() -> tuple[str | None, str | None]:
     return (context.prompt_id, context.node_id) if context is not None else (None, None)
 
 
+def _prompt_context(prompt_id: str | None, node_id: str | None) -> tuple[str | None, str | None]:
+    """(the node's title in the prompt, the id of the UI workflow it came from) of a running prompt, if known."""
+    queue = getattr(_server(), "prompt_queue", None)
+    if queue is None or prompt_id is None:
+        return None, None
+    try:
+        running, _ = queue.get_current_queue_volatile()
+    except Exception:
+        return None, None
+    for item in running:  # (number, prompt_id, prompt, extra_data, outputs, ...)
+        if len(item) > 3 and item[1] == prompt_id:
+            prompt, extra = item[2] if isinstance(item[2], dict) else {}, item[3] if isinstance(item[3], dict) else {}
+            meta = (prompt.get(str(node_id)) or {}).get("_meta") or {}
+            workflow = (extra.get("extra_pnginfo") or {}).get("workflow") or {}
+            title = meta.get("title") if isinstance(meta, dict) else None
+            workflow_id = workflow.get("id") if isinstance(workflow, dict) else None
+            return (title if isinstance(title, str) else None,
+                    workflow_id if isinstance(workflow_id, str) else None)
+    return None, None
+
+
 def _header(session) -> dict[str, Any]:
     return {"run_id": session.run_id, "prompt_id": session.prompt_id, "node_id": session.feature.node_id,
-            "sampler_node_id": session.sampler_node_id, "kind": session.stats.kind, "model": session.stats.model}
+            "node_title": getattr(session, "node_title", None) or session.feature.node_title,
+            "workflow_id": getattr(session, "workflow_id", None), "sampler_node_id": session.sampler_node_id,
+            "kind": session.stats.kind, "model": session.stats.model, "threshold": session.stats.threshold,
+            "started_at": getattr(session, "started_at", None)}
 
 
 def run_started(session) -> None:
     session.run_id = f"run-{next(_run_numbers)}"
     session.prompt_id, session.sampler_node_id = _executing()
+    session.node_title, session.workflow_id = _prompt_context(session.prompt_id, session.cache.node_id)
     session.started_at = time.time()
 
 
 def step_finished(session, record) -> None:
     """After every model evaluation (hot path): one small message, no tensor access."""
-    _send(STEP_EVENT, {**_header(session), "step": record.step, "total_steps": record.total_steps,
-                       "computed": record.computed, "seconds": record.seconds,
-                       "branches": [asdict(b) for b in record.branches]})
+    branches = [asdict(b) for b in record.branches[:STEP_BRANCHES_LIMIT]]
+    event = {**_header(session), "step": record.step, "total_steps": record.total_steps,
+             "computed": record.computed, "seconds": record.seconds, "branches": branches}
+    if len(record.branches) > STEP_BRANCHES_LIMIT:
+        event["branches_omitted"] = len(record.branches) - STEP_BRANCHES_LIMIT
+    _send(STEP_EVENT, json_safe(event))
 
 
-def run_finished(session, status: str = "success") -> dict[str, Any]:
+def bounded_entry(header: dict[str, Any], stats, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON-safe history entry of a run, at most ``ENTRY_BYTES_LIMIT`` bytes of JSON.
+
+    Every evaluation while they fit in ``DETAIL_BYTES_LIMIT``; else a timeline of ``TIMELINE_BINS`` bins; else
+    (thousands of branches) the summary alone, with long lists cut; ``detail`` says which. ``extra`` (further
+    top-level fields, e.g. other features' summaries) is kept unless it alone breaks the bound, then each of its
+    fields becomes None and a warning says so.
+    """
+    entry = json_safe({**header, **(extra or {}), "summary": stats.summary(), "detail": "evaluations",
+                       "timeline": None})
+    evaluations = stats.to_dict()["evaluations"]
+    if json_bytes(evaluations) <= DETAIL_BYTES_LIMIT:
+        entry["evaluations"] = evaluations
+    else:
+        entry.update(detail="timeline", evaluations=[], timeline=stats.timeline(TIMELINE_BINS))
+    if json_bytes(entry) > ENTRY_BYTES_LIMIT:
+        summary = entry["summary"]
+        entry.update(detail="summary", evaluations=[], timeline=None)
+        summary["warnings"] = [w[:500] for w in summary["warnings"][:20]]
+        summary["notes"] = [n[:500] for n in summary["notes"][:20]]
+        summary["branches"] = dict(list(summary["branches"].items())[:STEP_BRANCHES_LIMIT])
+    if json_bytes(entry) > ENTRY_BYTES_LIMIT:
+        for key in extra or {}:
+            entry[key] = None
+        entry["summary"]["warnings"].append(f"the run's {', '.join(extra or {})} statistics were too large to keep")
+    return entry
+
+
+def run_finished(session, status: str = "success", extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Log, keep and publish the run's entry (``bounded_entry``; ``extra``: further top-level fields)."""
     stats = session.stats
     if stats.evaluations:
         log.info("OmniHooks %s", stats.log_line())
-    entry = {**_header(session), "status": status, "started_at": getattr(session, "started_at", None),
-             "finished_at": time.time(), **stats.to_dict()}
+    header = {**_header(session), "status": status, "finished_at": time.time()}
+    entry = bounded_entry(header, stats, extra)
+    size = json_bytes(entry)
     with _lock:
         _history[entry["run_id"]] = entry
-        while len(_history) > HISTORY_LIMIT:
-            _history.popitem(last=False)
+        _sizes[entry["run_id"]] = size
+        while len(_history) > 1 and (len(_history) > HISTORY_LIMIT or sum(_sizes.values()) > HISTORY_BYTES_LIMIT):
+            run_id, _ = _history.popitem(last=False)
+            _sizes.pop(run_id, None)
     _send(RUN_EVENT, entry)
     return entry
+
+
+def without_detail(entry: dict[str, Any]) -> dict[str, Any]:
+    """An entry without its per-evaluation part (what a list of runs needs)."""
+    return {**entry, "evaluations": [], "timeline": None}
 
 
 def recent_runs(limit: int = 10, prompt_id: str | None = None) -> list[dict[str, Any]]:
@@ -103,6 +198,12 @@ def recent_runs(limit: int = 10, prompt_id: str | None = None) -> list[dict[str,
     with _lock:
         entries = [e for e in reversed(_history.values()) if prompt_id is None or e["prompt_id"] == prompt_id]
     return entries[:max(limit, 0)]
+
+
+def history_bytes() -> int:
+    """JSON bytes of every entry kept."""
+    with _lock:
+        return sum(_sizes.values())
 
 
 def get_run(run_id: str) -> dict[str, Any] | None:
@@ -119,17 +220,24 @@ def register_routes() -> None:
 
     routes = server.routes
 
+    def respond(data: Any, status: int = 200) -> web.Response:
+        return web.json_response(data, status=status, dumps=dumps)
+
     @routes.get("/omni_hooks/runs")
     async def list_runs(request: web.Request) -> web.Response:
         try:
             limit = min(int(request.query.get("limit", "20")), HISTORY_LIMIT)
         except ValueError:
-            return web.json_response({"error": "limit must be an integer"}, status=400)
-        return web.json_response({"runs": recent_runs(limit, request.query.get("prompt_id"))})
+            return respond({"error": "limit must be an integer"}, status=400)
+        detail = request.query.get("detail", "1")
+        if detail not in ("0", "1"):
+            return respond({"error": "detail must be 0 or 1"}, status=400)
+        runs = recent_runs(limit, request.query.get("prompt_id"))
+        return respond({"runs": runs if detail == "1" else [without_detail(e) for e in runs]})
 
     @routes.get("/omni_hooks/runs/{run_id}")
     async def one_run(request: web.Request) -> web.Response:
         entry = get_run(request.match_info["run_id"])
         if entry is None:
-            return web.json_response({"error": "unknown run id"}, status=404)
-        return web.json_response(entry)
+            return respond({"error": "unknown run id"}, status=404)
+        return respond(entry)

@@ -12,9 +12,9 @@ from comfy_api.latest import io
 from ..omni_hooks.stack_cache import StackCacheRun
 from ..omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients
 from . import calibration_files
-from .adapters import ModelAdapter
 from .caches import CacheSession, CacheSpec, apply_node, calibrate_node, percent_window_inputs
 from .coefficients import PUBLISHED, TeaCacheCoefficients, for_family
+from .families import DetectedModel
 
 KIND = "teacache"
 NODE_ID = "OmniHooks.ApplyTeaCache"
@@ -45,34 +45,40 @@ class TeaCacheSettings:
         return self.rel_l1_thresh
 
 
-def _no_auto_fit(adapter: ModelAdapter) -> str:
+def _no_auto_fit(adapter: DetectedModel) -> str:
     return (f"no published TeaCache coefficients fit {adapter.describe()}. " + " ".join(adapter.notes)
             + " Choose a model_variant, or run 'TeaCache Calibrate' on this model and choose its file.")
 
 
-def _from_file(adapter: ModelAdapter, value: str, name: str, data: dict) -> TeaCacheCoefficients:
-    """The coefficient set of a calibration file's contents; a clear error for a malformed file."""
-    def bad(what: str) -> ValueError:
-        return ValueError(f"{NODE_TITLE}: calibration {name!r} ({calibration_files.directory(KIND)}) {what}; "
-                          f"run TeaCache Calibrate again, or choose another variant.")
+def _bad_file(name: str, what: str) -> ValueError:
+    return ValueError(f"{NODE_TITLE}: calibration {name!r} ({calibration_files.directory(KIND)}) {what}; "
+                      f"run TeaCache Calibrate again, or choose another variant.")
 
+
+def _coefficients_of(name: str, data: dict) -> tuple[float, ...]:
+    """The five finite coefficients of a calibration file; a clear error for a malformed file."""
     coefficients = data.get("coefficients")
     if (not isinstance(coefficients, list) or len(coefficients) != 5
             or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
                        for c in coefficients)):
-        raise bad(f"has no valid 'coefficients' (5 finite numbers expected, got {str(coefficients)[:80]})")
+        raise _bad_file(name, f"has no valid 'coefficients' (5 finite numbers expected, got {str(coefficients)[:80]})")
+    return tuple(float(c) for c in coefficients)
+
+
+def _from_file(adapter: DetectedModel, value: str, name: str, data: dict) -> TeaCacheCoefficients:
+    """The coefficient set of a calibration file's contents; a clear error for a malformed file."""
+    coefficients = _coefficients_of(name, data)
     signal = data.get("signal", "default")
     signals = {"default", *(c.signal for c in for_family(adapter.family))}
     if signal not in signals:
-        raise bad(f"has signal {str(signal)[:40]!r}, which {adapter.family} models do not have "
-                  f"(one of {sorted(signals)})")
+        raise _bad_file(name, f"has signal {str(signal)[:40]!r}, which {adapter.family} models do not have "
+                              f"(one of {sorted(signals)})")
     try:
         threshold = float(data.get("recommended_threshold", 0.2))
     except (TypeError, ValueError):
-        raise bad("has a 'recommended_threshold' that is not a number") from None
-    return TeaCacheCoefficients(key=value, family=data.get("family", adapter.family),
-                                coefficients=tuple(float(c) for c in coefficients), threshold=threshold,
-                                signal=signal, note=f"calibrated: {name}")
+        raise _bad_file(name, "has a 'recommended_threshold' that is not a number") from None
+    return TeaCacheCoefficients(key=value, family=data.get("family", adapter.family), coefficients=coefficients,
+                                threshold=threshold, signal=signal, note=f"calibrated: {name}")
 
 
 def _tuning_inputs() -> list[io.Input]:
@@ -86,7 +92,7 @@ def _tuning_inputs() -> list[io.Input]:
     ]
 
 
-def _settings(adapter: ModelAdapter, found: TeaCacheCoefficients | None, tuning: dict[str, Any],
+def _settings(adapter: DetectedModel, found: TeaCacheCoefficients | None, tuning: dict[str, Any],
               auto: bool) -> TeaCacheSettings:
     calibrate = found is None
     if calibrate:
@@ -117,7 +123,7 @@ def _collect(run: StackCacheRun) -> list[tuple[float, float]]:
     return run.calibration_pairs()
 
 
-def _calibration_file(parts: list[list[tuple[float, float]]], adapter: ModelAdapter) -> dict:
+def _calibration_file(parts: list[list[tuple[float, float]]], adapter: DetectedModel) -> dict:
     pairs = [pair for part in parts for pair in part]
     coefficients = fit_coefficients(pairs)
     return {
@@ -154,6 +160,7 @@ TEACACHE = CacheSpec(
     auto_key=lambda adapter: adapter.teacache_key,
     no_auto_fit=_no_auto_fit,
     from_file=_from_file,
+    check_file=_coefficients_of,
     tuning_inputs=_tuning_inputs,
     make_settings=_settings,
     calibrate_tuning={"rel_l1_thresh": 0.0, "start_percent": 0.0, "end_percent": 1.0,

@@ -7,14 +7,50 @@ no untyped scratch space: a new fact that features share gets a field here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class RankAgreement(Protocol):
+    """Makes a per-call decision identical on every rank of a sequence-parallel group.
+
+    Every method is a collective: each rank must call it the same number of times, in the same order, whatever it
+    decided locally (a rank that skips a call its peers make leaves them waiting forever). Provided by the
+    sequence-parallel layer (``omni_hooks.sequence_parallel``); a cache calls it once per decision.
+    """
+
+    def mean(self, values: "torch.Tensor") -> "torch.Tensor":
+        """The element-wise mean of ``values`` (same shape on every rank) over the ranks, as a CPU tensor."""
+        ...
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank iff ``flag`` is True on at least one rank."""
+        ...
 
 
 @dataclass(frozen=True)
 class RankView:
-    """This process's place in a sequence-parallel group (world size 1 = no parallelism)."""
+    """This process's place in a sequence-parallel group (world size 1 = no parallelism).
+
+    ``agreement`` is how features that decide per call (caches) make the same decision on every rank; a view of
+    more than one rank must carry one.
+    """
 
     rank: int = 0
     world_size: int = 1
+    agreement: RankAgreement | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"RankView: rank {self.rank} is outside a group of {self.world_size}")
+        if self.world_size > 1 and self.agreement is None:
+            raise ValueError(
+                f"RankView: a group of {self.world_size} ranks needs an agreement (per-rank cache decisions would "
+                "differ and deadlock the next collective); use omni_hooks.sequence_parallel's "
+                "SequenceParallelRuntime.rank_view()")
 
 
 @dataclass
@@ -26,6 +62,7 @@ class CallContext:
     * ``step`` / ``total_steps``: the sampler step this call belongs to (None when the host cannot tell);
     * ``blocks_run``: the block stack's verdict for this call, written by a cache at its head block: None until
       decided (and for a model without a cache), True when the blocks compute, False when they are passed through;
+      under sequence parallelism it is the same on every rank (``RankView.agreement``);
     * ``rank``: the sequence-parallel view of this process for this call.
     """
 

@@ -5,9 +5,10 @@ Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_cal
   * on a skip, every block returns its inputs unchanged (``BlockStack.skip_block``) and the tail module's image-stream
     input becomes *head input + cached residual*: the residual is added exactly once, however many blocks there are;
   * on a compute, the tail stores ``tail input - head input`` per branch (the residual the next skip reuses).
-The stack is skipped only when every branch of the call may skip; the verdict is written to the call's
-``CallContext.blocks_run``. Outside a call every hook passes through. All hooks are of the caching phase, so a
-placement hook (offload) on a block runs only when that block really computes.
+The stack is skipped only when every branch of the call may skip (and, under sequence parallelism, only when every
+rank may: ``CallContext.rank.agreement``); the verdict is written to the call's ``CallContext.blocks_run``. Outside a
+call every hook passes through. All hooks are of the caching phase, so a placement hook (offload) on a block runs only
+when that block really computes.
 
 TeaCache and MagCache differ only in ``decide`` (and what they record while calibrating).
 """
@@ -150,16 +151,37 @@ class StackCacheRun:
             if decisions[i].reason == "reuse" and (
                     st.previous_residual is None or st.residual_input_shape != hidden[i * size:(i + 1) * size].shape):
                 decisions[i] = Decision("shape" if st.previous_residual is not None else "first", decisions[i].metric)
-        compute = any(d.reason != "reuse" for d in decisions)
+        local_compute = any(d.reason != "reuse" for d in decisions)
+        agreement = call.context.rank.agreement
+        # under sequence parallelism every rank must take the same path, or one waits in a collective forever
+        compute = agreement.any(local_compute) if agreement is not None else local_compute
         self.after_decision(call, compute)
+        reuse_reason = "other-branch" if local_compute else "other-rank"
         call.record = EvaluationRecord(
             step=call.context.step, total_steps=call.context.total_steps, computed=compute,
             branches=[BranchDecision(branch=call.labels[i], computed=compute,
-                                     reason="other-branch" if compute and d.reason == "reuse" else d.reason,
+                                     reason=reuse_reason if compute and d.reason == "reuse" else d.reason,
                                      metric=d.metric, threshold=self.threshold)
                       for i, d in enumerate(decisions)])
         call.context.blocks_run = compute
         return compute
+
+    @staticmethod
+    def measured_floats(call: ActiveCall, values: list[torch.Tensor | None]) -> list[float | None]:
+        """Per-branch measured 0-d tensors (None: not measured) as host floats, with one host sync.
+
+        Under sequence parallelism (``call.context.rank.agreement``) each value is the mean over the ranks, since a
+        rank measures only its shard of the tokens; the agreement is then called exactly once per call, on every
+        rank, measured or not, so no rank waits on a collective another one skipped.
+        """
+        agreement = call.context.rank.agreement
+        measured = [v for v in values if v is not None]
+        if agreement is None:
+            floats = iter(torch.stack(measured).tolist() if measured else [])
+            return [next(floats) if v is not None else None for v in values]
+        zero = torch.zeros((), dtype=torch.float32, device=measured[0].device if measured else None)
+        means = agreement.mean(torch.stack([zero if v is None else v.float() for v in values])).tolist()
+        return [m if v is not None else None for v, m in zip(values, means)]
 
     def reused_hidden(self, head_input: torch.Tensor) -> torch.Tensor:
         """The stack output of a skipped call: its head input plus each branch's cached residual."""

@@ -1,8 +1,38 @@
-"""Per-run cache statistics: every decision a cache made, and the totals a log line or a UI panel shows."""
+"""Per-run cache statistics: every decision a cache made, and the totals a log line or a UI panel shows.
+
+What leaves this module for JSON (``to_dict``, ``timeline``, ``json_safe``) is always valid JSON: a number that is not
+finite (a threshold or metric that overflowed) becomes the text ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``, so a
+reader can tell it from a missing value (``null``) and show it as such.
+"""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+NON_FINITE_TEXT = ("NaN", "Infinity", "-Infinity")
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with only JSON types left: non-finite numbers as text (``NON_FINITE_TEXT``), tuples as lists,
+    mapping keys as text, numpy/torch scalars as Python numbers and anything else as its ``str``."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        x = float(value)
+        if math.isfinite(x):
+            return x
+        return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:
+        return json_safe(value.item())  # a 0-d tensor or array
+    return str(value)
 
 
 @dataclass
@@ -12,7 +42,7 @@ class BranchDecision:
     branch: str            # "cond", "uncond", "cond.1", ...
     computed: bool
     reason: str            # "first", "forced", "window", "retention", "shape", "threshold", "max-skips", "reuse",
-    #                        "calibrate", "disabled", "other-branch"
+    #                        "calibrate", "disabled", "other-branch", "other-rank"
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
 
@@ -102,6 +132,13 @@ class CacheRunStats:
         model_seconds = self.model_seconds
         saved = self.estimated_seconds_saved()
         warnings = list(self.warnings)
+        non_finite = sum(1 for e in self.evaluations for b in e.branches
+                         if b.metric is not None and not math.isfinite(b.metric))
+        if non_finite or not math.isfinite(self.threshold):
+            what = (f"the measured change was not a finite number in {non_finite} branch evaluation(s)" if non_finite
+                    else f"the threshold is {self.threshold}")
+            warnings.append(f"{what}: the coefficients or threshold overflow for this model, so every such step is "
+                            "computed; calibrate this model again or choose other coefficients")
         nothing = self.why_nothing_was_reused()
         if nothing:
             warnings.append(f"nothing was reused: {nothing}")
@@ -133,4 +170,32 @@ class CacheRunStats:
         return line
 
     def to_dict(self) -> dict[str, Any]:
-        return {"summary": self.summary(), "evaluations": [asdict(e) for e in self.evaluations]}
+        """JSON-safe: the summary and every evaluation."""
+        return json_safe({"summary": self.summary(), "evaluations": [asdict(e) for e in self.evaluations]})
+
+    def timeline(self, max_bins: int) -> dict[str, Any]:
+        """The evaluations in at most ``max_bins`` consecutive bins of equal size, for runs too long to keep each.
+
+        ``{"bin_size": n, "bins": [{first_step, last_step, evaluations, computed, seconds, branches: {name:
+        {computed, reused, reasons: {reason: count}, metric_max, threshold}}}]}``; JSON-safe. ``metric_max`` is the
+        largest finite metric of the bin (None when none), so the plot keeps its peaks.
+        """
+        size = max(1, math.ceil(len(self.evaluations) / max(max_bins, 1)))
+        bins = []
+        for start in range(0, len(self.evaluations), size):
+            chunk = self.evaluations[start:start + size]
+            steps = [e.step for e in chunk if e.step is not None]
+            branches: dict[str, dict[str, Any]] = {}
+            for e in chunk:
+                for b in e.branches:
+                    agg = branches.setdefault(b.branch, {"computed": 0, "reused": 0, "reasons": {},
+                                                         "metric_max": None, "threshold": b.threshold})
+                    agg["computed" if b.computed else "reused"] += 1
+                    agg["reasons"][b.reason] = agg["reasons"].get(b.reason, 0) + 1
+                    if b.metric is not None and math.isfinite(b.metric):
+                        agg["metric_max"] = b.metric if agg["metric_max"] is None else max(agg["metric_max"], b.metric)
+                    agg["threshold"] = b.threshold
+            bins.append({"first_step": min(steps) if steps else None, "last_step": max(steps) if steps else None,
+                         "evaluations": len(chunk), "computed": sum(1 for e in chunk if e.computed),
+                         "seconds": sum(e.seconds for e in chunk), "branches": branches})
+        return json_safe({"bin_size": size, "bins": bins})

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from omnitest.comfy_path import comfyui_path  # noqa: E402
+from omnitest.comfy_path import PACK_ROOT, comfyui_path  # noqa: E402
+
+LOG_COPY = PACK_ROOT / "test-artifacts" / "demo-comfyui.log"  # the server's own folder is deleted when it stops
 
 
 def main() -> int:
@@ -28,55 +31,66 @@ def main() -> int:
     parser.add_argument("--threshold", type=float, default=0.1, help="Apply TeaCache rel_l1_thresh")
     opts = parser.parse_args()
     if comfyui_path() is None:
-        print("demo: no ComfyUI found; clone ComfyUI 0.3.64 to ~/ComfyUI or set COMFYUI_PATH (see README, 'Tests').")
+        print("demo: no ComfyUI found; clone ComfyUI 0.3.64 to ~/ComfyUI or set COMFYUI_PATH "
+              "(see README, 'Try it, test it').")
         return 2
 
-    from omnitest.graphs import tiny_wan_graph
     from omnitest.server import ComfyServer
 
     sampling = dict(steps=opts.steps, cfg=5.0, width=256, height=256, length=9)
     with ComfyServer(threads=None) as server:
-        print(f"ComfyUI started on {server.url} (log: {server.log_path})")
-        client = server.client()
-        calibrate = tiny_wan_graph(**sampling)
-        calibrate.sampler.class_type = "OmniHooks.TeaCacheCalibrate"  # same inputs as KSampler, plus a name
-        calibrate.sampler.set_input("name", "tiny-wan-demo")
-        client.run(calibrate.prompt(), timeout=600)
-        print("1. TeaCache Calibrate fitted the tiny model and saved 'tiny-wan-demo'")
-
-        timings, latents = {}, {}
-        teacache = ("OmniHooks.ApplyTeaCache", {"rel_l1_thresh": opts.threshold, "start_percent": 0.0,
-                                                "end_percent": 1.0, "cache_device": "compute device",
-                                                "model_variant": "calibration: tiny-wan-demo"})
-        for label, patches in (("without cache", []), ("with Apply TeaCache", [teacache])):
-            graph = tiny_wan_graph(patches, **sampling)
-            start = time.perf_counter()
-            result = client.run(graph.prompt(), timeout=600)
-            timings[label] = time.perf_counter() - start
-            latents[label] = result.latent("5")
-            prompt_id = result.prompt_id
-        runs = client.get_json("/omni_hooks/runs", {"prompt_id": prompt_id})["runs"]
-        summary = runs[0]["summary"]
-        print(f"2./3. sampled {opts.steps} steps at cfg 5 without and with Apply TeaCache "
-              f"(rel_l1_thresh {opts.threshold})")
-        print(f"   TeaCache: reused {summary['reused']} of {summary['evaluations']} model evaluations "
-              f"({summary['hit_rate']:.0%}); per branch: "
-              + ", ".join(f"{b} {c['reused']} reused/{c['computed']} computed"
-                          for b, c in sorted(summary["branches"].items())))
-        print(f"   time in the model {summary['model_seconds']:.2f} s, estimated saved "
-              f"{summary['estimated_seconds_saved']:.2f} s ({summary['estimated_speedup']:.2f}x in the model)")
-        base, cached = latents["without cache"], latents["with Apply TeaCache"]
-        diff = (cached - base).abs().max().item()
-        mse = ((cached.double() - base.double()) ** 2).mean().item()
-        peak = (base.max() - base.min()).item()
-        psnr = math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
-        print(f"   prompt wall time {timings['without cache']:.2f} s -> {timings['with Apply TeaCache']:.2f} s "
-              f"({timings['without cache'] / timings['with Apply TeaCache']:.2f}x); "
-              f"latent max abs difference {diff:.4f}, PSNR {psnr:.1f} dB")
-        for warning in summary["warnings"]:
-            print(f"   warning: {warning}")
-    print("ComfyUI stopped.")
+        print(f"ComfyUI started on {server.url}; its log will be kept in {LOG_COPY}")
+        try:
+            run(server, opts, sampling)
+        finally:
+            server.stop()
+            LOG_COPY.parent.mkdir(exist_ok=True)
+            shutil.copyfile(server.log_path, LOG_COPY)
+    print(f"ComfyUI stopped; its log: {LOG_COPY}")
     return 0
+
+
+def run(server, opts, sampling: dict) -> None:
+    from omnitest.graphs import tiny_wan_graph
+
+    client = server.client()
+    calibrate = tiny_wan_graph(**sampling)
+    calibrate.sampler.class_type = "OmniHooks.TeaCacheCalibrate"  # same inputs as KSampler, plus a name
+    calibrate.sampler.set_input("name", "tiny-wan-demo")
+    client.run(calibrate.prompt(), timeout=600)
+    print("1. TeaCache Calibrate fitted the tiny model and saved 'tiny-wan-demo'")
+
+    timings, latents = {}, {}
+    teacache = ("OmniHooks.ApplyTeaCache", {"rel_l1_thresh": opts.threshold, "start_percent": 0.0,
+                                            "end_percent": 1.0, "cache_device": "compute device",
+                                            "model_variant": "calibration: tiny-wan-demo"})
+    for label, patches in (("without cache", []), ("with Apply TeaCache", [teacache])):
+        graph = tiny_wan_graph(patches, **sampling)
+        start = time.perf_counter()
+        result = client.run(graph.prompt(), timeout=600)
+        timings[label] = time.perf_counter() - start
+        latents[label] = result.latent("5")
+        prompt_id = result.prompt_id
+    runs = client.get_json("/omni_hooks/runs", {"prompt_id": prompt_id})["runs"]
+    summary = runs[0]["summary"]
+    print(f"2./3. sampled {opts.steps} steps at cfg 5 without and with Apply TeaCache "
+          f"(rel_l1_thresh {opts.threshold})")
+    print(f"   TeaCache: reused {summary['reused']} of {summary['evaluations']} model evaluations "
+          f"({summary['hit_rate']:.0%}); per branch: "
+          + ", ".join(f"{b} {c['reused']} reused/{c['computed']} computed"
+                      for b, c in sorted(summary["branches"].items())))
+    print(f"   time in the model {summary['model_seconds']:.2f} s, estimated saved "
+          f"{summary['estimated_seconds_saved']:.2f} s ({summary['estimated_speedup']:.2f}x in the model)")
+    base, cached = latents["without cache"], latents["with Apply TeaCache"]
+    diff = (cached - base).abs().max().item()
+    mse = ((cached.double() - base.double()) ** 2).mean().item()
+    peak = (base.max() - base.min()).item()
+    psnr = math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
+    print(f"   prompt wall time {timings['without cache']:.2f} s -> {timings['with Apply TeaCache']:.2f} s "
+          f"({timings['without cache'] / timings['with Apply TeaCache']:.2f}x); "
+          f"latent max abs difference {diff:.4f}, PSNR {psnr:.1f} dB")
+    for warning in summary["warnings"]:
+        print(f"   warning: {warning}")
 
 
 if __name__ == "__main__":

@@ -1,109 +1,419 @@
 // Pure logic of the OmniHooks cache-statistics panel: no DOM, no ComfyUI imports (tested with node --test).
-// Events come from nodes/stats_store.py: "omni_hooks.step" after each model evaluation, "omni_hooks.run" at the end.
+// Events come from nodes/stats_store.py: "omni_hooks.step" after each model evaluation, "omni_hooks.run" at the end
+// of a run (the history entry). Numbers that are not finite arrive as the text "NaN", "Infinity" or "-Infinity".
 
 export const STEP_EVENT = "omni_hooks.step";
 export const RUN_EVENT = "omni_hooks.run";
 export const MAX_RUNS = 20;
 
+/** Why a branch was computed or reused (omni_hooks/stats.py BranchDecision.reason), in the legend's order. */
+export const REASONS = {
+  reuse: { label: "reused", help: "the change since the last computed step stayed under the threshold: the cached residual was reused" },
+  threshold: { label: "over threshold", help: "the accumulated change reached the threshold: computed" },
+  "max-skips": { label: "max skips", help: "the allowed number of consecutive reused steps (K) was reached: computed" },
+  retention: { label: "retention", help: "within the first retention_ratio of the steps, which are always computed" },
+  first: { label: "first", help: "nothing cached yet for this branch (first evaluation): computed" },
+  forced: { label: "forced", help: "first/last steps (or calibrated warm-up steps) are always computed" },
+  window: { label: "outside window", help: "outside start_percent..end_percent: computed" },
+  shape: { label: "shape changed", help: "the input shape changed, the cached residual does not fit: computed" },
+  "other-branch": { label: "other branch", help: "this branch could have been reused, but another branch of the same batch needed computing" },
+  calibrate: { label: "calibrating", help: "a calibration run computes every step" },
+  disabled: { label: "disabled", help: "caching is disabled for this run: computed" },
+  measure: { label: "measured", help: "measured, no verdict" },
+  mixed: { label: "mixed", help: "several evaluations summarised in one cell" },
+};
+
+const NON_FINITE = new Set(["NaN", "Infinity", "-Infinity"]);
+
 export function createState() {
-  return { live: null, runs: [], hitRateByNode: {} };
+  // runs: newest first; liveRunId: the run receiving steps; selectedRunId: the run the user picked (null = latest);
+  // badges: "<prompt_id>|<node_id>" -> badge data; latestPrompt: "<workflow_id>|<node_id>" -> prompt_id
+  return { runs: [], liveRunId: null, selectedRunId: null, badges: {}, latestPrompt: {} };
 }
 
-function newLive(ev) {
+const HEADER_FIELDS = ["prompt_id", "node_id", "node_title", "workflow_id", "sampler_node_id", "kind", "model",
+  "threshold", "started_at", "finished_at", "status", "summary", "features", "world_size", "detail"];
+
+function newRun(ev) {
   return {
-    run_id: ev.run_id, prompt_id: ev.prompt_id ?? null, node_id: ev.node_id ?? null, kind: ev.kind ?? "cache",
-    model: ev.model ?? "", total_steps: ev.total_steps ?? null, evaluations: [], branches: {}, finished: false,
-    summary: null, status: null,
+    run_id: ev.run_id, prompt_id: null, node_id: null, node_title: null, workflow_id: null, sampler_node_id: null,
+    kind: "cache", model: "", threshold: null, started_at: null, finished_at: null, status: null, summary: null,
+    features: null, world_size: null, detail: "evaluations", total_steps: null, records: [], timeline: null,
+    finished: false, loaded: true, tally: tally([]),
   };
 }
 
-/** Record one "omni_hooks.step" event. Starts a new live run when the run id changes. */
+function addToTally(t, r) {
+  t.evaluations += 1;
+  t.seconds += r.seconds;
+  if (r.computed) { t.computed += 1; t.computedSeconds += r.seconds; }
+  return t;
+}
+
+/** Running totals of a run's records, kept up to date step by step (no recount per event). */
+function tally(records) {
+  return records.reduce(addToTally, { evaluations: 0, computed: 0, seconds: 0, computedSeconds: 0 });
+}
+
+function mergeHeader(run, ev) {
+  for (const key of HEADER_FIELDS) if (ev[key] !== undefined && ev[key] !== null) run[key] = ev[key];
+  if (ev.node_id != null) run.node_id = String(ev.node_id);
+  if (ev.total_steps != null) run.total_steps = ev.total_steps;
+}
+
+function findRun(state, runId) {
+  return state.runs.find((r) => r.run_id === runId) ?? null;
+}
+
+function upsertRun(state, ev) {
+  let run = findRun(state, ev.run_id);
+  if (!run) {
+    run = newRun(ev);
+    state.runs = [run, ...state.runs].slice(0, MAX_RUNS);
+    if (state.selectedRunId && !findRun(state, state.selectedRunId)) state.selectedRunId = null;
+  }
+  mergeHeader(run, ev);
+  return run;
+}
+
+function record(ev) {
+  return {
+    step: Number.isInteger(ev.step) ? ev.step : null,
+    total_steps: Number.isInteger(ev.total_steps) ? ev.total_steps : null,
+    computed: !!ev.computed,
+    seconds: finiteOr(ev.seconds, 0),
+    branches: (Array.isArray(ev.branches) ? ev.branches : []).map((b) => ({
+      branch: String(b?.branch ?? "all"), computed: !!b?.computed, reason: String(b?.reason ?? ""),
+      metric: b?.metric ?? null, threshold: b?.threshold ?? null,
+    })),
+  };
+}
+
+function badgeKey(promptId, nodeId) {
+  return `${promptId}|${nodeId}`;
+}
+
+function noteBadge(state, run) {
+  if (run.prompt_id == null || run.node_id == null) return;
+  const key = badgeKey(run.prompt_id, run.node_id);
+  const runs = state.runs.filter((r) => r.prompt_id === run.prompt_id && r.node_id === run.node_id);
+  const c = runs.map(counters);
+  const evaluations = c.reduce((a, x) => a + x.evaluations, 0);
+  const reused = c.reduce((a, x) => a + x.reused, 0);
+  state.badges[key] = {
+    running: runs.some((r) => !r.finished), reused, evaluations, hitRate: evaluations ? reused / evaluations : 0,
+    progress: progress(run),
+  };
+  if (run.workflow_id) state.latestPrompt[badgeKey(run.workflow_id, run.node_id)] = run.prompt_id;
+}
+
+/** Record one "omni_hooks.step" event: the run it belongs to gains an evaluation and becomes the live run. */
 export function applyStep(state, ev) {
   if (!ev || typeof ev !== "object" || !ev.run_id) return state;
-  if (!state.live || state.live.run_id !== ev.run_id) state.live = newLive(ev);
-  const live = state.live;
-  if (ev.total_steps != null) live.total_steps = ev.total_steps;
-  const record = { step: ev.step ?? null, computed: !!ev.computed, seconds: Number(ev.seconds) || 0 };
-  live.evaluations.push(record);
-  for (const b of Array.isArray(ev.branches) ? ev.branches : []) {
-    const name = String(b.branch ?? "all");
-    (live.branches[name] ??= []).push({
-      step: ev.step ?? null, computed: !!b.computed, reason: String(b.reason ?? ""),
-      metric: typeof b.metric === "number" ? b.metric : null,
-      threshold: typeof b.threshold === "number" ? b.threshold : null,
-    });
-  }
+  const run = upsertRun(state, ev);
+  const r = record(ev);
+  run.records.push(r);
+  addToTally(run.tally, r);
+  state.liveRunId = run.run_id;
+  noteBadge(state, run);
   return state;
 }
 
-/** Record one "omni_hooks.run" event or a run from GET /omni_hooks/runs. */
+/** Record one "omni_hooks.run" event or an entry of GET /omni_hooks/runs (with or without its evaluations). */
 export function applyRun(state, entry) {
   if (!entry || typeof entry !== "object" || !entry.run_id) return state;
-  state.runs = [entry, ...state.runs.filter((r) => r.run_id !== entry.run_id)].slice(0, MAX_RUNS);
-  if (entry.node_id != null && entry.summary) state.hitRateByNode[String(entry.node_id)] = entry.summary.hit_rate;
-  if (state.live && state.live.run_id === entry.run_id) {
-    state.live.finished = true;
-    state.live.summary = entry.summary ?? null;
-    state.live.status = entry.status ?? null;
-  } else if (!state.live || state.live.finished) {
-    state.live = liveFromRun(entry);
-  }
+  const run = upsertRun(state, entry);
+  run.finished = true;
+  const evaluations = Array.isArray(entry.evaluations) ? entry.evaluations : [];
+  if (evaluations.length && evaluations.length >= run.records.length) run.records = evaluations.map(record);
+  if (entry.timeline && typeof entry.timeline === "object") run.timeline = entry.timeline;
+  run.tally = tally(run.records);
+  // an entry listed without detail (GET /omni_hooks/runs?detail=0) has to be fetched before its steps can be shown
+  run.loaded = run.records.length > 0 || !!run.timeline || run.detail === "summary" || (run.summary?.evaluations ?? 0) === 0;
+  if (state.liveRunId === run.run_id) state.liveRunId = null;
+  state.runs.sort((a, b) => (b.started_at ?? 0) - (a.started_at ?? 0));
+  noteBadge(state, run);
   return state;
 }
 
-/** Rebuild a (finished) live view from a stored run, e.g. after a page reload. */
-export function liveFromRun(entry) {
-  const live = newLive(entry);
-  for (const ev of entry.evaluations ?? []) {
-    applyStep({ live }, { ...ev, run_id: entry.run_id });
-  }
-  live.finished = true;
-  live.summary = entry.summary ?? null;
-  live.status = entry.status ?? null;
-  return live;
+/** The run the panel shows: the one the user picked, else the live one, else the newest. */
+export function shownRun(state) {
+  return (state.selectedRunId && findRun(state, state.selectedRunId))
+    || (state.liveRunId && findRun(state, state.liveRunId)) || state.runs[0] || null;
 }
 
-/** Counters of a live run: what the panel shows while it is going. */
-export function counters(live) {
-  const evaluations = live?.evaluations ?? [];
-  const computed = evaluations.filter((e) => e.computed);
-  const reused = evaluations.length - computed.length;
-  const modelSeconds = evaluations.reduce((a, e) => a + e.seconds, 0);
-  const meanComputed = computed.length ? computed.reduce((a, e) => a + e.seconds, 0) / computed.length : 0;
-  const saved = reused * meanComputed;
+export function selectRun(state, runId) {
+  state.selectedRunId = runId && findRun(state, runId) ? runId : null;
+  return state;
+}
+
+/** The id a graph has when it was never given one (e.g. loaded from API-format JSON): it names no workflow. */
+export const UNSET_WORKFLOW_ID = "00000000-0000-0000-0000-000000000000";
+
+/** The badge of node ``nodeId`` in the workflow ``workflowId`` (the latest prompt of that workflow that ran it). */
+export function badgeFor(state, workflowId, nodeId) {
+  if (!workflowId || workflowId === UNSET_WORKFLOW_ID || nodeId == null) return null;
+  const promptId = state.latestPrompt[badgeKey(workflowId, String(nodeId))];
+  const badge = promptId == null ? null : state.badges[badgeKey(promptId, String(nodeId))];
+  if (!badge) return null;
+  if (badge.running) return { ...badge, text: `running ${badge.progress}`.trim() };
+  return { ...badge, text: `hit ${formatPercent(badge.hitRate)}` };
+}
+
+export function finiteOr(x, fallback = null) {
+  return typeof x === "number" && Number.isFinite(x) ? x : fallback;
+}
+
+/** "step 12/30" (1-based, like ComfyUI's progress bar) of the newest evaluation, or "". */
+export function progress(run) {
+  const last = run?.records?.at(-1);
+  const total = last?.total_steps ?? run?.total_steps;
+  if (!last || last.step == null) return "";
+  return total ? `step ${last.step + 1}/${total}` : `step ${last.step + 1}`;
+}
+
+/** The run's headline numbers: the server's summary once finished, else counted from the steps seen so far. */
+export function counters(run) {
+  const s = run?.finished ? run.summary : null;
+  const records = run?.records ?? [];
+  if (s && typeof s === "object" && Number.isFinite(s.evaluations)) {
+    const computed = finiteOr(s.computed, 0);
+    return {
+      evaluations: s.evaluations, computed, reused: finiteOr(s.reused, 0), hitRate: finiteOr(s.hit_rate, 0),
+      modelSeconds: finiteOr(s.model_seconds, 0), savedSeconds: finiteOr(s.estimated_seconds_saved, 0),
+      speedup: s.estimated_speedup, meanComputedSeconds: meanComputed(run, s),
+    };
+  }
+  const t = run?.tally ?? tally(records);
+  const reused = t.evaluations - t.computed;
+  const mean = t.computed ? t.computedSeconds / t.computed : 0;
+  const saved = reused * mean;
   return {
-    evaluations: evaluations.length, computed: computed.length, reused,
-    hitRate: evaluations.length ? reused / evaluations.length : 0,
-    speedup: modelSeconds > 0 ? (modelSeconds + saved) / modelSeconds : 1,
+    evaluations: t.evaluations, computed: t.computed, reused,
+    hitRate: t.evaluations ? reused / t.evaluations : 0, modelSeconds: t.seconds, savedSeconds: saved,
+    speedup: t.seconds > 0 ? (t.seconds + saved) / t.seconds : 1, meanComputedSeconds: mean,
   };
 }
 
-/** Per branch, one cell per evaluation: "computed" or "reused". */
-export function strips(live) {
+function meanComputed(run, summary) {
+  const t = run?.tally;
+  if (t?.computed) return t.computedSeconds / t.computed;
+  const reused = finiteOr(summary?.reused, 0);
+  return reused ? finiteOr(summary?.estimated_seconds_saved, 0) / reused : 0;
+}
+
+/** How the speedup was estimated, in words. */
+export function speedupBasis(c) {
+  if (!c.evaluations) return "no model evaluations yet";
+  if (!c.reused) return `nothing reused: all ${c.evaluations} evaluations computed`;
+  return `${formatSeconds(c.modelSeconds)} in the model + ~${formatSeconds(c.savedSeconds)} saved: each reused `
+    + `evaluation counted at the mean computed one (${formatSeconds(c.meanComputedSeconds)})`;
+}
+
+function emptyCell(step) {
+  return { first_step: step, last_step: step, n: 0, computed: 0, reused: 0, reasons: {}, metric: null, threshold: null };
+}
+
+/** Per branch, one cell per evaluation (or per timeline bin of a summarised long run). */
+export function branchCells(run) {
   const out = {};
-  for (const [name, cells] of Object.entries(live?.branches ?? {})) {
-    out[name] = cells.map((c) => (c.computed ? "computed" : "reused"));
+  if (run?.records?.length) {
+    run.records.forEach((e) => {
+      for (const b of e.branches) {
+        const cell = emptyCell(e.step);
+        cell.n = 1;
+        cell[b.computed ? "computed" : "reused"] = 1;
+        cell.reasons[b.reason || (b.computed ? "threshold" : "reuse")] = 1;
+        cell.metric = b.metric;
+        cell.threshold = b.threshold;
+        (out[b.branch] ??= []).push(cell);
+      }
+    });
+    return out;
+  }
+  for (const bin of run?.timeline?.bins ?? []) {
+    for (const [name, b] of Object.entries(bin.branches ?? {})) {
+      const cell = emptyCell(bin.first_step);
+      cell.last_step = bin.last_step;
+      cell.computed = finiteOr(b.computed, 0);
+      cell.reused = finiteOr(b.reused, 0);
+      cell.n = cell.computed + cell.reused;
+      cell.reasons = { ...(b.reasons ?? {}) };
+      cell.metric = b.metric_max ?? null;
+      cell.threshold = b.threshold ?? null;
+      (out[name] ??= []).push(cell);
+    }
   }
   return out;
 }
 
-/** The warnings to show for a run: the server's, or ours when a finished run reused nothing. */
-export function warnings(live) {
-  const fromServer = live?.summary?.warnings ?? [];
+/** Merge neighbouring cells so that at most ``maxCells`` remain (counts add up, metric keeps the peak). */
+export function binCells(cells, maxCells) {
+  if (cells.length <= maxCells || maxCells < 1) return cells;
+  const size = Math.ceil(cells.length / maxCells);
+  const out = [];
+  for (let i = 0; i < cells.length; i += size) {
+    const group = cells.slice(i, i + size);
+    const cell = emptyCell(group[0].first_step);
+    for (const c of group) {
+      cell.n += c.n; cell.computed += c.computed; cell.reused += c.reused;
+      for (const [r, k] of Object.entries(c.reasons)) cell.reasons[r] = (cell.reasons[r] ?? 0) + k;
+      const m = finiteOr(c.metric);
+      if (m !== null) cell.metric = Math.max(finiteOr(cell.metric, -Infinity), m);
+      cell.threshold = c.threshold ?? cell.threshold;
+      if (c.first_step != null) cell.first_step ??= c.first_step;
+      if (c.last_step != null) cell.last_step = c.last_step;
+    }
+    out.push(cell);
+  }
+  return out;
+}
+
+/** The reason a cell is coloured by: its only reason, else its most frequent computed one, else "reuse". */
+export function cellReason(cell) {
+  const reasons = Object.entries(cell.reasons);
+  if (reasons.length === 1) return reasons[0][0];
+  const computed = reasons.filter(([r]) => r !== "reuse").sort((a, b) => b[1] - a[1]);
+  return computed.length ? computed[0][0] : "reuse";
+}
+
+function laneKey(cells) {
+  return cells.map((c) => `${c.first_step}:${Object.entries(c.reasons).sort().join(",")}`).join(";");
+}
+
+/** Sort order of branch names: cond entries, then uncond entries, then the rest (numbers by value). */
+export function branchOrder(a, b) {
+  const rank = (n) => (n.startsWith("cond") ? 0 : n.startsWith("uncond") ? 1 : 2);
+  return rank(a) - rank(b) || a.localeCompare(b, undefined, { numeric: true });
+}
+
+/** One lane per distinct strip: branches whose every cell has the same reasons share a lane ("cond + uncond"). */
+export function lanes(run, maxCells = Infinity) {
+  const byBranch = branchCells(run);
+  const groups = new Map();
+  for (const name of Object.keys(byBranch).sort(branchOrder)) {
+    const cells = byBranch[name];
+    const key = laneKey(cells);
+    if (!groups.has(key)) groups.set(key, { branches: [], cells });
+    groups.get(key).branches.push(name);
+  }
+  return [...groups.values()].map((g) => ({
+    label: g.branches.join(" + "), branches: g.branches, cells: binCells(g.cells, maxCells),
+    summarised: g.cells.length > maxCells || (run?.records?.length ?? 0) === 0,
+  }));
+}
+
+/** Words for the strip's rows: what cond/uncond are, and why their rows differ or are one. */
+export function branchExplanation(laneList) {
+  const names = laneList.flatMap((l) => l.branches);
+  if (names.length < 2) return "";
+  const cfg = names.some((n) => n.startsWith("uncond"))
+    ? "cond is your prompt, uncond the negative prompt of classifier-free guidance; "
+    : "each conditioning entry is its own branch; ";
+  if (laneList.length === 1) return `${cfg}both were decided alike at every evaluation, so they share one row.`;
+  return `${cfg}each keeps its own cache state, but one batch is computed or reused as a whole: a branch that could `
+    + `have been reused while another needed computing shows "other branch".`;
+}
+
+/** The legend: every reason that occurs in ``laneList`` (also inside binned cells), in REASONS order. */
+export function legend(laneList) {
+  const present = new Set(laneList.flatMap((l) => l.cells.flatMap((c) => [cellReason(c), ...Object.keys(c.reasons)])));
+  return Object.keys(REASONS).filter((r) => present.has(r));
+}
+
+/** Words for one cell (its tooltip). */
+export function describeCell(cell, lane) {
+  const steps = cell.first_step == null ? "evaluation"
+    : cell.last_step != null && cell.last_step !== cell.first_step ? `steps ${cell.first_step + 1}–${cell.last_step + 1}`
+      : `step ${cell.first_step + 1}`;
+  const reasons = Object.entries(cell.reasons).map(([r, k]) => (cell.n > 1 ? `${REASONS[r]?.label ?? r} ${k}` : REASONS[r]?.label ?? r));
+  const what = cell.n > 1 ? `${cell.reused}/${cell.n} reused (${reasons.join(", ")})`
+    : `${cell.reused ? "reused" : "computed"}${cell.reused ? "" : ` (${reasons.join(", ")})`}`;
+  const metric = cell.metric == null ? "" : `, ${cell.n > 1 ? "peak " : ""}change ${formatValue(cell.metric)}`;
+  return `${lane.label}, ${steps}: ${what}${metric}`;
+}
+
+/** Axis labels for a strip: 1-based step numbers at the first, middle and last cell (the last one's last step). */
+export function stepTicks(cells) {
+  if (!cells.length) return [];
+  const last = cells.length - 1;
+  const idx = cells.length < 3 ? [...cells.keys()] : [0, Math.floor(last / 2), last];
+  return [...new Set(idx)].filter((i) => cells[i].first_step != null).map((i) => ({
+    index: i, position: last > 0 ? i / last : 0,
+    label: String((i === last && i > 0 ? cells[i].last_step ?? cells[i].first_step : cells[i].first_step) + 1),
+  }));
+}
+
+/** The plot's data: per lane, finite metric points by cell index, the threshold and the value range. */
+export function plotData(laneList) {
+  const series = laneList.map((l) => ({
+    label: l.label, n: l.cells.length,
+    points: l.cells.map((c, i) => ({ index: i, step: c.first_step, metric: finiteOr(c.metric), computed: c.computed > 0 }))
+      .filter((p) => p.metric !== null),
+  })).filter((s) => s.points.length);
+  // "NaN"/"Infinity" metrics cannot be drawn: count them so the panel can say so
+  const nonFinite = laneList.reduce((a, l) => a + l.cells.filter((c) => isNonFinite(c.metric)).length, 0);
+  const thresholds = laneList.flatMap((l) => l.cells.map((c) => c.threshold)).filter((t) => t != null);
+  const threshold = thresholds.length ? thresholds.at(-1) : null;
+  const values = series.flatMap((s) => s.points.map((p) => p.metric));
+  const t = finiteOr(threshold);
+  const max = Math.max(...values, t ?? 0, 0) || 1;
+  return { series, threshold, nonFinite, max: niceMax(max * 1.05), cells: Math.max(0, ...laneList.map((l) => l.cells.length)) };
+}
+
+function niceMax(x) {
+  const p = 10 ** Math.floor(Math.log10(x));
+  for (const m of [1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10]) if (m * p >= x) return m * p;
+  return 10 * p;
+}
+
+/** The warnings of a run: the server's, or ours when a finished run reused nothing. */
+export function warnings(run) {
+  const fromServer = run?.summary?.warnings ?? [];
   if (fromServer.length) return fromServer.map(String);
-  const c = counters(live);
-  if (live?.finished && c.evaluations > 0 && c.reused === 0) {
+  const c = counters(run);
+  if (run?.finished && c.evaluations > 0 && c.reused === 0) {
     return ["nothing was reused: the threshold may be too low, the model may be few-step or distilled, "
       + "or the start/end window may exclude every step"];
   }
   return [];
 }
 
-/** Points for the metric-vs-threshold plot of one branch (evaluations that measured something). */
-export function metricSeries(live, branch) {
-  return (live?.branches?.[branch] ?? [])
-    .map((c, i) => ({ index: i, step: c.step, metric: c.metric, threshold: c.threshold, computed: c.computed }))
-    .filter((p) => p.metric !== null);
+/** Further features of the run (offload, sequence parallel, ...): a title and key/value rows each. */
+export function featureCards(run) {
+  return (Array.isArray(run?.features) ? run.features : []).filter((f) => f && typeof f === "object").map((f) => ({
+    title: [f.kind ?? "feature", f.node_title, f.node_id != null ? `#${f.node_id}` : null].filter(Boolean).join(" · "),
+    rows: Object.entries(f.summary && typeof f.summary === "object" ? f.summary : {})
+      .map(([k, v]) => [k.replace(/_/g, " "), formatField(k, v)]),
+  }));
+}
+
+/** A summary value by what its key says it holds: "..._bytes" as a size, "..._seconds" as a duration. */
+function formatField(key, v) {
+  if (typeof v === "number" && Number.isFinite(v)) {
+    if (/(^|_)bytes$/.test(key)) return formatBytes(v);
+    if (/(^|_)seconds$/.test(key)) return formatSeconds(v);
+  }
+  return formatValue(v);
+}
+
+/** A number, a non-finite marker ("NaN", "Infinity") or anything else, as text for the panel. */
+export function formatValue(v) {
+  if (v == null) return "–";
+  if (typeof v === "number") {
+    if (!Number.isFinite(v)) return String(v);
+    if (Number.isInteger(v)) return String(v);
+    const a = Math.abs(v);
+    return a !== 0 && (a < 0.001 || a >= 1e6) ? v.toExponential(2) : String(Number(v.toPrecision(4)));
+  }
+  if (typeof v === "string") return v;
+  if (typeof v === "boolean") return v ? "yes" : "no";
+  if (Array.isArray(v)) return v.map(formatValue).join(", ");
+  return JSON.stringify(v);
+}
+
+export function isNonFinite(v) {
+  return typeof v === "string" && NON_FINITE.has(v);
 }
 
 export function formatPercent(x) {
@@ -111,7 +421,30 @@ export function formatPercent(x) {
 }
 
 export function formatSpeedup(x) {
-  return Number.isFinite(x) ? `${x.toFixed(2)}×` : "–";
+  return Number.isFinite(x) ? `${x.toFixed(2)}×` : isNonFinite(x) ? `${x}×` : "–";
+}
+
+export function formatSeconds(x) {
+  if (!Number.isFinite(x)) return "–";
+  if (x === 0) return "0 s";
+  if (x > 0 && x < 0.01) return `${Math.max(0.1, Math.round(x * 10000) / 10)} ms`;
+  return x >= 100 ? `${Math.round(x)} s` : x >= 10 ? `${x.toFixed(1)} s` : `${x.toFixed(2)} s`;
+}
+
+/** "14:03:07" (local time) of a Unix timestamp in seconds. */
+export function formatClock(t) {
+  if (!Number.isFinite(t)) return "";
+  const d = new Date(t * 1000);
+  return [d.getHours(), d.getMinutes(), d.getSeconds()].map((x) => String(x).padStart(2, "0")).join(":");
+}
+
+/** When a run ran: "14:03:07, 12.3 s" (or "14:03:07, running"). */
+export function formatWhen(run) {
+  const start = formatClock(run?.started_at);
+  if (!start) return "";
+  if (!run.finished) return `${start}, running`;
+  const took = Number.isFinite(run.finished_at) && Number.isFinite(run.started_at) ? run.finished_at - run.started_at : null;
+  return took == null ? start : `${start}, ${formatSeconds(took)}`;
 }
 
 export function formatBytes(n) {

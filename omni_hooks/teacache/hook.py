@@ -91,7 +91,7 @@ class TeaCacheRun(StackCacheRun):
         per_branch = modulated.shape[0] == hidden.shape[0]
         forced = self._forced_reason(call.context)
         reasons: list[str] = []
-        measured: list[tuple[int, torch.Tensor]] = []
+        measured: list[torch.Tensor | None] = [None] * len(call.keys)
         states = [self.branch_state(k) for k in call.keys]
         signals = []
         for i, st in enumerate(states):
@@ -101,7 +101,7 @@ class TeaCacheRun(StackCacheRun):
             if cfg.calibrate:
                 reasons.append("calibrate")
                 if prev is not None and prev.shape == m.shape:
-                    measured.append((i, relative_l1(m, prev)))
+                    measured[i] = relative_l1(m, prev)
             elif st.cnt == 0 or prev is None:
                 reasons.append("first")
             elif prev.shape != m.shape or st.residual_input_shape != hidden[i * size:(i + 1) * size].shape:
@@ -110,10 +110,12 @@ class TeaCacheRun(StackCacheRun):
                 reasons.append(forced)
             else:
                 reasons.append("measure")
-                measured.append((i, relative_l1(m, prev)))
-        rels = torch.stack([r for _, r in measured]).tolist() if measured else []  # one host sync per call
+                measured[i] = relative_l1(m, prev)
+        rels = self.measured_floats(call, measured)  # one host sync (and, under SP, the mean over ranks)
         metrics: list[float | None] = [None] * len(states)
-        for (i, _), rel in zip(measured, rels):
+        for i, rel in enumerate(rels):
+            if rel is None:
+                continue
             if cfg.calibrate:
                 call.head_measures[call.keys[i]] = rel
                 continue

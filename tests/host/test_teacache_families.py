@@ -1,34 +1,22 @@
-"""Apply TeaCache on every tiny model family inside a real ComfyUI (in-process).
+"""Apply TeaCache on every tiny model inside a real ComfyUI (in-process).
 
-Per family: the adapter is detected from the model itself; threshold 0 is bit-identical to no node; the number of
-computed steps never rises with the threshold while the first and last steps are always computed; every run
-leaves the diffusion model exactly as it found it; and the adapter's stack description is right (a reused call on an
-unchanged input reproduces the computed one, and every block's skip has the shape of what the block returns).
+Per tiny model (at least one per registered family): its family is detected from the model itself; threshold 0 is
+bit-identical to no node; the number of computed steps never rises with the threshold while the first and last steps
+are always computed; every run leaves the diffusion model exactly as it found it; and the family's stack description
+is right (a reused call on an unchanged input reproduces the computed one, and every block's skip has the shape of
+what the block returns).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from omnitest.tiny_models import CASE_FAMILY, CASES
+
 pytestmark = pytest.mark.host
 
 STEPS = 8
 THRESHOLDS = [0.0, 0.05, 0.2, 0.5, 1.0, 3.0]
-
-# tiny_models case -> adapter family (the `family` of nodes/coefficients.py, or "chroma")
-EXPECTED_FAMILY = {
-    "wan21_t2v": "wan", "wan21_i2v": "wan", "wan21_vace": "wan", "wan22_ti2v": "wan",
-    "flux": "flux", "flux_schnell": "flux", "flux_kontext": "flux", "chroma": "chroma",
-    "hunyuan_video": "hunyuan_video", "ltxv": "ltxv", "qwen_image": "qwen_image", "lumina2": "lumina2",
-    "hidream": "hidream",
-}
-# what `auto` resolves to on each tiny case (None: the node asks for a variant or a calibration)
-EXPECTED_KEY = {
-    "wan21_t2v": None, "wan21_i2v": None, "wan21_vace": None, "wan22_ti2v": None,  # tiny dims are no released size
-    "flux": "flux", "flux_schnell": None, "flux_kontext": "flux", "chroma": None,
-    "hunyuan_video": "hunyuan_video", "ltxv": "ltxv", "qwen_image": "qwen_image", "lumina2": "lumina_2",
-    "hidream": "hidream_i1_full",
-}
 
 
 def identity_name(family: str) -> str:
@@ -42,18 +30,18 @@ def env(user_dir):
 
     node_module = pack_module("nodes.teacache_node")
     files = pack_module("nodes.calibration_files")
-    adapters = pack_module("nodes.adapters")
+    families = pack_module("nodes.families")
     # Published polynomials are fitted on real weights; on random tiny weights they explode. The identity polynomial
     # makes the decision the raw relative L1 change of each family's signal, which a threshold sweep can exercise.
-    for family in sorted(set(EXPECTED_FAMILY.values())):
+    for family in sorted(set(CASE_FAMILY.values())):
         files.save("teacache", identity_name(family),
                    {"coefficients": [0, 0, 0, 1, 0], "family": family, "signal": "default"})
 
     class Env:
         tiny = tiny_models
         teacache = node_module
-        detect = staticmethod(adapters.detect_adapter)
-        Unsupported = adapters.UnsupportedModelError
+        detect = staticmethod(families.detect)
+        Unsupported = families.UnsupportedModelError
 
         @staticmethod
         def apply(model, family, rel_l1_thresh=0.0):
@@ -68,9 +56,8 @@ def env(user_dir):
     yield Env
 
 
-@pytest.fixture(scope="module", params=list(EXPECTED_FAMILY))
+@pytest.fixture(scope="module", params=CASES)
 def case(request, env):
-    assert tuple(EXPECTED_FAMILY) == env.tiny.FAMILIES
     return env.tiny.build_case(request.param)
 
 
@@ -86,12 +73,10 @@ def module_fingerprint(dm: torch.nn.Module):
 # -- (a) detection ---------------------------------------------------------------------------------------------------
 
 def test_detects_the_family(env, case):
-    adapter = env.detect(case.patcher)
-    assert adapter.family == EXPECTED_FAMILY[case.name], adapter.describe()
-    assert adapter.teacache_key == EXPECTED_KEY[case.name]
-    if adapter.teacache_key is None:
-        assert adapter.notes, "an adapter without coefficients must say what to do"
-    stack = adapter.build_stack(case.diffusion_model)
+    # which variant and coefficients each family's models get: tests/host/test_families_host.py
+    detected = env.detect(case.patcher)
+    assert detected.family == case.family, detected.describe()
+    stack = detected.build_stack(case.diffusion_model)
     assert len(stack.blocks) >= 2
 
 
@@ -152,7 +137,7 @@ def test_unsupported_models_are_a_clear_error(env):
 def test_threshold_zero_is_bit_identical_to_no_node(env, case):
     cfg = cfg_of(case)
     baseline = env.tiny.sample(case, steps=STEPS, cfg=cfg)
-    family = EXPECTED_FAMILY[case.name]
+    family = case.family
     out = env.tiny.sample(case, model=env.apply(case.patcher, family, 0.0), steps=STEPS, cfg=cfg)
     assert torch.equal(out, baseline)
     run = env.last_run()
@@ -167,7 +152,7 @@ def test_threshold_zero_is_bit_identical_to_no_node(env, case):
 
 def test_computed_steps_never_rise_with_the_threshold(env, case):
     cfg = cfg_of(case)
-    family = EXPECTED_FAMILY[case.name]
+    family = case.family
     counts = []
     for thresh in THRESHOLDS:
         env.tiny.sample(case, model=env.apply(case.patcher, family, thresh), steps=STEPS, cfg=cfg)
@@ -188,7 +173,7 @@ def test_runs_leave_the_model_exactly_as_before(env, case):
     dm = case.diffusion_model
     baseline = env.tiny.sample(case, steps=STEPS, cfg=cfg)
     before = module_fingerprint(dm)  # after a first run: ComfyUI's loader marks modules on first load
-    family = EXPECTED_FAMILY[case.name]
+    family = case.family
     patched = env.apply(case.patcher, family, 0.5)
     assert module_fingerprint(dm) == before  # executing the node touches nothing
     for thresh in (0.5, 3.0):
@@ -199,7 +184,7 @@ def test_runs_leave_the_model_exactly_as_before(env, case):
     assert torch.equal(env.tiny.sample(case, steps=STEPS, cfg=cfg), baseline)
 
 
-# -- (e) the adapter's stack description is right ----------------------------------------------------------------------
+# -- (e) the family's stack description is right ----------------------------------------------------------------------
 
 def test_a_reused_call_on_the_same_input_reproduces_the_computed_call(env, case):
     """Call the diffusion model twice on identical inputs with TeaCache on: the first call computes, the second
@@ -210,15 +195,15 @@ def test_a_reused_call_on_the_same_input_reproduces_the_computed_call(env, case)
     from omnitest.pack import pack_module
 
     teacache = pack_module("omni_hooks.teacache")
-    adapter = env.detect(case.patcher)
+    detected = env.detect(case.patcher)
     outputs, records = [], []
 
     def twice(executor, *args, **kwargs):
         dm = executor.class_obj
         config = teacache.TeaCacheConfig(rel_l1_thresh=1e9, coefficients=(0, 0, 0, 1, 0), ret_steps=0,
                                          force_last_step=False)
-        signal = adapter.build_modulated_input(dm, "default")
-        run = teacache.apply_teacache_hook(adapter.build_stack(dm), config, signal)
+        signal = detected.build_modulated_input(dm, "default")
+        run = teacache.apply_teacache_hook(detected.build_stack(dm), config, signal)
         try:
             for _ in range(2):
                 run.begin_call(teacache.CallContext(branches=["all"], labels=["all"]))
@@ -242,8 +227,8 @@ def test_skip_block_returns_what_each_block_returns(env, case):
     """For every block of the stack, skip_block on the block's real call has the structure of the block's real output:
     a tensor or a tuple of the same length, element for element of the same shape (an even number of swapped
     (image, text) skips would cancel out in the end-to-end check above; this catches it)."""
-    adapter = env.detect(case.patcher)
-    stack = adapter.build_stack(case.diffusion_model)
+    detected = env.detect(case.patcher)
+    stack = detected.build_stack(case.diffusion_model)
     seen = []
 
     def record(block, args, kwargs, output):

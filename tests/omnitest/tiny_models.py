@@ -1,4 +1,4 @@
-"""Tiny real diffusion models built in-process from ComfyUI's own model classes, one per family.
+"""Tiny real diffusion models built in-process from ComfyUI's own model classes, at least one per registered family.
 
 Every case is a real ``comfy.model_base.BaseModel`` subclass (``WAN21``, ``WAN21_Vace``, ``WAN22``, ``Flux``,
 ``Chroma``, ``HunyuanVideo``, ``LTXV``, ``QwenImage``, ``Lumina2``, ``HiDream``) around the real diffusion
@@ -16,42 +16,27 @@ which cannot shrink most of these families on ComfyUI 0.3.64):
 4. every parameter is filled deterministically from ``seed`` (the host's ``load_model_weights`` step);
 5. ``ModelPatcher(model, load_device=cpu, offload_device=cpu)``.
 
-Import only after ComfyUI's root is on ``sys.path`` (``tests/host/conftest.py`` does that).
+Every case names the registered model family (``nodes/families/``) it is a model of (``CASE_FAMILY``); the host tests
+fail for a registered family without a case. The case names and families are importable without ComfyUI (test
+parametrisation needs them at collection); building and sampling need ComfyUI's root on ``sys.path``
+(``tests/host/conftest.py`` puts it there).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-import comfy.clip_vision
-import comfy.model_detection
-import comfy.model_management
-import comfy.model_patcher
-import comfy.sample
+if TYPE_CHECKING:
+    import comfy.clip_vision
+    import comfy.model_patcher
 
-__all__ = ["FAMILIES", "TinyCase", "build_case", "sample"]
+__all__ = ["CASES", "CASE_FAMILY", "TinyCase", "build_case", "sample"]
 
 Conditioning = list  # ComfyUI CONDITIONING: [[cross_attn_tensor, {extra keys}], ...]
-
-#: Every case name ``build_case`` accepts, in a stable order.
-FAMILIES: tuple[str, ...] = (
-    "wan21_t2v",
-    "wan21_i2v",
-    "wan21_vace",
-    "wan22_ti2v",
-    "flux",
-    "flux_schnell",
-    "flux_kontext",
-    "chroma",
-    "hunyuan_video",
-    "ltxv",
-    "qwen_image",
-    "lumina2",
-    "hidream",
-)
 
 
 @dataclass
@@ -69,9 +54,11 @@ class TinyCase:
         first frame is an encoded start image; ``noise_mask`` is then the node's ``noise_mask`` (0 = keep).
       * ``cfg`` is > 1 unless the family is guidance/step distilled (Flux dev/schnell/Kontext, HunyuanVideo).
       * ``config_name`` is the ``comfy.supported_models`` class used; ``unet_config`` the config it was given.
+      * ``family`` is the registered model family (``nodes/families/``) the pack must detect on ``patcher``.
     """
 
     name: str
+    family: str  # the registered model family (nodes/families/) this is a model of
     patcher: comfy.model_patcher.ModelPatcher
     positive: Conditioning
     negative: Conditioning
@@ -108,20 +95,25 @@ def _pair(g: torch.Generator, tokens: int, width: int, extra: Callable[[], dict]
 
 def _clip_vision_output(g: torch.Generator, tokens: int) -> comfy.clip_vision.Output:
     """A CLIP-vision output as ``CLIPVisionEncode`` returns it; Wan i2v reads ``penultimate_hidden_states``."""
+    import comfy.clip_vision
+
     out = comfy.clip_vision.Output()
     out["penultimate_hidden_states"] = _randn(g, 1, tokens, 1280)
     return out
 
 
 # --------------------------------------------------------------------------------------------------
-# Family specs: (supported_models class name, unet_config, inputs builder, cfg)
+# Case specs: (registered family, supported_models class name, model_base class name, unet_config, inputs builder,
+# cfg)
 
 _Inputs = tuple[Conditioning, Conditioning, torch.Tensor, Optional[torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class _Spec:
+    family: str
     config_name: str
+    base_model: str
     unet_config: dict
     inputs: Callable[[torch.Generator], _Inputs]
     cfg: float
@@ -238,40 +230,41 @@ def _hidream_inputs(g: torch.Generator) -> _Inputs:
 
 
 _SPECS: dict[str, _Spec] = {
-    "wan21_t2v": _Spec("WAN21_T2V", _wan_config(), _wan_t2v_inputs, 5.0),
-    "wan21_i2v": _Spec("WAN21_I2V", _wan_config(model_type="i2v", in_dim=36), _wan_i2v_inputs, 5.0),
-    "wan21_vace": _Spec("WAN21_Vace", _wan_config(model_type="vace", vace_layers=2, vace_in_dim=96), _wan_vace_inputs, 5.0),
-    "wan22_ti2v": _Spec("WAN22_T2V", _wan_config(in_dim=48, out_dim=48), _wan22_ti2v_inputs, 5.0),
-    "flux": _Spec("Flux", _flux_config(True), _flux_inputs, 1.0),
-    "flux_schnell": _Spec("FluxSchnell", _flux_config(False), _flux_schnell_inputs, 1.0),
-    "flux_kontext": _Spec("Flux", _flux_config(True), _flux_kontext_inputs, 1.0),
-    "chroma": _Spec("Chroma", {
+    "wan21_t2v": _Spec("wan", "WAN21_T2V", "WAN21", _wan_config(), _wan_t2v_inputs, 5.0),
+    "wan21_i2v": _Spec("wan", "WAN21_I2V", "WAN21", _wan_config(model_type="i2v", in_dim=36), _wan_i2v_inputs, 5.0),
+    "wan21_vace": _Spec("wan", "WAN21_Vace", "WAN21_Vace",
+                        _wan_config(model_type="vace", vace_layers=2, vace_in_dim=96), _wan_vace_inputs, 5.0),
+    "wan22_ti2v": _Spec("wan", "WAN22_T2V", "WAN22", _wan_config(in_dim=48, out_dim=48), _wan22_ti2v_inputs, 5.0),
+    "flux": _Spec("flux", "Flux", "Flux", _flux_config(True), _flux_inputs, 1.0),
+    "flux_schnell": _Spec("flux", "FluxSchnell", "Flux", _flux_config(False), _flux_schnell_inputs, 1.0),
+    "flux_kontext": _Spec("flux", "Flux", "Flux", _flux_config(True), _flux_kontext_inputs, 1.0),
+    "chroma": _Spec("chroma", "Chroma", "Chroma", {
         "image_model": "chroma", "in_channels": 64, "out_channels": 64, "patch_size": 2, "context_in_dim": 32,
         "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1, "depth_single_blocks": 1,
         "axes_dim": [8, 12, 12], "theta": 10000, "qkv_bias": True, "in_dim": 64, "out_dim": 64,
         "hidden_dim": 32, "n_layers": 1,
     }, _chroma_inputs, 4.0),
-    "hunyuan_video": _Spec("HunyuanVideo", {
+    "hunyuan_video": _Spec("hunyuan_video", "HunyuanVideo", "HunyuanVideo", {
         "image_model": "hunyuan_video", "in_channels": 16, "out_channels": 16, "patch_size": [1, 2, 2],
         "vec_in_dim": 32, "context_in_dim": 32, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2,
         "depth": 1, "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 256, "qkv_bias": True,
         "guidance_embed": True, "byt5": False, "meanflow": False,
     }, _hunyuan_video_inputs, 1.0),
-    "ltxv": _Spec("LTXV", {
+    "ltxv": _Spec("ltxv", "LTXV", "LTXV", {
         "image_model": "ltxv", "in_channels": 128, "num_layers": 2, "attention_head_dim": 32,
         "num_attention_heads": 2, "cross_attention_dim": 64, "caption_channels": 32,
     }, _ltxv_inputs, 3.0),
-    "qwen_image": _Spec("QwenImage", {
+    "qwen_image": _Spec("qwen_image", "QwenImage", "QwenImage", {
         "image_model": "qwen_image", "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 2,
         "attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 32,
         "axes_dims_rope": (8, 12, 12),
     }, _qwen_image_inputs, 2.5),
-    "lumina2": _Spec("Lumina2", {
+    "lumina2": _Spec("lumina2", "Lumina2", "Lumina2", {
         "image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 64, "n_layers": 2,
         "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 1, "multiple_of": 32, "qk_norm": True,
         "cap_feat_dim": 32, "axes_dims": [8, 12, 12], "axes_lens": [300, 512, 512],
     }, _lumina2_inputs, 4.0),
-    "hidream": _Spec("HiDream", {
+    "hidream": _Spec("hidream", "HiDream", "HiDream", {
         "image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 1,
         "num_single_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
         "caption_channels": [32, 48], "text_emb_dim": 32, "num_routed_experts": 4, "num_activated_experts": 2,
@@ -279,7 +272,10 @@ _SPECS: dict[str, _Spec] = {
     }, _hidream_inputs, 5.0),
 }
 
-assert tuple(_SPECS) == FAMILIES
+#: Every case name ``build_case`` accepts, in a stable order.
+CASES: tuple[str, ...] = tuple(_SPECS)
+#: case name -> the registered model family it is a model of
+CASE_FAMILY: dict[str, str] = {name: spec.family for name, spec in _SPECS.items()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -304,6 +300,10 @@ def _fill_parameters(module: torch.nn.Module, seed: int) -> None:
 
 
 def _build_patcher(spec: _Spec, seed: int) -> comfy.model_patcher.ModelPatcher:
+    import comfy.model_detection
+    import comfy.model_management
+    import comfy.model_patcher
+
     model_config = comfy.model_detection.model_config_from_unet_config(dict(spec.unet_config))
     if model_config is None or type(model_config).__name__ != spec.config_name:
         got = None if model_config is None else type(model_config).__name__
@@ -315,6 +315,8 @@ def _build_patcher(spec: _Spec, seed: int) -> comfy.model_patcher.ModelPatcher:
     model_config.set_inference_dtype(unet_dtype, manual_cast_dtype)
 
     model = model_config.get_model({}, "")
+    if type(model).__name__ != spec.base_model:
+        raise RuntimeError(f"{spec.config_name} built model_base.{type(model).__name__}, expected {spec.base_model}")
     model = model.to(cpu)
     _fill_parameters(model.diffusion_model, seed)
     for name, buf in model.diffusion_model.named_buffers():  # none today; an uninitialised one would be a bug
@@ -325,24 +327,25 @@ def _build_patcher(spec: _Spec, seed: int) -> comfy.model_patcher.ModelPatcher:
 
 def build_case(name: str, seed: int = 0, unet_overrides: Optional[dict] = None,
                latent_shape: Optional[tuple[int, ...]] = None) -> TinyCase:
-    """Build the tiny model ``name`` (one of ``FAMILIES``) and its inputs, all determined by ``seed``.
+    """Build the tiny model ``name`` (one of ``CASES``) and its inputs, all determined by ``seed``.
 
     ``unet_overrides`` changes the config (e.g. a wider, deeper Wan for benchmarks); ``latent_shape`` replaces the
     empty latent's shape. Two calls with the same arguments give bit-identical weights and inputs. Raises
-    ``KeyError`` for an unknown name and ``RuntimeError`` if the host's model matcher picks a different config class.
+    ``KeyError`` for an unknown name and ``RuntimeError`` if the host's model matcher picks a different config class
+    or that class builds a different ``comfy.model_base`` class.
     """
     try:
         spec = _SPECS[name]
     except KeyError:
-        raise KeyError(f"unknown tiny model {name!r}; choose from {FAMILIES}") from None
+        raise KeyError(f"unknown tiny model {name!r}; choose from {CASES}") from None
     if unet_overrides:
-        spec = _Spec(spec.config_name, {**spec.unet_config, **unet_overrides}, spec.inputs, spec.cfg)
+        spec = dataclasses.replace(spec, unet_config={**spec.unet_config, **unet_overrides})
     patcher = _build_patcher(spec, seed)
     g = torch.Generator(device="cpu").manual_seed(10_000 + seed)
     positive, negative, latent, noise_mask = spec.inputs(g)
     if latent_shape is not None:
         latent = torch.zeros(latent_shape)
-    return TinyCase(name=name, patcher=patcher, positive=positive, negative=negative, latent=latent,
+    return TinyCase(name=name, family=spec.family, patcher=patcher, positive=positive, negative=negative, latent=latent,
                     cfg=spec.cfg, noise_mask=noise_mask, config_name=spec.config_name,
                     unet_config=dict(spec.unet_config))
 
@@ -358,6 +361,8 @@ def sample(case: TinyCase, model: Optional[comfy.model_patcher.ModelPatcher] = N
     executor. Returns the sampled latent (CPU, same shape as ``case.latent``); deterministic for equal
     arguments. Never mutates ``case``'s conditioning or latent.
     """
+    import comfy.sample
+
     model = case.patcher if model is None else model
     steps = case.steps if steps is None else steps
     cfg = case.cfg if cfg is None else cfg

@@ -1,29 +1,34 @@
 """The statistics panel in the real ComfyUI frontend (1.27.10, served by the real server), driven by Playwright in
 headless Chromium (Debian's /usr/bin/chromium; Playwright's own browser download does not work here).
 
-A TeaCache workflow is queued through the HTTP API with the page's websocket client id; the panel must update step by
-step, end with the numbers the /omni_hooks/runs route reports, survive a page reload, badge the Apply node, and warn
-when a run reused nothing. Screenshots go to test-artifacts/.
+Workflows are loaded into the page and queued the way the Run button does (the page's client id, the workflow in
+extra_pnginfo), so the panel sees what a user sees. Screenshots of every state go to test-artifacts/ (set
+OMNIHOOKS_UPDATE_DOCS=1 to also refresh docs/stats-panel.png).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
+import re
 import shutil
 import time
 from pathlib import Path
 
 import pytest
 
+from omnitest.calibrations import IDENTITY_TEACACHE, OVERFLOWING_TEACACHE, write_calibration
 from omnitest.comfy_path import PACK_ROOT
+from omnitest.strict import strict_json
 
 pytestmark = [pytest.mark.server, pytest.mark.browser]
 
 CHROMIUM = os.environ.get("OMNIHOOKS_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = PACK_ROOT / "test-artifacts"
-CALIBRATION = "browser-identity"
+IDENTITY = "browser-identity"
+OVERFLOW = "browser-overflow"
 STEPS = 40
+APPLY_ID = 10
+APPLY_TITLE = "TeaCache on the tiny Wan"
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +46,27 @@ def browser():
             browser.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def calibrations(comfy_server):
+    write_calibration(comfy_server.base_dir, "teacache", IDENTITY, IDENTITY_TEACACHE)
+    write_calibration(comfy_server.base_dir, "teacache", OVERFLOW, OVERFLOWING_TEACACHE)
+
+
 @pytest.fixture
 def page(browser, comfy_server):
     # a first visit opens the template browser over the page; a user who has seen it does not get it again
     import requests
     requests.post(f"{comfy_server.url}/settings/Comfy.TutorialCompleted", json=True, timeout=10).raise_for_status()
+    requests.post(f"{comfy_server.url}/settings/Comfy.ColorPalette", json="dark", timeout=10).raise_for_status()
     context = browser.new_context(viewport={"width": 1400, "height": 900})
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if m.type in ("error", "warning") and "OmniHooks" in m.text else None)
     open_comfy(page, comfy_server.url)
     yield page
     context.close()
-    assert not [e for e in errors if "OmniHooks" in e or "omni_hooks" in e], errors
+    assert not [e for e in errors if "OmniHooks" in e or "omni_hooks" in e or "omni-" in e], errors
 
 
 def open_comfy(page, url: str) -> None:
@@ -66,109 +79,373 @@ def open_comfy(page, url: str) -> None:
 
 def open_panel(page) -> None:
     page.keyboard.press("Escape")  # any dialog that may still be open
-    page.locator(".side-bar-button .pi-bolt, button .pi-bolt").first.click()
+    if not page.locator(".omni-hooks-panel").count():
+        page.locator(".omni-hooks-stats-tab-button").first.click()
     page.wait_for_selector(".omni-hooks-panel", timeout=10000)
 
 
-def client_id(page) -> str:
-    return page.evaluate("() => window.comfyAPI.api.api.clientId")
-
-
-def write_identity_calibration(server) -> None:
-    folder = Path(server.base_dir) / "user" / "omni_hooks" / "teacache"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{CALIBRATION}.json").write_text(json.dumps(
-        {"kind": "teacache", "family": "wan", "signal": "default", "coefficients": [0, 0, 0, 1, 0]}))
-
-
-def teacache_graph(threshold: float):
+def teacache_graph(threshold: float, calibration: str = IDENTITY, steps: int = STEPS):
     from omnitest.graphs import tiny_wan_graph
     graph = tiny_wan_graph([("OmniHooks.ApplyTeaCache", {
         "rel_l1_thresh": threshold, "start_percent": 0.0, "end_percent": 1.0, "cache_device": "compute device",
-        "model_variant": f"calibration: {CALIBRATION}"})], steps=STEPS, cfg=3.0, width=128, height=128, length=9)
+        "model_variant": f"calibration: {calibration}"})], steps=steps, cfg=3.0, width=128, height=128, length=9)
+    graph.patches[0].title = APPLY_TITLE
     graph.set_nonce(time.monotonic_ns())
     return graph
 
 
-def queue_for_page(comfy, page, graph) -> str:
-    prompt_id = comfy.queue(graph.prompt(), client_id=client_id(page))
-    comfy.history(prompt_id, timeout=180)
-    return prompt_id
+def load_workflow(page, graph, name: str) -> str:
+    """Open ``graph`` as a new workflow tab named ``name``, as a saved workflow file (with its own id) opens; returns
+    its workflow id."""
+    return page.evaluate("""async ([g, name]) => {
+        await window.app.loadApiJson(g, `${name} (API format)`);  // -> a UI graph, which then has no id of its own
+        const workflow = window.app.graph.serialize();
+        workflow.id = crypto.randomUUID();
+        await window.app.loadGraphData(workflow, true, true, name);
+        return window.app.graph.id;
+    }""", [graph.prompt(), name])
+
+
+def queue_in_page(page) -> str:
+    """Queue the workflow on the canvas as the Run button does (workflow + the page's client id); its prompt id."""
+    return page.evaluate("""async () => {
+        const p = await window.app.graphToPrompt();
+        return (await window.comfyAPI.api.api.queuePrompt(0, p)).prompt_id;
+    }""")
+
+
+def run_in_page(page, comfy, graph, name: str, timeout: float = 180) -> tuple[str, dict]:
+    load_workflow(page, graph, name)
+    prompt_id = queue_in_page(page)
+    comfy.history(prompt_id, timeout=timeout)
+    return prompt_id, route_run(comfy, prompt_id)
 
 
 def route_run(comfy, prompt_id: str) -> dict:
-    runs = comfy.get_json("/api/omni_hooks/runs", {"prompt_id": prompt_id})["runs"]
+    runs = strict_json(comfy.get("/api/omni_hooks/runs", {"prompt_id": prompt_id}).text)["runs"]
     assert len(runs) == 1
     return runs[0]
 
 
+def wait_for_run(page, run_id: str, timeout: float = 30000) -> None:
+    page.wait_for_selector(f".omni-run-view[data-run='{run_id}'] .omni-status:not(.omni-status-running)", timeout=timeout)
+
+
+def set_sidebar_width(page, width: int) -> None:
+    """Drag-free resize of the sidebar (as the splitter does), then wait for the panel to redraw at that width."""
+    page.evaluate("(w) => { const p = document.querySelector('.side-bar-panel'); p.style.flex = `0 0 ${w}px`; p.style.width = w + 'px'; }", width)
+    page.wait_for_function("""(w) => {
+        const panel = document.querySelector('.omni-hooks-panel'), plot = document.querySelector('.omni-plot');
+        return Math.abs(panel.getBoundingClientRect().width - w) < 2 && (!plot
+            || Math.abs(plot.getBoundingClientRect().width - (document.querySelector('.omni-body').clientWidth - 16)) < 2);
+    }""", arg=width, timeout=5000)
+
+
 def screenshot(page, name: str) -> Path:
+    """The panel down to the end of its content (the sidebar below it is empty)."""
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / name
-    page.locator(".omni-hooks-panel").screenshot(path=str(path))
+    box = page.evaluate("""() => {
+        document.querySelector('.omni-body').scrollTop = 0;
+        const panel = document.querySelector('.omni-hooks-panel').getBoundingClientRect();
+        const last = document.querySelector('.omni-body').lastElementChild.getBoundingClientRect();
+        return {x: panel.x, y: panel.y, width: panel.width, height: Math.min(panel.height, last.bottom - panel.y + 8)};
+    }""")
+    page.screenshot(path=str(path), clip=box)
     return path
 
 
-def test_panel_shows_a_live_run_step_by_step_with_the_route_numbers_and_after_reload(page, comfy, comfy_server):
-    write_identity_calibration(comfy_server)
+def panel_text(page) -> str:
+    return page.locator(".omni-hooks-panel").inner_text()
+
+
+def speedup_text(x) -> str:
+    return f"{x:.2f}×"
+
+
+def expected_lanes(run: dict) -> dict[tuple[str, ...], list[str]]:
+    """The lanes the panel must draw for a stored run: branches with identical reasons share one."""
+    per_branch: dict[str, list[str]] = {}
+    for e in run["evaluations"]:
+        for b in e["branches"]:
+            per_branch.setdefault(b["branch"], []).append(b["reason"])
+    lanes: dict[tuple, list[str]] = {}
+    for name in sorted(per_branch, key=lambda n: (not n.startswith("cond"), n)):
+        key = next((k for k, v in lanes.items() if v == per_branch[name]), None)
+        if key is None:
+            lanes[(name,)] = per_branch[name]
+        else:
+            lanes[key + (name,)] = lanes.pop(key)
+    return lanes
+
+
+def test_a_live_run_step_by_step_then_every_number_and_reason_and_after_reload(page, comfy, comfy_server):
     open_panel(page)
-    assert "No cache runs yet" in page.locator(".omni-hooks-panel").inner_text() or page.locator(".omni-run").count()
     page.evaluate("""() => {
         window.__omniSeen = [];
         const observer = new MutationObserver(() => {
-            const el = document.querySelector('.omni-live .omni-count-evaluations');
-            if (el) window.__omniSeen.push(el.textContent);
+            const view = document.querySelector('.omni-run-view');
+            const v = view?.querySelector('.omni-stat-reused .omni-stat-value');
+            const s = view?.querySelector('.omni-status');
+            if (v) window.__omniSeen.push([view.dataset.run, v.textContent, s ? s.textContent : '']);
         });
         observer.observe(document.body, {subtree: true, childList: true, characterData: true});
     }""")
     graph = teacache_graph(threshold=1.0)
-    prompt_id = queue_for_page(comfy, page, graph)
+    workflow_id = load_workflow(page, graph, "cache stats demo")
+    prompt_id = queue_in_page(page)
+    comfy.history(prompt_id, timeout=180)
     run = route_run(comfy, prompt_id)
     summary = run["summary"]
     assert summary["reused"] > 0 and summary["computed"] > 0
-    page.wait_for_function(
-        f"() => document.querySelector('.omni-live .omni-count-evaluations')?.textContent === '{summary['evaluations']} evaluations'",
-        timeout=30000)
-    seen = [int(text.split()[0]) for text in page.evaluate("() => window.__omniSeen")]
-    assert len(set(seen)) >= 3 and seen == sorted(seen)  # it updated while the run was going
-    panel = page.locator(".omni-hooks-panel")
-    assert panel.locator(".omni-live .omni-count-reused").inner_text() == f"reused {summary['reused']}"
-    for branch, counts in summary["branches"].items():
-        strip = panel.locator(f".omni-strip[data-branch='{branch}']")
-        assert strip.locator(".omni-cell").count() == counts["computed"] + counts["reused"]
-        assert strip.locator(".omni-reused").count() == counts["reused"]
-    assert panel.locator(".omni-plot").count() >= 1
-    assert panel.locator(f".omni-run[data-run='{run['run_id']}']").count() == 1
-    shot = screenshot(page, "stats_panel.png")
-    shutil.copy(shot, PACK_ROOT / "docs" / "stats-panel.png") if os.environ.get("OMNIHOOKS_UPDATE_DOCS") else None
+    assert run["node_title"] == APPLY_TITLE and run["workflow_id"] == workflow_id and run["detail"] == "evaluations"
+    wait_for_run(page, run["run_id"])
+
+    # it updated while the run was going, counting 1-based steps like ComfyUI's progress bar
+    seen = [(v, s) for run_id, v, s in page.evaluate("() => window.__omniSeen") if run_id == run["run_id"]]
+    totals = [int(v.split("/")[1]) for v, _ in seen]
+    assert len(set(totals)) >= 3 and totals == sorted(totals)
+    running = [int(m.group(1)) for _, s in seen if (m := re.match(r"running step (\d+)/40$", s))]
+    assert running and min(running) >= 1 and max(running) <= STEPS
+
+    view = page.locator(f".omni-run-view[data-run='{run['run_id']}']")
+    # header: the node's own title and id, workflow, kind, model, threshold, time
+    assert view.locator(".omni-node-title").inner_text().replace("\n", " ") == f"{APPLY_TITLE} #{APPLY_ID}"
+    assert view.locator(".omni-meta-what").inner_text() == f"cache stats demo · teacache · {run['model']}"
+    when = view.locator(".omni-meta-when").inner_text()
+    assert re.match(r"threshold 1 · \d\d:\d\d:\d\d, \d+(\.\d+)? s success$", when), when
+    # headline numbers, as the route has them
+    assert view.locator(".omni-stat-reused .omni-stat-value").inner_text() == f"{summary['reused']}/{summary['evaluations']}"
+    assert view.locator(".omni-stat-speedup .omni-stat-value").inner_text() == speedup_text(summary["estimated_speedup"])
+    assert view.locator(".omni-stat-saved .omni-stat-value").inner_text().startswith("~")
+    assert "each reused evaluation counted at the mean computed one" in view.locator(".omni-basis").inner_text()
+    # per step: one lane per distinct strip, each cell coloured by its reason, a legend for exactly those reasons
+    lanes = expected_lanes(run)
+    strips = view.locator(".omni-strip")
+    assert strips.count() == len(lanes)
+    for names, reasons in lanes.items():
+        strip = view.locator(f".omni-strip[data-branch='{' + '.join(names)}']")
+        drawn = strip.locator(".omni-cell").evaluate_all("cells => cells.map(c => c.dataset.reason)")
+        assert drawn == reasons
+    legend = view.locator(".omni-legend-item").evaluate_all("items => items.map(i => i.dataset.reason)")
+    assert sorted(legend) == sorted({r for rs in lanes.values() for r in rs})
+    steps_axis = view.locator(".omni-steps span").all_inner_texts()
+    assert steps_axis[0] == "step 1" and steps_axis[-1] == str(STEPS)
+    note = view.locator(".omni-branch-note").inner_text()
+    assert "uncond the negative prompt" in note
+    assert ("share one row" in note) == (len(lanes) == 1)
+    # the plot: axes, step numbers and the threshold with its value
+    plot = view.locator("svg.omni-plot")
+    assert plot.locator(".omni-threshold").count() == 1
+    assert view.locator(".omni-threshold-label").inner_text() == "threshold 1"
+    assert plot.locator(".omni-threshold-value").text_content() == "1"  # on the y axis, where the line starts
+    assert plot.locator(".omni-y-tick").count() >= 3 and plot.locator(".omni-x-tick").all_text_contents()[-1] == str(STEPS)
+    # recent runs: time and workflow
+    item = page.locator(f".omni-run[data-run='{run['run_id']}']")
+    assert re.search(r"cache stats demo · teacache · \d\d:\d\d:\d\d", item.inner_text())
+    screenshot(page, "stats_panel_dark.png")
+    set_sidebar_width(page, 360)  # the README's picture: a comfortably wide sidebar
+    shot = screenshot(page, "stats_panel_readme.png")
+    if os.environ.get("OMNIHOOKS_UPDATE_DOCS"):
+        shutil.copy(shot, PACK_ROOT / "docs" / "stats-panel.png")
 
     page.reload()
     open_comfy(page, comfy_server.url)
     open_panel(page)
-    page.wait_for_selector(f".omni-run[data-run='{run['run_id']}']", timeout=10000)
-    text = page.locator(".omni-hooks-panel").inner_text()
-    assert f"reused {summary['reused']}/{summary['evaluations']}" in text
+    wait_for_run(page, run["run_id"])
+    page.wait_for_selector(f".omni-run-view[data-run='{run['run_id']}'] .omni-strip", timeout=10000)
+    view = page.locator(f".omni-run-view[data-run='{run['run_id']}']")
+    assert view.locator(".omni-stat-reused .omni-stat-value").inner_text() == f"{summary['reused']}/{summary['evaluations']}"
+    assert view.locator(".omni-cell").count() == sum(len(r) for r in lanes.values())
 
 
-def test_apply_node_gets_a_hit_rate_badge(page, comfy, comfy_server):
-    write_identity_calibration(comfy_server)
+def test_the_panel_fits_narrow_and_wide_sidebars(page, comfy):
+    open_panel(page)
+    run_in_page(page, comfy, teacache_graph(threshold=1.0), "fit check")
+    page.wait_for_selector(".omni-run-view svg.omni-plot", timeout=30000)
+    for width in (224, 320, 480):
+        set_sidebar_width(page, width)
+        geometry = page.evaluate("""() => {
+            const body = document.querySelector('.omni-body'), b = body.getBoundingClientRect();
+            const inside = (sel) => [...document.querySelectorAll(sel)].every(e => {
+                const r = e.getBoundingClientRect(); return r.left >= b.left - 0.5 && r.right <= b.right + 0.5; });
+            return {overflowX: body.scrollWidth - body.clientWidth, plot: inside('.omni-plot'), strips: inside('.omni-strip'),
+                    labels: inside('.omni-plot text'), panel: document.querySelector('.omni-hooks-panel').getBoundingClientRect().width};
+        }""")
+        assert geometry["overflowX"] <= 0 and geometry["plot"] and geometry["strips"] and geometry["labels"], geometry
+        screenshot(page, f"stats_panel_width_{width}.png")
+
+
+def test_badges_are_keyed_by_workflow_and_node_and_say_running_while_running(page, comfy):
+    open_panel(page)
     graph = teacache_graph(threshold=1.0)
-    page.evaluate("(g) => window.app.loadApiJson(g, 'omni-test')", graph.prompt())
-    prompt_id = queue_for_page(comfy, page, graph)
+    load_workflow(page, graph, "badge workflow")
+    page.evaluate("""() => {
+        window.__omniBadges = [];
+        const node = window.app.graph.getNodeById(10);
+        const read = () => { for (const b of node.badges) { const x = typeof b === 'function' ? b() : b; if (x.text) window.__omniBadges.push(x.text); } };
+        window.__omniBadgeTimer = setInterval(read, 20);
+    }""")
+    prompt_id = queue_in_page(page)
+    comfy.history(prompt_id, timeout=180)
     rate = route_run(comfy, prompt_id)["summary"]["hit_rate"]
     expected = f"hit {math.floor(rate * 100 + 0.5)}%"  # JavaScript's Math.round, not Python's banker's rounding
-    page.wait_for_function(
-        """(expected) => {
-            const node = window.app.graph.getNodeById(10);
-            return node && node.badges.some(b => (typeof b === 'function' ? b() : b).text === expected);
-        }""", arg=expected, timeout=15000)
+    badge_of = """(id) => {
+        const node = window.app.graph.getNodeById(id);
+        return node ? node.badges.map(b => (typeof b === 'function' ? b() : b).text).filter(Boolean) : null;
+    }"""
+    page.wait_for_function(f"() => ({badge_of})({APPLY_ID}).includes('{expected}')", timeout=15000)
+    seen = page.evaluate("() => { clearInterval(window.__omniBadgeTimer); return window.__omniBadges; }")
+    assert any(re.match(r"running step \d+/40$", t) for t in seen), set(seen)
+    # another workflow with an Apply node of the same id that never ran: no badge (it used to show the other's rate)
+    load_workflow(page, teacache_graph(threshold=0.5), "never ran")
+    page.wait_for_function(f"() => ({badge_of})({APPLY_ID}) !== null", timeout=5000)
+    badges = page.evaluate(f"() => ({badge_of})({APPLY_ID})")
+    assert not [t for t in badges if t.startswith(("hit ", "running"))], badges  # (core's own badges may be there)
 
 
-def test_a_run_that_reused_nothing_shows_the_warning(page, comfy, comfy_server):
-    write_identity_calibration(comfy_server)
+def test_recent_runs_open_their_run_and_select_its_node(page, comfy):
     open_panel(page)
-    prompt_id = queue_for_page(comfy, page, teacache_graph(threshold=0.0))
-    assert route_run(comfy, prompt_id)["summary"]["reused"] == 0
-    page.wait_for_selector(".omni-live .omni-warning", timeout=15000)
-    assert "nothing was reused" in page.locator(".omni-live .omni-warning").first.inner_text()
+    _, first = run_in_page(page, comfy, teacache_graph(threshold=1.0), "first workflow")
+    _, second = run_in_page(page, comfy, teacache_graph(threshold=0.0), "second workflow")
+    wait_for_run(page, second["run_id"])
+    page.locator(".omni-titlebar").click()  # no node selected
+    page.evaluate("() => window.app.canvas.deselectAll?.()")
+    # the second workflow is on the canvas: clicking its run selects its node
+    page.locator(f".omni-run[data-run='{second['run_id']}']").click()
+    page.wait_for_function(f"() => Object.keys(window.app.canvas.selected_nodes || {{}}).map(String).includes('{APPLY_ID}')", timeout=5000)
+    # an older run of another workflow: shown, named, and "show latest" goes back
+    older = page.locator(f".omni-run[data-run='{first['run_id']}']")
+    assert "first workflow" in older.inner_text()
+    older.click()
+    page.wait_for_selector(f".omni-run-view[data-run='{first['run_id']}'] .omni-strip", timeout=10000)
+    assert "omni-selected" in older.get_attribute("class")
+    assert page.locator(".omni-run-view .omni-meta-what").inner_text().startswith("first workflow")
+    screenshot(page, "stats_panel_older_run.png")
+    page.locator(".omni-follow-latest").click()
+    page.wait_for_selector(f".omni-run-view[data-run='{second['run_id']}']", timeout=5000)
+    assert page.locator(".omni-follow-latest").count() == 0
+
+
+def test_a_run_that_reused_nothing_warns_at_the_top(page, comfy):
+    open_panel(page)
+    _, run = run_in_page(page, comfy, teacache_graph(threshold=0.0), "warning check")
+    assert run["summary"]["reused"] == 0
+    wait_for_run(page, run["run_id"])
+    view = page.locator(f".omni-run-view[data-run='{run['run_id']}']")
+    first = view.evaluate("v => v.firstElementChild.className")
+    assert first == "omni-warnings"
+    assert "nothing was reused" in view.locator(".omni-warning").first.inner_text()
     screenshot(page, "stats_panel_warning.png")
+
+
+def test_an_overflowing_metric_keeps_the_panel_live_and_the_history_valid_json(page, comfy, comfy_server):
+    open_panel(page)
+    prompt_id, run = run_in_page(page, comfy, teacache_graph(threshold=1.0, calibration=OVERFLOW, steps=12), "overflow")
+    metrics = [b["metric"] for e in run["evaluations"] for b in e["branches"]]
+    assert "Infinity" in metrics  # the probe did overflow; sent as text, not as the non-JSON Infinity
+    wait_for_run(page, run["run_id"])  # the live panel followed the run to its end
+    view = page.locator(f".omni-run-view[data-run='{run['run_id']}']")
+    assert view.locator(".omni-stat-reused .omni-stat-value").inner_text() == f"0/{run['summary']['evaluations']}"
+    titles = view.locator(".omni-cell").evaluate_all("cells => cells.map(c => c.title)")
+    assert any(t.endswith("change Infinity") for t in titles)
+    assert "not a finite number" in view.locator(".omni-warnings").inner_text()
+    assert "not a finite number (NaN or Infinity); not plotted" in view.locator(".omni-non-finite-note").inner_text()
+    page.reload()
+    open_comfy(page, comfy_server.url)
+    open_panel(page)
+    page.wait_for_selector(f".omni-run[data-run='{run['run_id']}']", timeout=10000)  # history loads with that run
+    screenshot(page, "stats_panel_overflow.png")
+
+
+def test_a_10000_evaluation_run_is_drawn_binned_with_its_features(page):
+    """A long live run (steps streamed as the store sends them), then its bounded entry: the panel stays fast, bins
+    the strip to the sidebar's width, and shows other features' summaries as cards."""
+    from omnitest.pack import pack_module  # the store's own code builds the entry (no ComfyUI needed for it)
+
+    store = pack_module("nodes.stats_store")
+    stats_mod = pack_module("omni_hooks.stats")
+    stats = stats_mod.CacheRunStats(kind="magcache", model="Wan 2.1 T2V 1.3B", threshold=0.06)
+    for i in range(10_000):
+        reason = "retention" if i < 2000 else ("reuse" if i % 3 else "max-skips" if i % 2 else "threshold")
+        computed = reason != "reuse"
+        stats.record(stats_mod.EvaluationRecord(step=i, total_steps=10_000, computed=computed, seconds=0.001,
+                     branches=[stats_mod.BranchDecision(b, computed, reason, (i % 7) / 100, 0.06) for b in ("cond", "uncond")]))
+    header = {"run_id": "run-long", "prompt_id": "p-long", "node_id": "21", "node_title": "MagCache long",
+              "workflow_id": None, "sampler_node_id": "4", "kind": "magcache", "model": stats.model, "threshold": 0.06,
+              "started_at": time.time(), "status": "success", "finished_at": time.time() + 60}
+    features = [{"kind": "offload", "node_id": "30", "node_title": "CPU Offload", "summary": {"moved_bytes": 123456789, "prefetch_hits": 0.97}}]
+    entry = store.bounded_entry(header, stats, {"features": features, "world_size": 2})
+    assert entry["detail"] == "timeline"
+    steps = [{**{k: header[k] for k in ("run_id", "prompt_id", "node_id", "node_title", "workflow_id", "kind", "model", "threshold", "started_at")},
+              **stats_mod.json_safe({"step": e.step, "total_steps": 10_000, "computed": e.computed, "seconds": e.seconds,
+                                     "branches": [vars(b) for b in e.branches]})} for e in stats.evaluations]
+    open_panel(page)
+    elapsed = page.evaluate("""async ([steps, entry]) => {
+        const api = window.comfyAPI.api.api, t0 = performance.now();
+        for (let i = 0; i < steps.length; i += 100) {
+            for (const s of steps.slice(i, i + 100)) api.dispatchCustomEvent('omni_hooks.step', s);
+            await new Promise(r => setTimeout(r, 0));
+        }
+        api.dispatchCustomEvent('omni_hooks.run', entry);
+        await new Promise(r => setTimeout(r, 200));
+        return performance.now() - t0;
+    }""", [steps, entry])
+    view = page.locator(".omni-run-view[data-run='run-long']")
+    view.locator(".omni-status-success").wait_for(timeout=10000)
+    assert elapsed < 20000
+    cells = view.locator(".omni-strip").first.locator(".omni-cell")
+    width = page.evaluate("() => document.querySelector('.omni-strip').clientWidth")
+    assert 8 <= cells.count() <= width / 3 + 1
+    assert "Long run: each cell sums several evaluations" in view.inner_text()
+    assert view.locator(".omni-strip").count() == 1  # cond and uncond decided alike: one lane
+    assert view.locator(".omni-stat-reused .omni-stat-value").inner_text() == f"{stats.reused}/10000"
+    card = view.locator(".omni-feature")
+    assert card.locator(".omni-card-title").inner_text() == "offload · CPU Offload · #30"
+    assert card.locator("dt").all_inner_texts() == ["moved bytes", "prefetch hits"]
+    assert card.locator("dd").all_inner_texts() == ["117.7 MB", "0.97"]
+    assert "2 devices" in view.locator(".omni-meta-when").inner_text()
+    screenshot(page, "stats_panel_long_run.png")
+
+
+def test_the_panel_follows_comfyuis_dark_and_light_themes(page, comfy):
+    open_panel(page)
+    run_in_page(page, comfy, teacache_graph(threshold=1.0), "theme check")
+    page.wait_for_selector(".omni-run-view .omni-status-success", timeout=30000)
+    looks = {}
+    for theme in ("dark", "light"):
+        page.evaluate("(t) => window.app.extensionManager.setting.set('Comfy.ColorPalette', t)", theme)
+        page.wait_for_function("(t) => document.body.classList.contains('dark-theme') === (t === 'dark')", arg=theme, timeout=5000)
+        page.wait_for_timeout(300)  # the palette's variables are applied after the class changes
+        looks[theme] = page.evaluate("""() => {
+            const css = (v) => getComputedStyle(document.documentElement).getPropertyValue(v).trim();
+            const probe = document.createElement('div'); document.body.append(probe);
+            const rgb = (c) => { probe.style.color = c; return getComputedStyle(probe).color; };
+            const panel = document.querySelector('.omni-hooks-panel');
+            const bar = document.querySelector('.omni-titlebar');
+            const value = document.querySelector('.omni-stat-value');
+            const out = {
+                text: getComputedStyle(value).color, expectedText: rgb(css('--p-text-color')),
+                bar: getComputedStyle(bar).backgroundColor, expectedBar: rgb(css('--p-content-background')),
+                barTitle: bar.innerText, barHeight: bar.getBoundingClientRect().height,
+                sidebar: getComputedStyle(document.querySelector('.side-bar-panel')).backgroundColor,
+            };
+            probe.remove();
+            return out;
+        }""")
+        screenshot(page, f"stats_panel_{theme}_theme.png")
+    for theme, look in looks.items():
+        assert look["text"] == look["expectedText"] and look["bar"] == look["expectedBar"], (theme, look)
+        assert look["barTitle"] == "CACHE STATS" and 28 <= look["barHeight"] <= 40, look
+        assert contrast(look["text"], look["sidebar"]) >= 4.5, (theme, look)
+    assert looks["dark"]["text"] != looks["light"]["text"] and looks["dark"]["bar"] != looks["light"]["bar"]
+
+
+def contrast(fg: str, bg: str) -> float:
+    """WCAG contrast ratio of two CSS rgb()/rgba() colours."""
+    def luminance(color: str) -> float:
+        r, g, b = (int(x) / 255 for x in re.findall(r"[\d.]+", color)[:3])
+        lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in (r, g, b)]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+    hi, lo = sorted((luminance(fg), luminance(bg)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)

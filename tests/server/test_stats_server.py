@@ -1,32 +1,34 @@
-"""Cache statistics over the real server: websocket events, the /omni_hooks/runs route, headless reads by prompt id."""
+"""Cache statistics over the real server: websocket events, the /omni_hooks/runs route, headless reads by prompt id;
+always strict JSON, with the node's title and workflow of each run."""
 from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
+from omnitest.calibrations import IDENTITY_TEACACHE, OVERFLOWING_TEACACHE, write_calibration
 from omnitest.graphs import tiny_wan_graph
+from omnitest.strict import strict_json
 
 pytestmark = pytest.mark.server
 
 CALIBRATION = "stats-identity"
+OVERFLOW = "stats-overflow"
 STEPS = 12
 
 
 @pytest.fixture(scope="module", autouse=True)
-def identity_calibration(comfy_server):
-    folder = Path(comfy_server.base_dir) / "user" / "omni_hooks" / "teacache"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{CALIBRATION}.json").write_text(json.dumps(
-        {"kind": "teacache", "family": "wan", "signal": "default", "coefficients": [0, 0, 0, 1, 0]}))
+def calibrations(comfy_server):
+    write_calibration(comfy_server.base_dir, "teacache", CALIBRATION, IDENTITY_TEACACHE)
+    write_calibration(comfy_server.base_dir, "teacache", OVERFLOW, OVERFLOWING_TEACACHE)
 
 
-def teacache(threshold: float):
+def teacache(threshold: float, calibration: str = CALIBRATION, title: str | None = None):
     graph = tiny_wan_graph([("OmniHooks.ApplyTeaCache", {
         "rel_l1_thresh": threshold, "start_percent": 0.0, "end_percent": 1.0, "cache_device": "compute device",
-        "model_variant": f"calibration: {CALIBRATION}"})], steps=STEPS, cfg=3.0)
+        "model_variant": f"calibration: {calibration}"})], steps=STEPS, cfg=3.0)
+    graph.patches[0].title = title
     return graph.set_nonce(time.monotonic_ns())
 
 
@@ -68,3 +70,36 @@ def test_route_errors_and_limits(comfy):
     assert comfy.get("/omni_hooks/runs", {"limit": "many"}).status_code == 400
     assert len(comfy.get_json("/omni_hooks/runs", {"limit": 1})["runs"]) <= 1
     assert comfy.get_json("/omni_hooks/runs", {"prompt_id": "unknown"})["runs"] == []
+
+
+def test_an_overflowing_metric_is_sent_and_served_as_strict_json(comfy):
+    result = comfy.run(teacache(1.0, OVERFLOW).prompt())
+    for event in result.events("omni_hooks.step") + result.events("omni_hooks.run"):
+        json.dumps(event, allow_nan=False)  # a bare Infinity on the wire would have been read as a float inf
+    (run_event,) = result.events("omni_hooks.run")
+    metrics = [b["metric"] for e in run_event["evaluations"] for b in e["branches"]]
+    assert "Infinity" in metrics and all(m is None or isinstance(m, (int, float, str)) for m in metrics)
+    assert any("not a finite number" in w for w in run_event["summary"]["warnings"])
+    listed = strict_json(comfy.get("/omni_hooks/runs", {"limit": 100}).text)["runs"]
+    assert run_event["run_id"] in [r["run_id"] for r in listed]  # the history still loads with it among them
+    assert strict_json(comfy.get(f"/omni_hooks/runs/{run_event['run_id']}").text)["evaluations"] == run_event["evaluations"]
+
+
+def test_a_run_names_its_node_title_and_workflow(comfy):
+    titled = comfy.run(teacache(1.0, title="My TeaCache").prompt(),
+                       extra_data={"extra_pnginfo": {"workflow": {"id": "wf-1234", "nodes": []}}})
+    (run,) = titled.events("omni_hooks.run")
+    assert (run["node_title"], run["workflow_id"], run["threshold"]) == ("My TeaCache", "wf-1234", 1.0)
+    assert titled.events("omni_hooks.step")[0]["node_title"] == "My TeaCache"
+    plain = comfy.run(teacache(1.0).prompt())  # an API user: no title, no workflow
+    (run,) = plain.events("omni_hooks.run")
+    assert (run["node_title"], run["workflow_id"]) == ("Apply TeaCache", None)
+
+
+def test_the_list_without_detail_leaves_out_the_evaluations(comfy):
+    result = comfy.run(teacache(1.0).prompt())
+    (full,) = comfy.get_json("/omni_hooks/runs", {"prompt_id": result.prompt_id})["runs"]
+    (light,) = comfy.get_json("/omni_hooks/runs", {"prompt_id": result.prompt_id, "detail": 0})["runs"]
+    assert len(full["evaluations"]) == STEPS and full["detail"] == "evaluations"
+    assert light["evaluations"] == [] and light["summary"] == full["summary"] and light["run_id"] == full["run_id"]
+    assert comfy.get("/omni_hooks/runs", {"detail": "some"}).status_code == 400

@@ -1,82 +1,185 @@
-// Pure logic of the statistics panel (web/stats_model.js). Run: node --test tests/web/
+// Pure logic of the statistics panel (web/stats_model.js). Run: node --test tests/web/*.test.mjs
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  applyRun, applyStep, counters, createState, escapeHtml, formatBytes, formatPercent, liveFromRun, metricSeries,
-  strips, warnings,
+  applyRun, applyStep, badgeFor, binCells, branchCells, branchExplanation, cellReason, counters, createState,
+  describeCell, escapeHtml, featureCards, formatBytes, formatPercent, formatSeconds, formatSpeedup, formatValue, formatWhen, lanes,
+  legend, plotData, progress, selectRun, shownRun, speedupBasis, stepTicks, warnings,
 } from "../../web/stats_model.js";
 
-const step = (run_id, step, computed, extra = {}) => ({
-  run_id, prompt_id: "p1", node_id: "10", kind: "teacache", model: "Wan", step, total_steps: 4, computed,
-  seconds: computed ? 0.2 : 0.01,
-  branches: [
-    { branch: "cond", computed, reason: computed ? "threshold" : "reuse", metric: step * 0.1, threshold: 0.25 },
-    { branch: "uncond", computed, reason: computed ? "threshold" : "reuse", metric: null, threshold: 0.25 },
-  ],
-  ...extra,
+const header = (run_id, extra = {}) => ({
+  run_id, prompt_id: "p1", node_id: "10", node_title: "Apply TeaCache", workflow_id: "wf-a", kind: "teacache",
+  model: "Wan", threshold: 0.25, started_at: 1000, ...extra,
 });
 
-test("step events build per-branch strips and counters", () => {
-  const s = createState();
-  [true, false, false, true].forEach((c, i) => applyStep(s, step("r1", i, c)));
-  assert.deepEqual(strips(s.live), {
-    cond: ["computed", "reused", "reused", "computed"], uncond: ["computed", "reused", "reused", "computed"],
-  });
-  const c = counters(s.live);
-  assert.equal(c.evaluations, 4);
-  assert.equal(c.reused, 2);
-  assert.equal(c.hitRate, 0.5);
-  assert.ok(Math.abs(c.speedup - (0.42 + 0.4) / 0.42) < 1e-9);
-});
-
-test("a new run id starts a new live run", () => {
-  const s = createState();
-  applyStep(s, step("r1", 0, true));
-  applyStep(s, step("r2", 0, true));
-  assert.equal(s.live.run_id, "r2");
-  assert.equal(s.live.evaluations.length, 1);
-});
-
-test("the run event finishes the live run, records the node's hit rate and dedupes history", () => {
-  const s = createState();
-  applyStep(s, step("r1", 0, true));
-  const entry = { run_id: "r1", node_id: "10", status: "success", summary: { hit_rate: 0.25, warnings: [] }, evaluations: [] };
-  applyRun(s, entry);
-  applyRun(s, entry);
-  assert.equal(s.live.finished, true);
-  assert.equal(s.runs.length, 1);
-  assert.equal(s.hitRateByNode["10"], 0.25);
-});
-
-test("history after a reload rebuilds the last run", () => {
-  const entry = {
-    run_id: "r9", node_id: "3", kind: "magcache", model: "Flux", status: "success",
-    summary: { hit_rate: 0.5, warnings: [] },
-    evaluations: [step("r9", 0, true), step("r9", 1, false)].map(({ run_id, ...e }) => e),
+// one evaluation with a cond and an uncond branch; uncondReason differs from cond's when given
+const step = (run_id, i, computed, { total = 4, reason, uncondReason, metric = i * 0.1, extra = {} } = {}) => {
+  const r = reason ?? (computed ? "threshold" : "reuse");
+  return {
+    ...header(run_id, extra), step: i, total_steps: total, computed, seconds: computed ? 0.2 : 0.01,
+    branches: [
+      { branch: "cond", computed, reason: r, metric, threshold: 0.25 },
+      { branch: "uncond", computed, reason: uncondReason ?? r, metric: uncondReason ? metric / 2 : metric, threshold: 0.25 },
+    ],
   };
+};
+
+const feed = (s, id, pattern, opts) => pattern.forEach((c, i) => applyStep(s, step(id, i, c, opts?.(i) ?? {})));
+
+test("identical branches share one lane coloured by reason; step numbers are 1-based", () => {
   const s = createState();
-  applyRun(s, entry);
-  assert.equal(s.live.run_id, "r9");
-  assert.deepEqual(strips(s.live).cond, ["computed", "reused"]);
-  assert.equal(liveFromRun(entry).finished, true);
+  feed(s, "r1", [true, false, false, true], (i) => ({ reason: i === 0 ? "first" : undefined }));
+  const list = lanes(shownRun(s));
+  assert.equal(list.length, 1);
+  assert.equal(list[0].label, "cond + uncond");
+  assert.deepEqual(list[0].cells.map(cellReason), ["first", "reuse", "reuse", "threshold"]);
+  assert.deepEqual(legend(list), ["reuse", "threshold", "first"]);
+  assert.match(branchExplanation(list), /share one row/);
+  assert.deepEqual(stepTicks(list[0].cells).map((t) => t.label), ["1", "2", "4"]);
+  assert.equal(describeCell(list[0].cells[3], list[0]), "cond + uncond, step 4: computed (over threshold), change 0.3");
+});
+
+test("branches that differ get a lane each and an explanation", () => {
+  const s = createState();
+  feed(s, "r1", [true, true, false], (i) => ({ uncondReason: i === 1 ? "other-branch" : undefined }));
+  const list = lanes(shownRun(s));
+  assert.deepEqual(list.map((l) => l.label), ["cond", "uncond"]);
+  assert.equal(cellReason(list[1].cells[1]), "other-branch");
+  assert.match(branchExplanation(list), /uncond the negative prompt.*other branch/);
+});
+
+test("live counters, then the server's summary; the speedup says its basis", () => {
+  const s = createState();
+  feed(s, "r1", [true, false, false, true]);
+  let c = counters(shownRun(s));
+  assert.deepEqual([c.evaluations, c.reused, c.hitRate], [4, 2, 0.5]);
+  assert.ok(Math.abs(c.speedup - (0.42 + 0.4) / 0.42) < 1e-9);
+  assert.match(speedupBasis(c), /0\.42 s in the model \+ ~0\.40 s saved: each reused evaluation counted at the mean computed one \(0\.20 s\)/);
+  applyRun(s, { ...header("r1"), status: "success", finished_at: 1012.5,
+    summary: { evaluations: 4, computed: 2, reused: 2, hit_rate: 0.5, model_seconds: 0.5, estimated_seconds_saved: 0.5,
+      estimated_speedup: 2, warnings: [] } });
+  c = counters(shownRun(s));
+  assert.equal(c.speedup, 2);
+  assert.equal(formatWhen(shownRun(s)).split(", ")[1], "12.5 s");
+});
+
+test("the progress counter is 1-based like ComfyUI's progress bar", () => {
+  const s = createState();
+  applyStep(s, step("r1", 0, true, { total: 30 }));
+  assert.equal(progress(shownRun(s)), "step 1/30");
+  applyStep(s, step("r1", 29, true, { total: 30 }));
+  assert.equal(progress(shownRun(s)), "step 30/30");
+});
+
+test("badges are keyed by workflow, prompt and node; running while running", () => {
+  const s = createState();
+  assert.equal(badgeFor(s, "wf-a", "10"), null);
+  applyStep(s, step("r1", 0, true));
+  assert.equal(badgeFor(s, "wf-a", "10").text, "running step 1/4");
+  assert.equal(badgeFor(s, "wf-b", "10"), null);  // same node id in another workflow: never ran there
+  assert.equal(badgeFor(s, "wf-a", "11"), null);
+  applyStep(s, step("r1", 1, false));
+  applyRun(s, { ...header("r1"), status: "success", summary: { evaluations: 2, computed: 1, reused: 1, hit_rate: 0.5 } });
+  assert.equal(badgeFor(s, "wf-a", 10).text, "hit 50%");
+  // the next prompt of that workflow replaces it, even while it runs
+  applyStep(s, step("r2", 0, true, { extra: { prompt_id: "p2", started_at: 2000 } }));
+  assert.equal(badgeFor(s, "wf-a", "10").text, "running step 1/4");
+  // a prompt queued without a workflow (API) badges nothing
+  applyStep(s, step("r3", 0, true, { extra: { prompt_id: "p3", workflow_id: null, node_id: "12", started_at: 3000 } }));
+  assert.equal(badgeFor(s, null, "12"), null);
+});
+
+test("two runs of one node in one prompt add up in its badge", () => {
+  const s = createState();
+  for (const [id, reused] of [["r1", 1], ["r2", 3]]) {
+    applyRun(s, { ...header(id), status: "success", summary: { evaluations: 4, computed: 4 - reused, reused, hit_rate: reused / 4 } });
+  }
+  assert.equal(badgeFor(s, "wf-a", "10").text, "hit 50%");
+});
+
+test("a listed run loads its detail later; the shown run is the picked, else the live, else the newest", () => {
+  const s = createState();
+  const summary = { evaluations: 2, computed: 1, reused: 1, hit_rate: 0.5, warnings: [] };
+  applyRun(s, { ...header("old", { started_at: 10 }), status: "success", summary, evaluations: [], timeline: null, detail: "evaluations" });
+  assert.equal(shownRun(s).loaded, false);
+  applyRun(s, { ...header("old", { started_at: 10 }), status: "success", summary,
+    evaluations: [step("old", 0, true), step("old", 1, false)].map(({ run_id, ...e }) => e) });
+  assert.equal(shownRun(s).loaded, true);
+  assert.deepEqual(lanes(shownRun(s))[0].cells.map(cellReason), ["threshold", "reuse"]);
+  applyRun(s, { ...header("new", { started_at: 20 }), status: "success", summary, evaluations: [] });
+  assert.equal(shownRun(s).run_id, "new");
+  applyStep(s, step("live", 0, true, { extra: { started_at: 30 } }));
+  selectRun(s, "old");
+  assert.equal(shownRun(s).run_id, "old");
+  selectRun(s, null);
+  assert.equal(shownRun(s).run_id, "live");
+  assert.deepEqual(s.runs.map((r) => r.run_id), ["live", "new", "old"]);
+});
+
+test("a summarised long run draws its timeline bins; binning keeps every count", () => {
+  const timeline = { bin_size: 50, bins: [
+    { first_step: 0, last_step: 49, evaluations: 50, computed: 20,
+      branches: { cond: { computed: 20, reused: 30, reasons: { first: 1, threshold: 19, reuse: 30 }, metric_max: 0.3, threshold: 0.25 } } },
+    { first_step: 50, last_step: 99, evaluations: 50, computed: 50,
+      branches: { cond: { computed: 50, reused: 0, reasons: { forced: 50 }, metric_max: null, threshold: 0.25 } } },
+  ] };
+  const s = createState();
+  applyRun(s, { ...header("long"), status: "success", detail: "timeline", evaluations: [], timeline,
+    summary: { evaluations: 100, computed: 70, reused: 30, hit_rate: 0.3 } });
+  const run = shownRun(s);
+  assert.equal(run.loaded, true);
+  const [lane] = lanes(run);
+  assert.equal(lane.summarised, true);
+  assert.deepEqual(lane.cells.map(cellReason), ["threshold", "forced"]);
+  assert.equal(describeCell(lane.cells[0], lane), "cond, steps 1–50: 30/50 reused (first 1, over threshold 19, reused 30), peak change 0.3");
+  assert.deepEqual(legend([lane]), ["reuse", "threshold", "first", "forced"]);  // reused shares count too
+  assert.deepEqual(stepTicks(lane.cells).map((t) => t.label), ["1", "100"]);  // the last tick is the last step
+  const many = Array.from({ length: 1000 }, (_, i) => branchCells({ records: [{ step: i, computed: i % 2 === 0, seconds: 0,
+    branches: [{ branch: "cond", computed: i % 2 === 0, reason: i % 2 ? "reuse" : "threshold", metric: i, threshold: 1 }] }] }).cond[0]);
+  const binned = binCells(many, 64);
+  assert.ok(binned.length <= 64);
+  assert.equal(binned.reduce((a, c) => a + c.n, 0), 1000);
+  assert.equal(binned.reduce((a, c) => a + c.reused, 0), 500);
+  assert.equal(binned.at(-1).metric, 999);
+  assert.equal(binned.at(-1).last_step, 999);
+});
+
+test("non-finite values arrive as text and are shown as such, never plotted", () => {
+  const s = createState();
+  applyStep(s, { ...step("r1", 0, true), threshold: "Infinity",
+    branches: [{ branch: "cond", computed: true, reason: "threshold", metric: "NaN", threshold: "Infinity" }] });
+  applyStep(s, { ...step("r1", 1, false), threshold: "Infinity",
+    branches: [{ branch: "cond", computed: false, reason: "reuse", metric: 0.5, threshold: "Infinity" }] });
+  const run = shownRun(s);
+  assert.equal(formatValue(run.threshold), "Infinity");
+  const data = plotData(lanes(run));
+  assert.equal(data.threshold, "Infinity");
+  assert.deepEqual(data.series[0].points.map((p) => p.metric), [0.5]);
+  assert.equal(data.nonFinite, 1);  // counted, so the panel can say what it could not draw
+  assert.ok(Number.isFinite(data.max) && data.max >= 0.5);
+  assert.match(describeCell(lanes(run)[0].cells[0], lanes(run)[0]), /change NaN$/);
+  assert.equal(formatSpeedup("Infinity"), "Infinity×");
+});
+
+test("other features' summaries become key/value cards", () => {
+  const cards = featureCards({ features: [
+    { kind: "offload", node_id: "12", node_title: "CPU Offload", summary: { moved_bytes: 1024, peak_seconds: 0.123456, streams: [1, 2], note: null } },
+    null, "junk",
+  ] });
+  assert.deepEqual(cards, [{ title: "offload · CPU Offload · #12",
+    rows: [["moved bytes", "1.0 KB"], ["peak seconds", "0.12 s"], ["streams", "1, 2"], ["note", "–"]] }]);
+  assert.deepEqual(featureCards({}), []);
 });
 
 test("a finished run that reused nothing warns; server warnings win", () => {
   const s = createState();
   applyStep(s, step("r1", 0, true));
-  assert.deepEqual(warnings(s.live), []);  // still running
-  applyRun(s, { run_id: "r1", summary: { hit_rate: 0, warnings: [] } });
-  assert.match(warnings(s.live)[0], /nothing was reused/);
-  applyRun(s, { run_id: "r1", summary: { hit_rate: 0, warnings: ["threshold is 0"] } });
-  assert.deepEqual(warnings(s.live), ["threshold is 0"]);
-});
-
-test("metric series skips evaluations without a metric", () => {
-  const s = createState();
-  [true, false].forEach((c, i) => applyStep(s, step("r1", i, c)));
-  assert.equal(metricSeries(s.live, "cond").length, 2);
-  assert.equal(metricSeries(s.live, "uncond").length, 0);
+  assert.deepEqual(warnings(shownRun(s)), []);  // still running
+  applyRun(s, { run_id: "r1", summary: { evaluations: 1, computed: 1, reused: 0, hit_rate: 0, warnings: [] } });
+  assert.match(warnings(shownRun(s))[0], /nothing was reused/);
+  applyRun(s, { run_id: "r1", summary: { evaluations: 1, computed: 1, reused: 0, hit_rate: 0, warnings: ["threshold is 0"] } });
+  assert.deepEqual(warnings(shownRun(s)), ["threshold is 0"]);
 });
 
 test("malformed events are ignored", () => {
@@ -84,8 +187,10 @@ test("malformed events are ignored", () => {
   applyStep(s, null);
   applyStep(s, { step: 1 });
   applyRun(s, "nope");
-  assert.equal(s.live, null);
-  assert.equal(s.runs.length, 0);
+  applyStep(s, { run_id: "x", branches: "not a list", seconds: "NaN" });
+  assert.equal(s.runs.length, 1);
+  assert.equal(counters(shownRun(s)).evaluations, 1);
+  assert.deepEqual(lanes(shownRun(s)), []);
 });
 
 test("formatting and escaping", () => {
@@ -93,5 +198,9 @@ test("formatting and escaping", () => {
   assert.equal(formatPercent(NaN), "–");
   assert.equal(formatBytes(0), "0 B");
   assert.equal(formatBytes(1536), "1.5 KB");
+  assert.equal(formatValue(0.000012), "1.20e-5");
+  assert.equal(formatValue(true), "yes");
+  assert.equal(formatSeconds(0.0012), "1.2 ms");
+  assert.equal(formatSeconds(2.345), "2.35 s");
   assert.equal(escapeHtml(`<img src=x onerror="a">&'`), "&lt;img src=x onerror=&quot;a&quot;&gt;&amp;&#39;");
 });

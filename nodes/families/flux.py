@@ -13,7 +13,7 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelAdapter, call_arg, skip_by_type
+from .base import ModelFamily, AutoChoice, Variant, call_arg, skip_by_type
 
 IMG = TensorArg("img", 0)
 TXT = TensorArg("txt", 1)
@@ -47,31 +47,38 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     return ModulatedInput(compute=compute)
 
 
-def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | None:
-    if type(dm) is not flux_model.Flux:  # ControlNetFlux subclasses Flux but is never a MODEL's diffusion model
-        return None
-    if not len(dm.double_blocks) or not hasattr(dm, "final_layer"):
-        return None
-    notes: list[str] = []
-    magcache_key, magcache_notes = None, ["no MagCache curve is published for Flux schnell or other models without "
-                                          "guidance embedding: choose 'flux', or run MagCache Calibrate"]
-    if dm.params.guidance_embed:
-        magcache_key = "flux"
-        magcache_notes = ["Flux Kontext has the same weights shape as Flux dev: if this is Kontext, choose "
-                          "'flux_kontext_official' (28 steps) or 'flux_kontext' (ComfyUI-MagCache's 20-step curve)"]
-        variant = "Flux dev"
-        if dm.params.in_channels != 16:
-            variant += f" (in_channels {dm.params.in_channels}: Fill/Depth/Canny)"
-        key = "flux"
-        notes.append("Flux Kontext has the same weights shape as Flux dev: if this is Kontext, choose the "
-                     "'flux-kontext' model_variant (its coefficients and its 0.2-0.9 window differ)")
-    else:
+def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
+    # exact class: ControlNetFlux subclasses Flux but is never a MODEL's diffusion model
+    return type(dm) is flux_model.Flux and len(dm.double_blocks) > 0 and hasattr(dm, "final_layer")
+
+
+def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
+    if not dm.params.guidance_embed:
         # No coefficients are published for schnell (a 1-4 step model: with the first and last step always
         # computed there is almost nothing to skip). The dev polynomial is not silently reused.
-        variant = "Flux schnell (no guidance embedding)"
-        key = None
-        notes.append("no TeaCache coefficients are published for Flux schnell or other models without guidance "
-                     "embedding; choose 'flux' to use the Flux dev coefficients, or run TeaCache Calibrate")
-    return ModelAdapter(family="flux", variant=variant, build_stack=flux_layout_stack,
-                        build_modulated_input=_modulated_input,
-                        teacache_key=key, notes=notes, magcache_key=magcache_key, magcache_notes=magcache_notes)
+        return Variant(
+            "Flux schnell (no guidance embedding)",
+            teacache=AutoChoice(None, (
+                "no TeaCache coefficients are published for Flux schnell or other models without guidance "
+                "embedding; choose 'flux' to use the Flux dev coefficients, or run TeaCache Calibrate",)),
+            magcache=AutoChoice(None, (
+                "no MagCache curve is published for Flux schnell or other models without guidance embedding: "
+                "choose 'flux', or run MagCache Calibrate",)))
+    variant = "Flux dev"
+    if dm.params.in_channels != 16:
+        variant += f" (in_channels {dm.params.in_channels}: Fill/Depth/Canny)"
+    return Variant(
+        variant,
+        teacache=AutoChoice("flux", (
+            "Flux Kontext has the same weights shape as Flux dev: if this is Kontext, choose the 'flux-kontext' "
+            "model_variant (its coefficients and its 0.2-0.9 window differ)",)),
+        magcache=AutoChoice("flux", (
+            "Flux Kontext has the same weights shape as Flux dev: if this is Kontext, choose "
+            "'flux_kontext_official' (28 steps) or 'flux_kontext' (ComfyUI-MagCache's 20-step curve)",)))
+
+
+FAMILY = ModelFamily(
+    name="flux", display_name="Flux (dev, schnell, Kontext)", matches=_matches, resolve_variant=_variant,
+    build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
+    resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "final_layer"),
+    teacache_keys=frozenset({"flux"}), magcache_keys=frozenset({"flux"}))

@@ -12,7 +12,7 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelAdapter, call_arg
+from .base import ModelFamily, AutoChoice, Variant, call_arg
 
 HIDDEN = TensorArg("hidden_states", 0)
 ENCODER = TensorArg("encoder_hidden_states", 1)
@@ -36,16 +36,25 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     return ModulatedInput(compute=compute)
 
 
-def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | None:
-    if type(dm) is not qwen_model.QwenImageTransformer2DModel:  # QwenImageControlNetModel subclasses it
-        return None
-    if not len(dm.transformer_blocks) or not hasattr(dm, "norm_out"):
-        return None
-    return ModelAdapter(
-        family="qwen_image", variant="Qwen-Image", build_stack=_stack, build_modulated_input=_modulated_input,
-        teacache_key="qwen_image",
-        notes=["Qwen-Image and Qwen-Image-Edit have the same weights shape; the coefficients (vllm-omni) were "
-               "fitted on Qwen-Image"],
-        magcache_key="qwen_image",
-        magcache_notes=["Qwen-Image and Qwen-Image-Edit have the same weights shape: for Edit choose "
-                        "'qwen_image_edit_official'; 'qwen_image_official' is the official 50-step Qwen-Image curve"])
+def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
+    # exact class: QwenImageControlNetModel subclasses it
+    return (type(dm) is qwen_model.QwenImageTransformer2DModel and len(dm.transformer_blocks) > 0
+            and hasattr(dm, "norm_out"))
+
+
+def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
+    return Variant(
+        "Qwen-Image",
+        teacache=AutoChoice("qwen_image", (
+            "Qwen-Image and Qwen-Image-Edit have the same weights shape; the coefficients (vllm-omni) were fitted on "
+            "Qwen-Image",)),
+        magcache=AutoChoice("qwen_image", (
+            "Qwen-Image and Qwen-Image-Edit have the same weights shape: for Edit choose 'qwen_image_edit_official'; "
+            "'qwen_image_official' is the official 50-step Qwen-Image curve",)))
+
+
+FAMILY = ModelFamily(
+    name="qwen_image", display_name="Qwen-Image", matches=_matches, resolve_variant=_variant, build_stack=_stack,
+    build_modulated_input=_modulated_input,
+    resident=("img_in", "txt_norm", "txt_in", "time_text_embed", "norm_out", "proj_out"),
+    teacache_keys=frozenset({"qwen_image"}), magcache_keys=frozenset({"qwen_image"}))

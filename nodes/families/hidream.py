@@ -19,7 +19,7 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelAdapter, skip_by_type
+from .base import ModelFamily, AutoChoice, Variant, skip_by_type
 
 IMAGE = TensorArg("image_tokens", 0)
 TEXT = TensorArg("text_tokens", 2)
@@ -45,11 +45,18 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     return ModulatedInput(compute=compute, capture=dm.t_embedder)
 
 
-def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | None:
-    if not isinstance(dm, hidream_model.HiDreamImageTransformer2DModel) or not len(dm.double_stream_blocks):
-        return None
-    return ModelAdapter(
-        family="hidream", variant="HiDream-I1", build_stack=_stack, build_modulated_input=_modulated_input,
-        teacache_key="hidream_i1_full",
-        notes=["HiDream-I1 Full, Dev and Fast have the same weights shape: the Full coefficients are used; for Dev "
-               "or Fast choose 'hidream_i1_dev' or 'hidream_i1_fast' (a wrong choice gives blocky images)"])
+def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
+    return isinstance(dm, hidream_model.HiDreamImageTransformer2DModel) and len(dm.double_stream_blocks) > 0
+
+
+def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
+    return Variant("HiDream-I1", magcache=AutoChoice(None), teacache=AutoChoice("hidream_i1_full", (
+        "HiDream-I1 Full, Dev and Fast have the same weights shape: the Full coefficients are used; for Dev or Fast "
+        "choose 'hidream_i1_dev' or 'hidream_i1_fast' (a wrong choice gives blocky images)",)))
+
+
+FAMILY = ModelFamily(
+    name="hidream", display_name="HiDream-I1", matches=_matches, resolve_variant=_variant, build_stack=_stack,
+    build_modulated_input=_modulated_input,
+    resident=("x_embedder", "t_embedder", "p_embedder", "caption_projection", "final_layer"),
+    teacache_keys=frozenset({"hidream_i1_full"}))

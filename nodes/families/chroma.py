@@ -16,7 +16,7 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelAdapter, call_arg, skip_by_type
+from .base import ModelFamily, AutoChoice, Variant, call_arg, skip_by_type
 
 IMG = TensorArg("img", 0)
 TXT = TensorArg("txt", 1)
@@ -42,15 +42,25 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     return ModulatedInput(compute=compute)
 
 
-def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | None:
+def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
     if type(dm) is not chroma_model.Chroma:  # excludes ChromaRadiance (see the module docstring)
-        return None
+        return False
     skip_mmdit = set(getattr(dm, "skip_mmdit", []) or [])
-    if not hasattr(dm, "final_layer") or all(i in skip_mmdit for i in range(len(dm.double_blocks))):
-        return None
-    return ModelAdapter(
-        family="chroma", variant="Chroma", build_stack=_stack, build_modulated_input=_modulated_input,
-        teacache_key=None,
-        notes=["no TeaCache coefficients are published for Chroma (ali-vilab/TeaCache#72): run TeaCache Calibrate "
-               "once on this model and choose its calibration file"],
-        magcache_key="chroma")
+    return hasattr(dm, "final_layer") and not all(i in skip_mmdit for i in range(len(dm.double_blocks)))
+
+
+def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
+    return Variant("Chroma", magcache=AutoChoice("chroma"), teacache=AutoChoice(None, (
+        "no TeaCache coefficients are published for Chroma (ali-vilab/TeaCache#72): run TeaCache Calibrate once on "
+        "this model and choose its calibration file",)))
+
+
+FAMILY = ModelFamily(
+    name="chroma", display_name="Chroma", matches=_matches, resolve_variant=_variant, build_stack=_stack,
+    build_modulated_input=_modulated_input,
+    # blocks listed in skip_mmdit / skip_dit are never called: they are neither in the stack nor resident
+    resident=("img_in", "txt_in", "distilled_guidance_layer", "final_layer"),
+    magcache_keys=frozenset({"chroma"}),
+    # model_base.Chroma subclasses model_base.Flux (ldm.chroma.model.Chroma and ldm.flux.model.Flux are unrelated
+    # classes today): Chroma is tried first so that no future subclassing lets Flux's matcher take it
+    detect_before=("flux",))

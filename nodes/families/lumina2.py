@@ -17,7 +17,7 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelAdapter
+from .base import ModelFamily, AutoChoice, Variant
 
 X = TensorArg("x", 0)
 ADALN = TensorArg("adaln_input", 3)
@@ -38,11 +38,19 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     return ModulatedInput(compute=lambda block, args, kwargs, captured: ADALN.get(args, kwargs))
 
 
-def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | None:
-    if not isinstance(dm, lumina_model.NextDiT) or not len(dm.layers) or not dm.layers[0].modulation:
-        return None
-    return ModelAdapter(
-        family="lumina2", variant=f"Lumina Image 2.0 (dim {dm.dim})", build_stack=_stack,
-        build_modulated_input=_modulated_input, teacache_key="lumina_2",
-        notes=["the welltop 'lumina_2' and the official ali-vilab 'lumina2_official_v1' coefficients disagree; "
-               "'lumina_2' is used unless you choose the other"])
+def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
+    return isinstance(dm, lumina_model.NextDiT) and len(dm.layers) > 0 and bool(dm.layers[0].modulation)
+
+
+def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
+    return Variant(f"Lumina Image 2.0 (dim {dm.dim})", magcache=AutoChoice(None), teacache=AutoChoice(
+        "lumina_2", ("the welltop 'lumina_2' and the official ali-vilab 'lumina2_official_v1' coefficients disagree; "
+                     "'lumina_2' is used unless you choose the other",)))
+
+
+FAMILY = ModelFamily(
+    name="lumina2", display_name="Lumina Image 2.0", matches=_matches, resolve_variant=_variant, build_stack=_stack,
+    build_modulated_input=_modulated_input,
+    resident=("x_embedder", "t_embedder", "cap_embedder", "noise_refiner", "context_refiner", "norm_final",
+              "final_layer"),
+    teacache_keys=frozenset({"lumina_2"}))

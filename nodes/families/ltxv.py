@@ -14,7 +14,7 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelAdapter, call_arg
+from .base import ModelFamily, AutoChoice, Variant, call_arg
 
 X = TensorArg("x", 0)
 NORM_INPUT = TensorArg("input", 0)  # norm_out(x): a LayerNorm called positionally
@@ -43,13 +43,21 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     return ModulatedInput(compute=compute)
 
 
-def detect(base_model: torch.nn.Module, dm: torch.nn.Module) -> ModelAdapter | None:
-    if not isinstance(dm, ltxv_model.LTXVModel) or not len(dm.transformer_blocks):
-        return None
-    size = _SIZES.get(dm.inner_dim)
-    notes: list[str] = []
-    if size != "2B":
-        notes.append("the LTX-Video coefficients were fitted on LTX-Video 0.9.1 (2B); for this "
-                     f"{size or f'inner_dim {dm.inner_dim}'} model TeaCache Calibrate gives a better fit")
-    return ModelAdapter(family="ltxv", variant=f"LTX-Video {size or f'inner_dim {dm.inner_dim}'}", build_stack=_stack,
-                        build_modulated_input=_modulated_input, teacache_key="ltxv", notes=notes)
+def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
+    return isinstance(dm, ltxv_model.LTXVModel) and len(dm.transformer_blocks) > 0
+
+
+def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
+    size = _SIZES.get(dm.inner_dim) or f"inner_dim {dm.inner_dim}"
+    notes = () if size == "2B" else (
+        f"the LTX-Video coefficients were fitted on LTX-Video 0.9.1 (2B); for this {size} model TeaCache Calibrate "
+        "gives a better fit",)
+    return Variant(f"LTX-Video {size}", teacache=AutoChoice("ltxv", notes), magcache=AutoChoice(None))
+
+
+FAMILY = ModelFamily(
+    name="ltxv", display_name="LTX-Video", matches=_matches, resolve_variant=_variant, build_stack=_stack,
+    build_modulated_input=_modulated_input,
+    # scale_shift_table is a parameter of the model itself (the final modulation), not of a block
+    resident=("patchify_proj", "adaln_single", "caption_projection", "scale_shift_table", "norm_out", "proj_out"),
+    teacache_keys=frozenset({"ltxv"}))

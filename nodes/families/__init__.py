@@ -1,0 +1,109 @@
+"""The registered model families and detection: from the diffusion model's class and config, never a file name.
+
+Every module of this package other than ``base`` is a family file defining ``FAMILY`` (a ``ModelFamily``); they
+are all registered, so adding a family is adding its file (and its tiny test model, see
+docs/adding-a-model-family.md). Detection tries the families in ``FAMILIES`` order: by module name, except that a
+family's ``detect_before`` puts it ahead of the families it names.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Iterable
+
+import torch
+
+from .base import AutoChoice, DetectedModel, ModelFamily, UnsupportedModelError, Variant
+
+_NOT_FAMILIES = {"base"}
+
+
+def order_by_precedence(families: Iterable[ModelFamily]) -> tuple[ModelFamily, ...]:
+    """``families`` in their given order, except that each comes before every family its ``detect_before`` names.
+
+    ValueError for a duplicate name, a ``detect_before`` naming no given family, or a precedence cycle.
+    """
+    given = list(families)
+    by_name: dict[str, ModelFamily] = {}
+    for family in given:
+        if family.name in by_name:
+            raise ValueError(f"two model families are named {family.name!r}")
+        by_name[family.name] = family
+    must_follow: dict[str, set[str]] = {name: set() for name in by_name}  # name -> families that go before it
+    for family in given:
+        for later in family.detect_before:
+            if later not in by_name:
+                raise ValueError(f"model family {family.name!r}: detect_before names {later!r}, which is not a "
+                                 f"registered family ({', '.join(by_name)})")
+            must_follow[later].add(family.name)
+    ordered: list[ModelFamily] = []
+    placed: set[str] = set()
+    while len(ordered) < len(given):
+        ready = next((f for f in given if f.name not in placed and must_follow[f.name] <= placed), None)
+        if ready is None:
+            cycle = sorted(name for name in by_name if name not in placed)
+            raise ValueError(f"model families {cycle} have a detect_before cycle")
+        ordered.append(ready)
+        placed.add(ready.name)
+    return tuple(ordered)
+
+
+def _discover() -> tuple[ModelFamily, ...]:
+    families = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name in _NOT_FAMILIES or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        family = getattr(module, "FAMILY", None)
+        if not isinstance(family, ModelFamily):
+            raise TypeError(f"nodes/families/{info.name}.py must define FAMILY = ModelFamily(...)")
+        families.append(family)
+    return order_by_precedence(families)
+
+
+#: Every registered family, in detection order.
+FAMILIES: tuple[ModelFamily, ...] = _discover()
+
+
+def supported_families() -> str:
+    """The registered families as users read them, e.g. for errors and tooltips: "Chroma, Flux (dev, ...), ..."."""
+    return ", ".join(family.display_name for family in FAMILIES)
+
+
+def family_named(name: str) -> ModelFamily:
+    """The registered family called ``name``; KeyError otherwise."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise KeyError(f"no registered model family {name!r} (registered: {', '.join(f.name for f in FAMILIES)})")
+
+
+def detect(patcher) -> DetectedModel:
+    """The detected family, variant and recommendations of a ComfyUI MODEL (ModelPatcher).
+
+    UnsupportedModelError naming the model's class and the supported families when no family matches.
+    """
+    base_model = patcher.model
+    dm = getattr(base_model, "diffusion_model", None)
+    if isinstance(dm, torch.nn.Module):
+        for family in FAMILIES:
+            if family.matches(base_model, dm):
+                return _detected(family, family.resolve_variant(base_model, dm))
+    name = type(dm).__name__ if dm is not None else type(base_model).__name__
+    raise UnsupportedModelError(
+        f"{name} ({type(base_model).__name__}) is not a diffusion transformer this pack supports. "
+        f"Supported families: {supported_families()}.")
+
+
+def _detected(family: ModelFamily, variant: Variant) -> DetectedModel:
+    for cache, recommendation, declared in (("TeaCache", variant.teacache, family.teacache_keys),
+                                            ("MagCache", variant.magcache, family.magcache_keys)):
+        if recommendation.key is not None and recommendation.key not in declared:
+            raise RuntimeError(f"model family {family.name!r}: variant {variant.name!r} recommends the {cache} key "
+                               f"{recommendation.key!r}, which the family's {cache.lower()}_keys does not list")
+    return DetectedModel(model_family=family, variant=variant.name, teacache=variant.teacache,
+                         magcache=variant.magcache)
+
+
+__all__ = ["FAMILIES", "AutoChoice", "DetectedModel", "ModelFamily", "UnsupportedModelError", "Variant", "detect",
+           "family_named", "order_by_precedence", "supported_families"]

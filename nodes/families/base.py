@@ -1,0 +1,170 @@
+"""What the pack knows about one model family, as registered data shared by every feature.
+
+Each family file in this package defines one ``FAMILY = ModelFamily(...)``: how to recognise the family from the
+diffusion model itself (its class and config, never a file name), how its block stack is called, the TeaCache signal
+it measures, the weights that live outside the block stack, the slots the Sequence Parallel issue fills, and ONE
+decision tree (``resolve_variant``) that names the detected variant together with what TeaCache's and MagCache's
+'auto' use for it. The recommendation tables (``nodes/coefficients.py``, ``nodes/magcache_curves.py``) stay separate
+data keyed by those recommendations. ``nodes/families/__init__.py`` registers every family file and detects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ...omni_hooks.blockstack import BlockStack, SkipFn
+from ...omni_hooks.teacache import ModulatedInput
+from ..coefficients import PUBLISHED, TeaCacheCoefficients
+
+
+class UnsupportedModelError(ValueError):
+    """The MODEL is not a diffusion transformer of a registered family."""
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What one cache's 'auto' uses for a variant: a key of that cache's published table, or None when none fits,
+    and what the user should know about the choice (e.g. "720p i2v has the same weights shape as 480p: choose")."""
+
+    key: str | None = None
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The outcome of a family's decision tree: the variant's name and each cache's recommendation for it."""
+
+    name: str
+    teacache: AutoChoice
+    magcache: AutoChoice
+
+
+#: ``matches(base_model, diffusion_model)``: True when this family handles the model (``base_model`` is ComfyUI's
+#: ``comfy.model_base.BaseModel``, ``diffusion_model`` its ``.diffusion_model``).
+Matcher = Callable[[torch.nn.Module, torch.nn.Module], bool]
+#: ``resolve_variant(base_model, diffusion_model)``: called only on models the family matches.
+VariantResolver = Callable[[torch.nn.Module, torch.nn.Module], Variant]
+StackBuilder = Callable[[torch.nn.Module], BlockStack]
+#: ``build_modulated_input(diffusion_model, signal)``: the tensor TeaCache measures; ``signal`` is the ``signal`` of
+#: the coefficient set in use ("default" unless the table says otherwise).
+ModulatedInputBuilder = Callable[[torch.nn.Module, str], ModulatedInput]
+#: Filled by the Sequence Parallel issue: for one diffusion model instance, where its sequence is split across ranks
+#: and gathered back (which inputs, along which dimension, which rotary tables are sliced with them). The plan type
+#: is defined there; None means the family does not support sequence parallelism yet.
+SequencePlanBuilder = Callable[[torch.nn.Module], Any]
+#: Filled by the Sequence Parallel issue: the attention modules of one diffusion model instance whose attention is
+#: exchanged across ranks. None means not declared yet.
+AttentionSitesBuilder = Callable[[torch.nn.Module], Sequence[torch.nn.Module]]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One registered model family (one file per family in ``nodes/families/``).
+
+    ``name`` is the family's key everywhere (calibration files, the ``family`` of the recommendation tables);
+    ``display_name`` is how users see it in the supported-families list. ``resident`` names the attributes of the
+    diffusion model (modules or parameters; a name absent on some variant is skipped) that hold weights outside the
+    block stack: embeddings, the tail, side branches such as VACE blocks. With the blocks of ``build_stack`` they hold
+    every parameter and buffer of the model (checked on every tiny and real-size test model), so an offloading feature
+    can stream the blocks and keep exactly these on the compute device.
+
+    ``teacache_keys`` / ``magcache_keys`` list every key ``resolve_variant`` may recommend; detection refuses a key
+    outside them, and the tests check each exists in its table under this family. ``detect_before`` names families
+    whose matcher must be tried after this one (e.g. Chroma before Flux), so precedence never rests on file order.
+    """
+
+    name: str
+    display_name: str
+    matches: Matcher
+    resolve_variant: VariantResolver
+    build_stack: StackBuilder
+    build_modulated_input: ModulatedInputBuilder
+    resident: tuple[str, ...]
+    teacache_keys: frozenset[str] = frozenset()
+    magcache_keys: frozenset[str] = frozenset()
+    detect_before: tuple[str, ...] = ()
+    sequence_plan: SequencePlanBuilder | None = None
+    attention_sites: AttentionSitesBuilder | None = None
+
+    def resident_modules(self, diffusion_model: torch.nn.Module) -> dict[str, torch.nn.Module | torch.Tensor]:
+        """The ``resident`` attributes this model has (modules or parameters), by name, in declaration order."""
+        found = {}
+        for name in self.resident:
+            value = getattr(diffusion_model, name, None)
+            if isinstance(value, (torch.nn.Module, torch.Tensor)):
+                found[name] = value
+        return found
+
+
+@dataclass(frozen=True)
+class DetectedModel:
+    """One detected MODEL: its registered family, the variant its decision tree named, and each cache's
+    recommendation. ``family`` is the family's name; ``notes`` / ``magcache_notes`` are TeaCache's / MagCache's."""
+
+    model_family: ModelFamily
+    variant: str
+    teacache: AutoChoice
+    magcache: AutoChoice
+
+    @property
+    def family(self) -> str:
+        return self.model_family.name
+
+    @property
+    def teacache_key(self) -> str | None:
+        return self.teacache.key
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return self.teacache.notes
+
+    @property
+    def magcache_key(self) -> str | None:
+        return self.magcache.key
+
+    @property
+    def magcache_notes(self) -> tuple[str, ...]:
+        return self.magcache.notes
+
+    @property
+    def teacache_coefficients(self) -> TeaCacheCoefficients | None:
+        return PUBLISHED.get(self.teacache.key) if self.teacache.key else None
+
+    def describe(self) -> str:
+        return f"{self.family} ({self.variant})"
+
+    def build_stack(self, diffusion_model: torch.nn.Module) -> BlockStack:
+        return self.model_family.build_stack(diffusion_model)
+
+    def build_modulated_input(self, diffusion_model: torch.nn.Module, signal: str) -> ModulatedInput:
+        return self.model_family.build_modulated_input(diffusion_model, signal)
+
+    def resident_modules(self, diffusion_model: torch.nn.Module) -> dict[str, torch.nn.Module | torch.Tensor]:
+        return self.model_family.resident_modules(diffusion_model)
+
+
+def call_arg(args: tuple, kwargs: dict, name: str, index: int, default=None):
+    """An argument of a block call, by keyword ``name`` or else at position ``index`` (``default`` if absent)."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if index < len(args) else default
+
+
+def skip_by_type(skips: dict[type, SkipFn], inner: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+                 ) -> SkipFn:
+    """A ``skip_block`` for stacks of several block types: the skip of the first type ``block`` is an instance of.
+
+    ``inner(block)`` picks the module whose type decides (for wrapper blocks such as HiDream's ``HiDreamImageBlock``).
+    """
+    items = list(skips.items())
+
+    def skip(block: torch.nn.Module, args: tuple, kwargs: dict):
+        probe = inner(block) if inner is not None else block
+        for cls, fn in items:
+            if isinstance(probe, cls):
+                return fn(block, args, kwargs)
+        raise TypeError(f"no skip rule for block type {type(probe).__name__}")
+
+    return skip

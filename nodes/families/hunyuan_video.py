@@ -1,0 +1,65 @@
+"""HunyuanVideo T2V / I2V (and HunyuanImage 2.1, same class) - comfy/ldm/hunyuan_video/model.py: HunyuanVideo.
+
+forward_orig runs Flux's ``DoubleStreamBlock`` (``flipped_img_txt``; ``block(img=, txt=, vec=, pe=, attn_mask=,
+modulation_dims_img=, modulation_dims_txt=, ...)`` -> (img, txt)), then ``img = cat((img, txt), 1)`` through Flux's
+``SingleStreamBlock`` (``block(img, vec=, ...)`` -> x, in place), keeps the first ``img_len`` tokens and calls
+``final_layer(img, vec, modulation_dims=)``.
+
+With ``ref_latent`` (HunyuanVideo I2V "v2" conditioning) the reference tokens are prepended to ``img`` before the
+stack and cut off before ``final_layer``, so the tail's image stream is shorter than the head's. Nothing special is
+done for it: the hook library sees the shape mismatch, computes such calls fully and reports a warning.
+"""
+from __future__ import annotations
+
+import comfy.ldm.hunyuan_video.model as hy_model
+import comfy.model_base
+import torch
+
+from ...omni_hooks.blockstack import TensorArg
+from ...omni_hooks.teacache import ModulatedInput
+from .base import ModelFamily, AutoChoice, Variant, call_arg
+from .flux import flux_img_modulated, flux_layout_stack
+
+IMG = TensorArg("img", 0)
+
+
+def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+    def compute(block, args, kwargs, captured):
+        # modulation_dims_img is set for I2V with guiding_frame_index (vec then has one row per token range)
+        return flux_img_modulated(block, IMG.get(args, kwargs), call_arg(args, kwargs, "vec", 2),
+                                  call_arg(args, kwargs, "modulation_dims_img", 5))
+    return ModulatedInput(compute=compute)
+
+
+def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
+    return isinstance(dm, hy_model.HunyuanVideo) and len(dm.double_blocks) > 0 and hasattr(dm, "final_layer")
+
+
+def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
+    if isinstance(base_model, comfy.model_base.HunyuanImage21) or len(dm.patch_size) != 3:
+        refiner = isinstance(base_model, comfy.model_base.HunyuanImage21Refiner)
+        return Variant(
+            "HunyuanImage 2.1" + (" refiner" if refiner else ""),
+            teacache=AutoChoice(None, ("no TeaCache coefficients are published for HunyuanImage 2.1: run "
+                                       "TeaCache Calibrate once",)),
+            magcache=AutoChoice(None, ("the HunyuanVideo curves do not fit HunyuanImage 2.1",)))
+    resolution_note = ("the 'hunyuan_video' curve was calibrated at 720p; below 720p choose "
+                       "'hunyuan_video_544p_official'")
+    if isinstance(base_model, (comfy.model_base.HunyuanVideoI2V, comfy.model_base.HunyuanVideoSkyreelsI2V)):
+        return Variant(
+            "HunyuanVideo I2V" if isinstance(base_model, comfy.model_base.HunyuanVideoI2V)
+            else "HunyuanVideo SkyReels I2V",
+            teacache=AutoChoice("hunyuan_video", (
+                "the HunyuanVideo coefficients were fitted on the T2V model; they are used for I2V as in "
+                "welltop-cn/ComfyUI-TeaCache",)),
+            magcache=AutoChoice("hunyuan_video", (
+                resolution_note, "the MagCache curves were calibrated on HunyuanVideo T2V")))
+    return Variant("HunyuanVideo T2V", teacache=AutoChoice("hunyuan_video"),
+                   magcache=AutoChoice("hunyuan_video", (resolution_note,)))
+
+
+FAMILY = ModelFamily(
+    name="hunyuan_video", display_name="HunyuanVideo", matches=_matches, resolve_variant=_variant,
+    build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
+    resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "byt5_in", "time_r_in", "final_layer"),
+    teacache_keys=frozenset({"hunyuan_video"}), magcache_keys=frozenset({"hunyuan_video"}))

@@ -1,0 +1,110 @@
+"""Wan 2.1 / 2.2 (comfy/ldm/wan/model.py): blocks(x, e=e0, freqs, context, ...) -> x, then head(x, e).
+
+Detected: ``WanModel`` and its subclasses except ``WanModel_S2V`` (its forward injects audio between the blocks). The
+variants told apart: Wan 2.2 TI2V, VACE, I2V, and the T2V layout (Wan 2.1 T2V and the Wan 2.2 A14B experts).
+"""
+from __future__ import annotations
+
+import comfy.ldm.wan.model as wan
+import comfy.model_base
+import torch
+
+from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.teacache import ModulatedInput
+from .base import ModelFamily, AutoChoice, Variant
+
+X = TensorArg("x", 0)
+
+# Sizes of the released checkpoints (Wan-Video/Wan2.1 and Wan2.2 configs): dim -> size name.
+_T2V_SIZES = {1536: "1.3B", 5120: "14B"}
+_TI2V_5B_DIM = 3072
+_I2V_IN_CHANNELS = 36  # latent 16 + mask 4 + image latent 16: Wan 2.1 I2V and the Wan 2.2 I2V A14B experts
+
+
+def _stack(dm: torch.nn.Module) -> BlockStack:
+    # VACE adds hints to x in place between blocks (`x += c_skip * strength`), so keep our own copy of the head input.
+    return BlockStack(blocks=list(dm.blocks), tail=dm.head, head_hidden=X, tail_hidden=X,
+                      skip_block=skip_returning(X), clone_head_input=isinstance(dm, wan.VaceWanModel))
+
+
+def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+    if signal == "ret":
+        # retention-mode coefficients were fitted on e0, the 6-way time projection each block receives as `e`
+        return ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["e"] if "e" in kwargs else args[1])
+    # default-mode coefficients were fitted on the time embedding e, the input of time_projection
+    return ModulatedInput(compute=lambda block, args, kwargs, captured: captured, capture=dm.time_projection)
+
+
+def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
+    return isinstance(dm, wan.WanModel) and not isinstance(dm, wan.WanModel_S2V) and hasattr(dm, "head")
+
+
+def _a14b_note(what: str, key: str) -> str:
+    return (f"{what}: choose '{key} (high noise)' on the high-noise model and '{key} (low noise)' on the low-noise "
+            f"one (each expert's Apply MagCache uses its own part of the official curve)")
+
+
+_I2V_RESOLUTION_NOTE = "I2V 480p and 720p have the same weights; 480p coefficients are used unless you choose 720p"
+
+
+def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
+    size = _T2V_SIZES.get(dm.dim)
+    size_label = size or f"dim {dm.dim}"
+    if isinstance(base_model, comfy.model_base.WAN22):
+        if dm.dim == _TI2V_5B_DIM:
+            magcache = AutoChoice("wan2.2_ti2v_5B",
+                                  ("for image-to-video with Wan 2.2 TI2V 5B choose 'wan2.2_ti2v_5B_i2v'",))
+        else:
+            magcache = AutoChoice(None, (
+                f"no published MagCache curve for a Wan 2.2 TI2V model with dim {dm.dim}",))
+        return Variant(f"Wan 2.2 TI2V (dim {dm.dim})", magcache=magcache, teacache=AutoChoice(
+            None, ("no TeaCache coefficients are published for Wan 2.2 TI2V 5B: run TeaCache Calibrate once",)))
+    if isinstance(dm, wan.VaceWanModel):
+        return Variant(
+            f"Wan 2.1 VACE {size_label}",
+            teacache=AutoChoice(f"wan2.1_t2v_{size}" if size else None,
+                                ("VACE uses the T2V coefficients of its size (VACE is built on Wan 2.1 T2V)",)),
+            magcache=AutoChoice(f"wan2.1_vace_{size}" if size else None))
+    if dm.model_type == "i2v" or getattr(dm, "img_emb", None) is not None:
+        if size == "14B":
+            return Variant(
+                "Wan 2.1 I2V 14B", teacache=AutoChoice("wan2.1_i2v_480p_14B", (_I2V_RESOLUTION_NOTE,)),
+                magcache=AutoChoice("wan2.1_i2v_480p_14B", (
+                    "I2V 480p and 720p have the same weights; the 480p curve is used unless you choose "
+                    "'wan2.1_i2v_720p_14B'",)))
+        return Variant(f"Wan 2.1 I2V {size_label}", teacache=AutoChoice(None, (_I2V_RESOLUTION_NOTE,)),
+                       magcache=AutoChoice(None))
+    if size is None:
+        return Variant(f"Wan T2V {size_label}", magcache=AutoChoice(None), teacache=AutoChoice(
+            None, (f"no published TeaCache coefficients for a Wan model with dim {dm.dim}: choose a model variant or "
+                   "run TeaCache Calibrate",)))
+    if size == "1.3B":
+        return Variant("Wan T2V 1.3B", teacache=AutoChoice("wan2.1_t2v_1.3B"),
+                       magcache=AutoChoice("wan2.1_t2v_1.3B"))
+    # 14B with the T2V layout: Wan 2.1 T2V 14B, or a Wan 2.2 A14B expert (same shape, high/low noise cannot be told)
+    teacache = AutoChoice("wan2.1_t2v_14B", (
+        "Wan 2.2 A14B experts have the Wan 2.1 14B shape; no Wan 2.2 coefficients are published, so the Wan 2.1 14B "
+        "ones are used (as in kijai/ComfyUI-WanVideoWrapper)",))
+    if dm.patch_embedding.weight.shape[1] == _I2V_IN_CHANNELS:
+        # image channels but no CLIP image embedding: a Wan 2.2 I2V A14B expert
+        magcache = AutoChoice(None, (_a14b_note("this looks like a Wan 2.2 I2V A14B expert", "wan2.2_i2v_14B"),))
+    else:
+        magcache = AutoChoice("wan2.1_t2v_14B", (_a14b_note(
+            "Wan 2.2 T2V A14B experts have the Wan 2.1 14B shape, so the Wan 2.1 T2V 14B curve is used unless you "
+            "choose; for an A14B expert", "wan2.2_t2v_14B"),))
+    return Variant("Wan T2V 14B", teacache=teacache, magcache=magcache)
+
+
+FAMILY = ModelFamily(
+    name="wan", display_name="Wan 2.1/2.2", matches=_matches, resolve_variant=_variant, build_stack=_stack,
+    build_modulated_input=_modulated_input,
+    resident=("patch_embedding", "text_embedding", "time_embedding", "time_projection", "head",
+              "img_emb",                                      # I2V / FLF2V CLIP image projection
+              "ref_conv",                                     # Fun reference image
+              "vace_patch_embedding", "vace_blocks",          # VACE hints, added between the blocks
+              "control_adapter",                              # Camera
+              "audio_proj",                                   # HuMo
+              "pose_patch_embedding", "motion_encoder", "face_encoder", "face_adapter"),  # Animate
+    teacache_keys=frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B"}),
+    magcache_keys=frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B", "wan2.1_vace_1.3B",
+                             "wan2.1_vace_14B", "wan2.2_ti2v_5B"}))

@@ -1,0 +1,287 @@
+"""Attention across ranks: Ulysses (all-to-all over heads), ring (online-softmax merge) and their hybrid (USP).
+
+Shapes are written ``[B, L, H, D]`` (batch, tokens, heads, head dim), the canonical layout inside this module.
+
+* Ulysses (hook-library-spec.md §7.9): each rank holds ``L/U`` tokens of all ``H`` heads; one all-to-all gives it all
+  ``L`` tokens of ``H/U`` heads (rank ``r``: heads ``[r·H/U, (r+1)·H/U)``), local attention runs on them, the inverse
+  all-to-all returns its tokens with all heads.
+* Ring (§7.10): queries stay; key/value blocks travel around the ring while each rank attends to the block it holds
+  and merges with the online softmax: ``lse' = logaddexp(lse, lse_b)``,
+  ``out' = out·exp(lse - lse') + out_b·exp(lse_b - lse')``.
+* Hybrid (§7.11): Ulysses inside groups of U ranks, then ring attention across the R groups, then the inverse
+  all-to-all.
+* Joint tokens (text kept whole on every rank, "front" ``[text | image]`` or "rear" ``[image | text]``): each rank
+  takes its heads of them without communication, attends with them (their keys added once, at ring step 0), and
+  the heads of their output are all-gathered over the Ulysses group.
+* Padding (``auto_pad``): the padded keys are cut off before attention, so padding needs no attention mask and works
+  with mask-blind kernels; padded query rows give values the gather hook drops.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .comm import Communicator
+
+if TYPE_CHECKING:
+    from .runtime import ActiveSite, SequenceParallelRuntime
+
+# Where ring blocks are computed by torch's math, it is in chunks of query rows so that one chunk's score matrix holds
+# at most this many elements (2^25 float32 = 128 MiB), whatever the sequence length.
+RING_SCORE_CHUNK_ELEMENTS = 1 << 25
+
+ULYSSES_KIND = "ulysses_all_to_all"
+JOINT_KIND = "ulysses_joint_all_gather"
+RING_KIND = "ring_hop"
+
+
+# -- layouts ------------------------------------------------------------------------------------------------------
+
+def to_canonical(x: torch.Tensor, heads: int, heads_first: bool) -> torch.Tensor:
+    """Host layout -> ``[B, L, H, D]``: ``[B, H, L, D]`` if ``heads_first`` else ``[B, L, H·D]``."""
+    if heads_first:
+        return x.transpose(1, 2)
+    b, length, width = x.shape
+    return x.reshape(b, length, heads, width // heads)
+
+
+def from_canonical(x: torch.Tensor, heads_first: bool) -> torch.Tensor:
+    """``[B, L, H, D]`` -> host layout (the inverse of ``to_canonical``)."""
+    if heads_first:
+        return x.transpose(1, 2)
+    b, length, heads, dim = x.shape
+    return x.reshape(b, length, heads * dim)
+
+
+# -- Ulysses ------------------------------------------------------------------------------------------------------
+
+def heads_to_sequence(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
+    """``[N, B, L/U, H, D]`` (N stacked tensors, e.g. q, k, v) -> ``[N, B, L, H/U, D]`` by one all-to-all; the
+    sequence comes back in rank order, this rank keeps head group ``comm.group.rank``."""
+    size = comm.size
+    if size == 1:
+        return x
+    n, b, local, heads, dim = x.shape
+    send = x.reshape(n, b, local, size, heads // size, dim).permute(3, 0, 1, 2, 4, 5)
+    received = comm.all_to_all(send, ULYSSES_KIND)  # [U (source rank = sequence chunk), N, B, L/U, H/U, D]
+    return received.permute(1, 2, 0, 3, 4, 5).reshape(n, b, size * local, heads // size, dim)
+
+
+def sequence_to_heads(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
+    """``[B, L, H/U, D]`` -> ``[B, L/U, H, D]``: the inverse of ``heads_to_sequence`` for one tensor."""
+    size = comm.size
+    if size == 1:
+        return x
+    b, length, local_heads, dim = x.shape
+    send = x.reshape(b, size, length // size, local_heads, dim).permute(1, 0, 2, 3, 4)
+    received = comm.all_to_all(send, ULYSSES_KIND)  # [U (source rank = head group), B, L/U, H/U, D]
+    return received.permute(1, 2, 0, 3, 4).reshape(b, length // size, size * local_heads, dim)
+
+
+def head_divisibility_error(heads: int, ulysses_degree: int) -> ValueError:
+    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+    return ValueError(
+        f"SequenceParallelAttention: {heads} attention heads are not divisible by ulysses_degree {ulysses_degree}; "
+        f"fix: use a ulysses_degree that divides {heads} ({', '.join(map(str, divisors))}) and put the remaining "
+        f"factor of the world size into ring_degree (ring attention has no head constraint)")
+
+
+# -- ring -----------------------------------------------------------------------------------------------------------
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` over ``k``/``v`` (``[B, H, L, D]``) with its log-sum-exp, in ``dtype``.
+
+    Returns ``(out [B, H, Lq, D], lse [B, H, Lq])``, both in ``dtype``. Torch's own kernels that return the
+    log-sum-exp: on CPU its flash attention computed in ``dtype``; on CUDA its memory-efficient attention on the
+    inputs' dtype (accumulating in float32), falling back to the math below for what that kernel refuses (e.g.
+    float64); elsewhere ``attention_math_with_lse``.
+    """
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.to(dtype), k.to(dtype), v.to(dtype),
+                                                                           scale=scale)
+    if q.device.type == "cuda":
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, scale=scale)[:2]
+        except RuntimeError:  # a dtype or shape the kernel does not take: exact math instead
+            pass
+        else:  # the kernel may pad the log-sum-exp's sequence dim (to a multiple of 32)
+            return out.to(dtype), lse[..., :q.shape[2]].to(dtype)
+    return attention_math_with_lse(q, k, v, scale, dtype)
+
+
+def attention_math_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_with_lse`` by torch's math in ``dtype``, in chunks of query rows whose score matrix holds at most
+    ``RING_SCORE_CHUNK_ELEMENTS`` elements (one chunk for "meta" tensors, which hold no memory)."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    b, h, lq, _ = q.shape
+    rows = max(1, RING_SCORE_CHUNK_ELEMENTS // max(1, b * h * k.shape[2]))
+    if q.device.type == "meta":
+        rows = max(1, lq)
+    outs, lses = [], []
+    for start in range(0, lq, rows):
+        scores = torch.matmul(q[:, :, start:start + rows], k.transpose(-1, -2)) * scale
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v))
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def merge_attention(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
+                    block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge a block's attention into the running result (online softmax): ``out [B, H, L, D]``, ``lse [B, H, L]``.
+
+    ``out`` None starts the result. Neither input is modified.
+    """
+    if out is None:
+        return block_out, block_lse
+    merged = torch.logaddexp(lse, block_lse)
+    return (out * torch.exp(lse - merged).unsqueeze(-1)
+            + block_out * torch.exp(block_lse - merged).unsqueeze(-1)), merged
+
+
+def ring_attention(comm: Communicator, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                   joint_k: torch.Tensor | None = None, joint_v: torch.Tensor | None = None,
+                   valid_keys: Callable[[int], int] | None = None, scale: float | None = None) -> torch.Tensor:
+    """Ring attention over ``comm``'s group. ``[B, L, H, D]`` tensors; returns ``[B, Lq, H, D]`` in ``q.dtype``.
+
+    ``q``: this rank's queries (all of them stay here); ``k``/``v``: this rank's key/value block, which travels
+    around the ring (block of member ``j`` = the ``j``-th segment of the sequence). ``joint_k``/``joint_v``: replicated
+    keys every query also attends to, added once at step 0. ``valid_keys(j)``: how many leading keys of member ``j``'s
+    block are real (the rest is padding and is left out). Blocks are computed by torch itself (``attention_with_lse``:
+    they need the log-sum-exp, which a host's attention function does not return) in float32, or float64 for
+    float64 inputs, and merged in that precision; the next block is in flight while one is computed.
+    """
+    size, me = comm.size, comm.group.rank
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qh = q.transpose(1, 2)
+    block = torch.stack([k, v])
+    out = lse = None
+    for step in range(size):
+        pending = comm.start_shift(block, RING_KIND) if step < size - 1 else None
+        source = (me - step) % size
+        keys, values = block[0], block[1]
+        if valid_keys is not None:
+            keep = valid_keys(source)
+            keys, values = keys[:, :keep], values[:, :keep]
+        if step == 0 and joint_k is not None:
+            keys, values = torch.cat([joint_k, keys], 1), torch.cat([joint_v, values], 1)
+        if keys.shape[1]:
+            block_out, block_lse = attention_with_lse(qh, keys.transpose(1, 2), values.transpose(1, 2), scale, dtype)
+            out, lse = merge_attention(out, lse, block_out, block_lse)
+        if pending is not None:
+            block = pending.wait()
+    if out is None:
+        raise ValueError("ring_attention: no key is valid on any rank (an empty sequence)")
+    return out.transpose(1, 2).to(q.dtype)
+
+
+# -- the host-facing entry -------------------------------------------------------------------------------------------
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, mask: torch.Tensor | None = None,
+                   skip_reshape: bool = False, skip_output_reshape: bool = False, **kwargs: Any) -> torch.Tensor:
+    """A local attention function in the hosts' convention (ComfyUI's ``optimized_attention``): ``[B, L, H·D]``
+    inputs, or ``[B, H, L, D]`` with ``skip_reshape``; ``[B, L, H·D]`` output, or ``[B, H, L, D]`` with
+    ``skip_output_reshape``. Other keyword arguments are ignored. For hosts without their own and for tests."""
+    qh, kh, vh = (to_canonical(t, heads, skip_reshape).transpose(1, 2) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+    return out if skip_output_reshape else from_canonical(out.transpose(1, 2), False)
+
+
+class SequenceParallelAttention:
+    """The attention entry a host installs in its attention-override seam.
+
+    Called as ``entry(func, q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, **kwargs)``,
+    the signature of ComfyUI's ``transformer_options["optimized_attention_override"]``: ``func`` is the host's own
+    attention function in the convention of ``sdpa_attention``; ``heads`` the head count; other keyword arguments
+    are passed on to ``func`` unchanged. RoPE must already be applied to ``q`` and ``k`` (all these hosts do).
+
+    * Outside a self-attention site of the plan (cross-attention, whose keys every rank holds whole; anything not
+      declared) it calls ``func`` unchanged: no communication, no guessing from shapes.
+    * Inside one (``SequenceParallelSelfAttention``; q, k, v hold this rank's shard plus the site's joint tokens):
+      Ulysses-only runs ``func`` itself on the exchanged tensors (``heads / U`` heads); with a ring it computes the
+      blocks itself (see ``ring_attention``), since the merge needs the log-sum-exp. The scale is ``D^-1/2``.
+    """
+
+    def __init__(self, runtime: "SequenceParallelRuntime"):
+        self.runtime = runtime
+
+    def __call__(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 heads: int, mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        site = self.runtime.active_site
+        if site is None:
+            return func(q, k, v, heads, mask=mask, **kwargs)
+        if mask is not None:
+            raise ValueError(
+                "SequenceParallelAttention: an attention mask at a sequence-parallel self-attention site is not "
+                "supported (its key positions refer to one rank's shard); fix: run this model without a mask (padding "
+                "from auto_pad needs none: padded keys are cut off), or without sequence parallelism")
+        return self._exchange(func, q, k, v, heads, site, kwargs)
+
+    def _exchange(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  heads: int, site: "ActiveSite", kwargs: dict) -> torch.Tensor:
+        rt = self.runtime
+        ulysses, ring = rt.ulysses_comm, rt.ring_comm
+        heads_first = bool(kwargs.get("skip_reshape", False))
+        out_heads_first = bool(kwargs.get("skip_output_reshape", False))
+        if heads % ulysses.size:
+            raise head_divisibility_error(heads, ulysses.size)
+        qc, kc, vc = (to_canonical(t, heads, heads_first) for t in (q, k, v))
+        if not qc.shape == kc.shape == vc.shape:
+            raise ValueError(f"SequenceParallelAttention: a self-attention site got q {tuple(qc.shape)}, k "
+                             f"{tuple(kc.shape)}, v {tuple(vc.shape)} ([B, L, H, D]); a site's attention must be "
+                             "self-attention over the split sequence; declare cross-attention modules as no site")
+        joint, front = site.joint_tokens, site.spec.joint_position == "front"
+        length = qc.shape[1]
+        if joint > length:
+            raise ValueError(f"SequenceParallelAttention: {joint} joint tokens but the attention has {length}")
+
+        def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """(joint part, sharded part) along the sequence."""
+            cut = joint if front else x.shape[1] - joint
+            first, second = x[:, :cut], x[:, cut:]
+            return (first, second) if front else (second, first)
+
+        def join(joint_part: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
+            if not joint:
+                return sharded
+            return torch.cat([joint_part, sharded] if front else [sharded, joint_part], 1)
+
+        (qj, qi), (kj, ki), (vj, vi) = split(qc), split(kc), split(vc)
+        qi, ki, vi = heads_to_sequence(ulysses, torch.stack([qi, ki, vi])).unbind(0)
+        local_heads = heads // ulysses.size
+        if joint:
+            first = ulysses.group.rank * local_heads
+            qj, kj, vj = (t.narrow(2, first, local_heads) for t in (qj, kj, vj))
+        segment = qi.shape[1]  # the tokens of one Ulysses group = one ring block
+        valid_keys = self._valid_keys(site, segment, ring.size)
+        if ring.size == 1:
+            keep = segment if valid_keys is None else valid_keys(0)
+            ki, vi = ki[:, :keep], vi[:, :keep]
+            out = func(*(from_canonical(t, heads_first) for t in (join(qj, qi), join(kj, ki), join(vj, vi))),
+                       local_heads, **kwargs)
+            out = to_canonical(out, local_heads, out_heads_first)
+        else:
+            out = ring_attention(ring, join(qj, qi), ki, vi, joint_k=kj if joint else None,
+                                 joint_v=vj if joint else None, valid_keys=valid_keys)
+        out_joint, out_sharded = split(out)
+        out_sharded = sequence_to_heads(ulysses, out_sharded)
+        if joint:
+            out_joint = ulysses.all_gather(out_joint.contiguous(), 2, JOINT_KIND)
+        return from_canonical(join(out_joint, out_sharded), out_heads_first)
+
+    def _valid_keys(self, site: "ActiveSite", segment: int, ring_size: int) -> Callable[[int], int] | None:
+        """Real (unpadded) keys in ring block ``j``, or None when the site's sequence was not padded."""
+        record = self.runtime.padding.get(site.spec.shard_group)
+        if record is None or record.pad == 0:
+            return None
+        if record.padded_len != segment * ring_size:
+            raise ValueError(
+                f"SequenceParallelAttention: the self-attention site on {type(site.module).__name__} holds "
+                f"{segment * ring_size} split tokens in all, but the padded sequence of shard_group "
+                f"{site.spec.shard_group!r} has {record.padded_len}; name the right shard_group in the plan's "
+                "SequenceParallelSelfAttention (or joint_tokens, if the site also holds replicated tokens)")
+        return lambda j: max(0, min(segment, record.original_len - j * segment))

@@ -1,0 +1,281 @@
+"""The split, gather and self-attention-site hooks, and ``apply_sequence_parallel``/``remove_sequence_parallel``.
+
+All three hooks are of the sharding phase (``HookPhase.SHARDING``): on one module they run inside any cache hook and
+outside any placement (offload) hook, whatever their names, so a cache always sees this rank's shard and stores its
+residual, and a gather sees what the cache produced (hook-library-spec.md §7.5-7.8; diffusers' context-parallel
+hooks, vllm-omni's ``SequenceParallelSplitHook``/``GatherHook``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..base import REGISTRY_ATTR, HookPhase, HookRegistry, ModelHook, module_has_active_hooks, remove_hook_and_restore
+from .config import SequenceParallelConfig
+from .mesh import SequenceParallelMesh
+from .plan import (
+    InputSpec,
+    ModuleForwardMetadata,
+    SequenceParallelInput,
+    SequenceParallelModelPlan,
+    SequenceParallelOutput,
+    SequenceParallelPartialInput,
+    SequenceParallelSelfAttention,
+    resolve_length,
+    resolve_submodules,
+    validate_sp_plan,
+)
+from .runtime import ActiveSite, SequenceParallelRuntime
+from .sharding import PaddingRecord, pad_to, padded_length, shard
+
+log = logging.getLogger("omni_hooks")
+
+GATHER_KIND = "output_all_gather"
+SPLIT_PREFIX, GATHER_PREFIX, SITE_PREFIX = "sp_input---", "sp_output---", "sp_attention---"
+
+
+def _dims_match(hook: ModelHook, x: torch.Tensor, expected: int | None, what: str) -> bool:
+    if expected is None or x.dim() == expected:
+        return True
+    key = (what, x.dim())
+    if key not in hook._warned:
+        hook._warned.add(key)
+        log.warning("omni_hooks sequence parallel: %s has %d dims, the plan expects %d; left as it is", what,
+                    x.dim(), expected)
+    return False
+
+
+class SequenceParallelHook(ModelHook):
+    """What the three hooks share: the sharding phase, the runtime, their plan entry and where it sits."""
+
+    phase = HookPhase.SHARDING
+
+    def __init__(self, runtime: SequenceParallelRuntime, spec: Any, module_id: str):
+        self.runtime = runtime
+        self.spec = spec
+        self.module_id = module_id
+        self.module_forward_metadata: ModuleForwardMetadata | None = None
+        self._warned: set = set()
+
+
+class SequenceParallelSplitHook(SequenceParallelHook):
+    """Splits a module's planned inputs before it runs (and ``split_output`` elements of its output after).
+    ``spec``: the plan's dict of parameter name / output index -> input spec."""
+
+    def __init__(self, runtime: SequenceParallelRuntime, spec: dict, module_id: str):
+        super().__init__(runtime, spec, module_id)
+        self._call: tuple[tuple, dict] = ((), {})
+        self._recorded: dict[str | None, PaddingRecord] = {}
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.module_forward_metadata = ModuleForwardMetadata(module)
+        for name in self.spec:
+            if isinstance(name, str):
+                try:
+                    self.module_forward_metadata.check(name)
+                except ValueError as exc:
+                    raise ValueError(f"apply_sequence_parallel: _sp_plan[{self.module_id!r}]: {exc}") from None
+        return module
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        metadata = self.module_forward_metadata
+        self._call = (args, kwargs)
+        self._recorded = {}
+        for name, spec in self.spec.items():
+            if isinstance(name, int) or (not isinstance(spec, (list, tuple)) and spec.split_output):
+                continue
+            value = metadata.lookup(name, args, kwargs)
+            if value is None:
+                for s in (spec if isinstance(spec, (list, tuple)) else [spec]):
+                    if s.auto_pad:  # not passed this call: no padding of its sequence to remember
+                        self.runtime.padding.pop(s.shard_group, None)
+                continue
+            if isinstance(value, torch.Tensor):
+                if isinstance(spec, (list, tuple)):
+                    raise ValueError(f"{self._where(name)}: a tensor was passed, the plan has a list of specs")
+                new = self._split(module, value, spec, name)
+            elif isinstance(value, (list, tuple)):
+                new = self._split_sequence(module, value, spec, name)
+            else:
+                raise ValueError(f"{self._where(name)}: unsupported input type for sharding: {type(value).__name__}")
+            args, kwargs = metadata.argument(name).replace(args, kwargs, new)
+        return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        indices = [i for i in self.spec if isinstance(i, int)]
+        if not indices:
+            return output
+        single = isinstance(output, torch.Tensor)
+        outputs = [output] if single else list(output)
+        for i in indices:
+            if i >= len(outputs):
+                raise ValueError(f"{self._where(i)}: index {i} out of bounds for {len(outputs)} output(s)")
+            if not isinstance(outputs[i], torch.Tensor):
+                raise ValueError(f"{self._where(i)}: output {i} is a {type(outputs[i]).__name__}, not a tensor")
+            outputs[i] = self._split(module, outputs[i], self.spec[i], f"output {i}")
+        return outputs[0] if single else type(output)(outputs)
+
+    def _where(self, name: str | int) -> str:
+        return f"sequence-parallel split of {name!r} at {self.module_id!r}"
+
+    def _split_sequence(self, module: torch.nn.Module, values: list | tuple, spec: Any, name: str) -> list | tuple:
+        if not isinstance(spec, (list, tuple)):
+            raise ValueError(f"Expected list/tuple of SequenceParallelInput for parameter {name!r} at "
+                             f"{self.module_id!r}")
+        if len(spec) != len(values):
+            raise ValueError(f"Expected {len(spec)} elements for parameter {name!r} at {self.module_id!r}, got "
+                             f"{len(values)}")
+        out = [self._split(module, v, s, f"{name}[{i}]") if isinstance(v, torch.Tensor) and not s.split_output else v
+               for i, (v, s) in enumerate(zip(values, spec))]
+        return type(values)(out)
+
+    def _split(self, module: torch.nn.Module, x: torch.Tensor, spec: InputSpec, name: str | int) -> torch.Tensor:
+        if not _dims_match(self, x, spec.expected_dims, f"{name!r} at {self.module_id!r}"):
+            return x
+        dim = spec.split_dim % x.dim()
+        if x.shape[dim] == 0:
+            return x
+        text = None
+        if isinstance(spec, SequenceParallelPartialInput):
+            args, kwargs = self._call
+            text_len = resolve_length(spec.text_len_source, spec.text_len_dim, self.module_forward_metadata, module,
+                                      args, kwargs, "text_len_source")
+            if text_len > x.shape[dim]:
+                raise ValueError(f"{self._where(name)}: text length {text_len} exceeds the tensor's {x.shape[dim]}")
+            text, x = x.narrow(dim, 0, text_len), x.narrow(dim, text_len, x.shape[dim] - text_len)
+        world = self.runtime.world_size
+        if spec.auto_pad:
+            record = PaddingRecord(x.shape[dim], padded_length(x.shape[dim], world))
+            earlier = self._recorded.setdefault(spec.shard_group, record)
+            if earlier != record:
+                raise ValueError(f"{self._where(name)}: {record.original_len} tokens, but another input of "
+                                 f"shard_group {spec.shard_group!r} had {earlier.original_len}; tensors of one "
+                                 "shard group must hold the same sequence")
+            self.runtime.padding[spec.shard_group] = record
+            x = pad_to(x, dim, record.padded_len)
+        part = shard(x, dim, world, self.runtime.rank, self._where(name))
+        if text is not None:
+            part = torch.cat([text, part], dim)
+        elif isinstance(spec, SequenceParallelInput) and spec.clone_shard:
+            part = part.clone(memory_format=torch.contiguous_format)
+        return part
+
+
+class SequenceParallelGatherHook(SequenceParallelHook):
+    """Gathers a module's planned output(s) from every rank, dropping padding, after it runs. ``spec``: one
+    ``SequenceParallelOutput`` (or None) per output element."""
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        single = isinstance(output, torch.Tensor)
+        if not single and not (isinstance(output, (list, tuple))
+                               and all(o is None or isinstance(o, torch.Tensor) for o in output)):
+            raise ValueError(f"sequence-parallel gather at {self.module_id!r}: the output must be a tensor or a "
+                             f"list/tuple of tensors, got {type(output).__name__}")
+        outputs = [output] if single else list(output)
+        if len(outputs) != len(self.spec):
+            raise ValueError(f"sequence-parallel gather at {self.module_id!r}: Expected {len(self.spec)} outputs, "
+                             f"got {len(outputs)}.")
+        for i, spec in enumerate(self.spec):
+            x = outputs[i]
+            if spec is None or x is None or not _dims_match(self, x, spec.expected_dims,
+                                                            f"output {i} at {self.module_id!r}"):
+                continue
+            dim = spec.gather_dim % x.dim()
+            gathered = self.runtime.sp_comm.all_gather(x, dim, GATHER_KIND)
+            record = self.runtime.padding.get(spec.shard_group)  # per output: its own sequence's length
+            if record is not None and gathered.shape[dim] > record.original_len:
+                gathered = gathered.narrow(dim, 0, record.original_len)
+            outputs[i] = gathered
+        return outputs[0] if single else type(output)(outputs)
+
+
+class SequenceParallelSelfAttentionHook(SequenceParallelHook):
+    """Marks the module's forward as a self-attention site for the runtime's attention entry. ``spec``: its
+    ``SequenceParallelSelfAttention``."""
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.module_forward_metadata = ModuleForwardMetadata(module)
+        if isinstance(self.spec.joint_tokens, str):
+            self.module_forward_metadata.check(self.spec.joint_tokens)
+        return module
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        joint = 0
+        if self.spec.joint_tokens is not None:
+            joint = resolve_length(self.spec.joint_tokens, self.spec.joint_tokens_dim, self.module_forward_metadata,
+                                   module, args, kwargs, "joint_tokens")
+        self.runtime.enter_site(ActiveSite(self.spec, joint, module))
+        return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        self.runtime.leave_site(module)
+        return output
+
+    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.runtime.leave_site(module)
+        return module
+
+
+def _hooks_for(module_id: str, spec: Any) -> tuple[str, type, Any]:
+    if isinstance(spec, dict):
+        return SPLIT_PREFIX + module_id, SequenceParallelSplitHook, spec
+    if isinstance(spec, SequenceParallelSelfAttention):
+        return SITE_PREFIX + module_id, SequenceParallelSelfAttentionHook, spec
+    if isinstance(spec, SequenceParallelOutput):
+        return GATHER_PREFIX + module_id, SequenceParallelGatherHook, [spec]
+    if isinstance(spec, (list, tuple)):
+        if not all(s is None or isinstance(s, SequenceParallelOutput) for s in spec):
+            raise ValueError(f"Expected SequenceParallelOutput elements (or None) for {module_id!r}, got {spec!r}")
+        return GATHER_PREFIX + module_id, SequenceParallelGatherHook, list(spec)
+    raise ValueError(f"Unsupported plan type for {module_id!r}: {type(spec).__name__}")
+
+
+def apply_sequence_parallel(module: torch.nn.Module, config: SequenceParallelConfig, plan: SequenceParallelModelPlan,
+                            *, mesh: SequenceParallelMesh | None = None) -> SequenceParallelRuntime:
+    """Register the plan's hooks on ``module`` and return the runtime that drives them.
+
+    ``mesh`` None builds it from torch.distributed (``SequenceParallelMesh.from_config``: collective, call on every
+    rank). Errors (plan, unknown parameter names, a missing submodule, a conflicting hook) leave the model as it was.
+    The host then installs ``runtime.attention`` in its attention-override seam and passes ``runtime.rank_view()``
+    in each call's ``CallContext``; ``remove_sequence_parallel(module, plan)`` undoes it.
+    """
+    validate_sp_plan(plan)
+    runtime = SequenceParallelRuntime(config, mesh)
+    planned = []
+    for module_id, spec in plan.items():
+        name, hook_cls, hook_spec = _hooks_for(module_id, spec)
+        planned += [(target, name, hook_cls, hook_spec, module_id) for target in resolve_submodules(module,
+                                                                                                    module_id)]
+    installed: list[tuple[torch.nn.Module, str]] = []
+    try:
+        for target, name, hook_cls, hook_spec, module_id in planned:
+            registry = HookRegistry.get_or_create(target)
+            try:
+                registry.register_hook(name, hook_cls(runtime, hook_spec, module_id))
+            finally:
+                _drop_empty_registry(target)
+            installed.append((target, name))
+    except Exception:
+        for target, name in reversed(installed):
+            remove_hook_and_restore(target, name)
+        raise
+    return runtime
+
+
+def _drop_empty_registry(module: torch.nn.Module) -> None:
+    """Undo ``get_or_create`` on a module whose registration failed, if it holds no other hook."""
+    registry = module.__dict__.get(REGISTRY_ATTR)
+    if registry is not None and not module_has_active_hooks(module):
+        registry.reset()
+
+
+def remove_sequence_parallel(module: torch.nn.Module, plan: SequenceParallelModelPlan) -> None:
+    """Remove the hooks ``apply_sequence_parallel(module, config, plan)`` registered; a module left without hooks is
+    restored exactly. Modules without a registry are skipped."""
+    validate_sp_plan(plan)
+    for module_id, spec in plan.items():
+        name = _hooks_for(module_id, spec)[0]
+        for target in resolve_submodules(module, module_id):
+            remove_hook_and_restore(target, name)
