@@ -288,6 +288,19 @@ def test_with_a_cache_a_skipped_step_moves_nothing_and_outputs_match_the_cache_a
     assert_unhooked(wan.diffusion_model)
 
 
+def test_the_cache_runs_history_entry_carries_the_offload_summary(env, wan, forced):
+    from omnitest.pack import pack_module
+
+    probe = Probe(env, env.teacache(env.offload(wan.patcher, blocks=LAYERS)))
+    env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    entry = pack_module("nodes.stats_store").recent_runs(1)[0]
+    (offload,) = entry["features"]
+    assert offload["kind"] == "offload" and offload["node_id"] == "20" and offload["status"] == "success"
+    assert offload == {**probe.session(env).summary(), "node_title": "CPU Offload"}
+    assert offload["bytes_moved"] > 0 and offload["bytes_moved_on_skipped_calls"] == 0
+    assert offload["calls_skipped"] == entry["summary"]["reused"] > 0
+
+
 def test_lora_is_bit_identical_and_a_strength_change_needs_no_reload(env, wan, forced):
     lora = tiny_lora(wan.diffusion_model)
     base_model = wan.patcher.model

@@ -1,7 +1,8 @@
 """CPU Offload end to end through a real ComfyUI server (issue 9, "done when").
 
 The test server runs with ``--cpu``: there is nothing to offload to, so the node must change nothing and say so in
-the log line it writes after every sampling run ("OmniHooks CPU Offload (node #10, ...): nothing to offload to: ...").
+the log line it writes after every sampling run ("OmniHooks CPU Offload (node #10, ...): nothing to offload to: ...")
+and, when a cache runs with it, in the ``features`` of that cache run's entry at ``/omni_hooks/runs``.
 The real offload path on ComfyUI's loaded weights is exercised in-process (tests/host/test_offload_host.py).
 """
 from __future__ import annotations
@@ -94,6 +95,7 @@ def run_both_orders(comfy, server, patches) -> list[dict]:
         result = comfy.run(prompt)
         executed = result.executed_nodes
         runs.append({"patched": result.latent("5"), "original": result.latent("7"), "lines": lines.wait(1),
+                     "history": comfy.get_json("/omni_hooks/runs", {"prompt_id": result.prompt_id})["runs"],
                      "order": "patched first" if executed.index("4") < executed.index("6") else "original first"})
     assert sorted(r["order"] for r in runs) == ["original first", "patched first"]
     return runs
@@ -120,6 +122,11 @@ def test_cpu_offload_with_apply_teacache_gives_the_teacache_latent(comfy, comfy_
         assert torch.equal(run["original"], baseline), run["order"]
         (line,) = run["lines"]
         assert line["node"] == node and "nothing to offload to" in line["rest"], line.group(0)
+        (cache_run,) = run["history"]  # the TeaCache run of the prompt carries the offload's summary
+        (summary,) = cache_run["features"]
+        assert summary["kind"] == "offload" and summary["node_id"] == node and summary["active"] is False
+        assert summary["bytes_moved"] == 0 and summary["status"] == "success"
+        assert any(n.startswith("nothing to offload to") for n in summary["notes"]), summary["notes"]
 
 
 def test_bad_pin_memory_and_two_offload_nodes_are_clear_errors(comfy):
