@@ -302,8 +302,9 @@ class RunSession:
     def publish(self, status: str) -> None:
         summaries = {id(s): s.summary() for s in self.sessions}
         for session in self.sessions:
+            # the shape the run history and the panel read: {kind, node_id, node_title, summary: {...}}
             others = [{"kind": s.feature.kind, "node_id": s.feature.node_id, "node_title": s.feature.node_title,
-                       **summaries[id(s)]} for s in self.sessions if s is not session and summaries[id(s)]]
+                       "summary": summaries[id(s)]} for s in self.sessions if s is not session and summaries[id(s)]]
             if session.publish(status, others):
                 return
 

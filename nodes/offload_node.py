@@ -249,8 +249,6 @@ class OffloadSession(FeatureSession):
         summary = stats.summary()
         plan = self.plan
         summary.update({
-            "node": self.feature.describe(),
-            "node_id": self.feature.node_id,
             "model": self.settings.model_label,
             "status": self.status,
             "active": self.handle is not None or self.promoted_bytes > 0,

@@ -294,9 +294,11 @@ def test_the_cache_runs_history_entry_carries_the_offload_summary(env, wan, forc
     probe = Probe(env, env.teacache(env.offload(wan.patcher, blocks=LAYERS)))
     env.tiny.sample(wan, model=probe.model, steps=STEPS)
     entry = pack_module("nodes.stats_store").recent_runs(1)[0]
-    (offload,) = entry["features"]
-    assert offload["kind"] == "offload" and offload["node_id"] == "20" and offload["status"] == "success"
-    assert offload == {**probe.session(env).summary(), "node_title": "CPU Offload"}
+    (feature,) = entry["features"]
+    assert {k: feature[k] for k in ("kind", "node_id", "node_title")} == \
+        {"kind": "offload", "node_id": "20", "node_title": "CPU Offload"}
+    offload = feature["summary"]
+    assert offload == probe.session(env).summary() and offload["status"] == "success"
     assert offload["bytes_moved"] > 0 and offload["bytes_moved_on_skipped_calls"] == 0
     assert offload["calls_skipped"] == entry["summary"]["reused"] > 0
 

@@ -123,9 +123,10 @@ def test_cpu_offload_with_apply_teacache_gives_the_teacache_latent(comfy, comfy_
         (line,) = run["lines"]
         assert line["node"] == node and "nothing to offload to" in line["rest"], line.group(0)
         (cache_run,) = run["history"]  # the TeaCache run of the prompt carries the offload's summary
-        (summary,) = cache_run["features"]
-        assert summary["kind"] == "offload" and summary["node_id"] == node and summary["active"] is False
-        assert summary["bytes_moved"] == 0 and summary["status"] == "success"
+        (feature,) = cache_run["features"]
+        assert feature["kind"] == "offload" and feature["node_id"] == node, feature
+        summary = feature["summary"]
+        assert summary["active"] is False and summary["bytes_moved"] == 0 and summary["status"] == "success"
         assert any(n.startswith("nothing to offload to") for n in summary["notes"]), summary["notes"]
 
 
