@@ -10,12 +10,15 @@ the run only (``OffloadSession.after_load``, undone by ``close``):
   * the kept blocks that ComfyUI loaded only in part are completed on the device while VRAM allows (``Promotion``);
   * ComfyUI's accounting (``model_loaded_weight_memory``) is told the weight bytes the model holds on the device
     during the run, and given back its own number at the end.
-Nothing changes where there is nothing to offload to (ComfyUI on the CPU) or where newer ComfyUI's dynamic VRAM
-places the weights itself: the run logs why and records it in its statistics (``OffloadSession.summary()``).
+Nothing changes where there is nothing to offload to (ComfyUI on the CPU, ``--highvram``), where newer ComfyUI's
+dynamic VRAM places the weights itself, or where ComfyUI weight hooks patch weights during the run: the run says why
+in its log line and its statistics (``OffloadSession.summary()``, which a cache run on the same MODEL publishes in its
+run-history entry).
 """
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -69,15 +72,15 @@ def settings_for(model, blocks_to_offload: int, prefetch_blocks: int, pin_memory
                          f"{blocks_to_offload}")
     if not 0 <= prefetch_blocks <= MAX_PREFETCH:
         raise ValueError(f"{NODE_TITLE}: prefetch_blocks must be 0..{MAX_PREFETCH}, got {prefetch_blocks}")
-    if not vram_budget_gb >= 0:
+    if not (math.isfinite(vram_budget_gb) and vram_budget_gb >= 0):
         raise ValueError(f"{NODE_TITLE}: vram_budget_gb must be 0 (what ComfyUI reports free) or more, got "
                          f"{vram_budget_gb}")
-    adapter = detect(NODE_TITLE, model)
-    blocks = adapter.build_stack(model.model.diffusion_model).blocks
+    detected = detect(NODE_TITLE, model)
+    blocks = detected.build_stack(model.model.diffusion_model).blocks
     return OffloadSettings(blocks_to_offload=None if blocks_to_offload == AUTO else blocks_to_offload,
                            prefetch_blocks=prefetch_blocks, pin_memory=PIN_OPTIONS[pin_memory],
                            vram_budget_bytes=int(vram_budget_gb * 1024 ** 3) if vram_budget_gb > 0 else None,
-                           model_label=adapter.variant, block_count=len(blocks))
+                           model_label=detected.variant, block_count=len(blocks))
 
 
 # -- what the host offers -------------------------------------------------------------------------------------------

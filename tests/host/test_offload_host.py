@@ -512,6 +512,9 @@ def test_bad_inputs_are_clear_errors_naming_the_node(env, wan):
         env.offload(wan.patcher, prefetch=9)
     with pytest.raises(ValueError, match=r"^CPU Offload: blocks_to_offload must be -1 \(auto\)"):
         env.offload(wan.patcher, blocks=-2)
+    for budget in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match=r"^CPU Offload: vram_budget_gb must be 0"):
+            env.offload(wan.patcher, budget_gb=budget)
 
 
 def test_two_cpu_offload_nodes_on_one_model_are_refused_naming_both(env, wan):
