@@ -9,20 +9,13 @@ from __future__ import annotations
 
 import pytest
 
+from omnitest.quality import psnr_db
 from omnitest.tiny_models import CASES
 
 pytestmark = pytest.mark.host
 
 TIMEOUT_S = 240
 MIN_PSNR_DB = 60.0
-
-
-def psnr_db(got, want) -> float:
-    import torch
-
-    error = torch.mean((got.double() - want.double()) ** 2).item()
-    peak = want.double().abs().max().item()
-    return float("inf") if error == 0 else 10 * torch.log10(torch.tensor(peak ** 2 / error)).item()
 
 
 def rank_family_plan(case_name: str, heads: int, ulysses: int, ring: int, latent_shape):
