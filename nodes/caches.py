@@ -133,9 +133,9 @@ def settings_for(spec: CacheSpec, model, inputs: dict[str, Any], calibrate: bool
     tuning = dict(inputs)
     value = tuning.pop(spec.variant_input, AUTO)
     check_cache_device(spec.apply_title, tuning["cache_device"])
-    for name, value in tuning.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{spec.apply_title}: {name} must be a finite number, got {value}")
+    for input_name, number in tuning.items():
+        if isinstance(number, float) and not math.isfinite(number):
+            raise ValueError(f"{spec.apply_title}: {input_name} must be a finite number, got {number}")
     start, end = tuning["start_percent"], tuning["end_percent"]
     if not 0.0 <= start <= end <= 1.0:
         raise ValueError(f"{spec.apply_title}: start_percent ({start}) must not be above end_percent ({end})")

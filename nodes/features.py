@@ -111,6 +111,10 @@ class FeatureSession:
     def remove(self) -> None:
         """Remove what ``install`` registered."""
 
+    def before_call(self, args: tuple, kwargs: dict, transformer_options: dict) -> None:
+        """A model call is about to start (hooks installed, before ``begin_call``): its arguments as the
+        DIFFUSION_MODEL wrapper got them; ``transformer_options`` is this call's own copy and may be changed."""
+
     def begin_call(self, context: CallContext) -> None:
         """A model call starts (hooks installed)."""
 
@@ -379,6 +383,8 @@ def _diffusion_model(executor, *args, **kwargs):
     if run is None or not run.sessions:
         return executor(*args, **kwargs)
     run.ensure_installed(executor.class_obj)
+    for session in run.sessions:
+        session.before_call(args, kwargs, options)
     context = call_context(run, options)
     begun: list[FeatureSession] = []
     try:

@@ -128,7 +128,7 @@ def _header(session) -> dict[str, Any]:
 def run_started(session) -> None:
     session.run_id = f"run-{next(_run_numbers)}"
     session.prompt_id, session.sampler_node_id = _executing()
-    session.node_title, session.workflow_id = _prompt_context(session.prompt_id, session.cache.node_id)
+    session.node_title, session.workflow_id = _prompt_context(session.prompt_id, session.feature.node_id)
     session.started_at = time.time()
 
 

@@ -34,6 +34,8 @@ class HookPhase(enum.IntEnum):
     """Where a hook sits in dispatch, outermost first. Hooks of one phase run in name order among themselves.
 
     * ``OBSERVATION``: sees the call as the caller made it and the output the caller gets (timers, statistics).
+      A sequence-parallel split declared ``outside_caches`` also runs here, so the caches of a stack whose first
+      block is the split point see this rank's shard.
     * ``CACHING``: caches; sees the model's own tensors (on a sequence-parallel rank: its shard, since splits happen
       at module inputs and gathers at module outputs, inside this phase). A cache's tail ``pre_forward`` therefore
       runs before a sharding hook's gather on the same module.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from omnitest.comfy_path import comfyui_path, skip_reason
+from omnitest.rank_pool import RankPool
 
 HOST_MARKERS = ("host", "server", "browser")
 
@@ -41,3 +42,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         reasons[reason] = reasons.get(reason, 0) + 1
     for reason, count in sorted(reasons.items(), key=lambda item: -item[1]):
         terminalreporter.write_line(f"SKIPPED {count} test(s): {reason}")
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """``rank_pool(world_size)`` -> a ``RankPool`` (gloo on loopback), shared per world size by the multi-process
+    tests (spawning costs seconds per rank); every pool is closed at the end of the session."""
+    pools: dict[int, RankPool] = {}
+
+    def get(world_size: int) -> RankPool:
+        if world_size not in pools:
+            pools[world_size] = RankPool(world_size)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()

@@ -10,6 +10,7 @@ import comfy.model_base
 import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.sequence_parallel import SequenceParallelInput, SequenceParallelOutput, SequenceParallelSelfAttention
 from ...omni_hooks.teacache import ModulatedInput
 from .base import ModelFamily, AutoChoice, Variant
 
@@ -33,6 +34,32 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
         return ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["e"] if "e" in kwargs else args[1])
     # default-mode coefficients were fitted on the time embedding e, the input of time_projection
     return ModulatedInput(compute=lambda block, args, kwargs, captured: captured, capture=dm.time_projection)
+
+
+# Sequence parallelism. Wan makes its tokens inside forward_orig (patch embedding, flatten) and passes them with the
+# rotary table `freqs` ([1, L, 1, D/2, 2, 2]) to every block: the tokens are split at the first block, before its
+# caches (the block stack starts there), the rotary table at every block, and the head's output [B, L, C·p] is
+# gathered before unpatchify. Self-attention runs image-only (`blocks.*.self_attn`); cross-attention to the text keeps
+# its replicated keys and runs locally. Classes whose forward adds full-length tensors between the blocks (VACE
+# hints, the S2V / Animate / HuMo / Camera subclasses) are refused.
+_ROPE_GROUP = "wan_rope"
+
+
+def _sequence_plan(dm: torch.nn.Module) -> dict:
+    if type(dm) is not wan.WanModel:
+        raise ValueError(f"Sequence Parallel: {type(dm).__name__} is not supported (its forward adds full-length "
+                         "inputs between the blocks); supported: WanModel (Wan 2.1/2.2 T2V, I2V, FLF2V)")
+    return {
+        "blocks.0": {"x": SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True, outside_caches=True)},
+        "blocks.*": {"freqs": SequenceParallelInput(split_dim=1, expected_dims=6, auto_pad=True,
+                                                    shard_group=_ROPE_GROUP)},
+        "blocks.*.self_attn": SequenceParallelSelfAttention(),
+        "head": SequenceParallelOutput(gather_dim=1, expected_dims=3),
+    }
+
+
+def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
+    return [block.self_attn for block in dm.blocks]
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
@@ -105,6 +132,7 @@ FAMILY = ModelFamily(
               "control_adapter",                              # Camera
               "audio_proj",                                   # HuMo
               "pose_patch_embedding", "motion_encoder", "face_encoder", "face_adapter"),  # Animate
+    sequence_plan=_sequence_plan, attention_sites=_attention_sites,
     teacache_keys=frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B"}),
     magcache_keys=frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B", "wan2.1_vace_1.3B",
                              "wan2.1_vace_14B", "wan2.2_ti2v_5B"}))

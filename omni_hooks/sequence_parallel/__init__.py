@@ -31,6 +31,7 @@ from .hooks import (
     SequenceParallelGatherHook,
     SequenceParallelSelfAttentionHook,
     SequenceParallelSplitHook,
+    SequenceParallelSplitOutsideCachesHook,
     apply_sequence_parallel,
     remove_sequence_parallel,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "SequenceParallelSelfAttention",
     "SequenceParallelSelfAttentionHook",
     "SequenceParallelSplitHook",
+    "SequenceParallelSplitOutsideCachesHook",
     "apply_sequence_parallel",
     "attention_math_with_lse",
     "attention_with_lse",

@@ -25,6 +25,7 @@ from .plan import (
     SequenceParallelSelfAttention,
     resolve_length,
     resolve_submodules,
+    splits_outside_caches,
     validate_sp_plan,
 )
 from .runtime import ActiveSite, SequenceParallelRuntime
@@ -163,6 +164,13 @@ class SequenceParallelSplitHook(SequenceParallelHook):
         return part
 
 
+class SequenceParallelSplitOutsideCachesHook(SequenceParallelSplitHook):
+    """A split hook in the observation phase, so that cache hooks on the same module see this rank's shard (plan
+    input specs with ``outside_caches=True``)."""
+
+    phase = HookPhase.OBSERVATION
+
+
 class SequenceParallelGatherHook(SequenceParallelHook):
     """Gathers a module's planned output(s) from every rank, dropping padding, after it runs. ``spec``: one
     ``SequenceParallelOutput`` (or None) per output element."""
@@ -220,7 +228,9 @@ class SequenceParallelSelfAttentionHook(SequenceParallelHook):
 
 def _hooks_for(module_id: str, spec: Any) -> tuple[str, type, Any]:
     if isinstance(spec, dict):
-        return SPLIT_PREFIX + module_id, SequenceParallelSplitHook, spec
+        split_cls = (SequenceParallelSplitOutsideCachesHook if splits_outside_caches(module_id, spec)
+                     else SequenceParallelSplitHook)
+        return SPLIT_PREFIX + module_id, split_cls, spec
     if isinstance(spec, SequenceParallelSelfAttention):
         return SITE_PREFIX + module_id, SequenceParallelSelfAttentionHook, spec
     if isinstance(spec, SequenceParallelOutput):

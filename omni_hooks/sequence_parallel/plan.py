@@ -38,7 +38,11 @@ class SequenceParallelInput:
     * ``auto_pad``: pad a length the world size does not divide with zeros at the end; padded keys are dropped from
       attention and padded rows from the gathered output (``shard_group`` names the sequence the padding belongs to;
       None is the default sequence);
-    * ``clone_shard``: give the shard its own storage so the full tensor can be freed.
+    * ``clone_shard``: give the shard its own storage so the full tensor can be freed;
+    * ``outside_caches``: split before any cache hook on this module sees the call (the hook runs in the observation
+      phase). For a model that creates its tokens inside its forward and whose first split point is the first block
+      of the cached stack (Wan): the cache must see, store and skip with this rank's shard. Every input spec of one
+      module must agree on it.
     """
 
     split_dim: int
@@ -47,6 +51,7 @@ class SequenceParallelInput:
     auto_pad: bool = False
     clone_shard: bool = False
     shard_group: str | None = None
+    outside_caches: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,18 @@ def _is_input(spec: Any) -> bool:
     return isinstance(spec, (SequenceParallelInput, SequenceParallelPartialInput))
 
 
+def splits_outside_caches(module_id: str, specs: dict) -> bool:
+    """Whether a module's input specs split outside cache hooks (``SequenceParallelInput.outside_caches``);
+    ValueError when its specs disagree."""
+    flags = {getattr(spec, "outside_caches", False)
+             for value in specs.values() for spec in (value if isinstance(value, (list, tuple)) else [value])}
+    if len(flags) > 1:
+        raise ValueError(f"_sp_plan[{module_id!r}]: every input spec of one module must agree on outside_caches")
+    return flags == {True}
+
+
 def _validate_input_dict(module_id: str, specs: dict, groups: dict[str, str]) -> None:
+    splits_outside_caches(module_id, specs)
     for key, value in specs.items():
         if not isinstance(key, (str, int)) or isinstance(key, bool):
             raise ValueError(f"_sp_plan[{module_id!r}]: input keys must be parameter names (str) or output indices "

@@ -2,6 +2,8 @@
 long runs summarised, every published message bounded."""
 from __future__ import annotations
 
+import types
+
 import collections
 import json
 import math
@@ -35,11 +37,13 @@ def finished_run(store, evaluations: int, threshold: float = 0.2, metric: float 
                  extra=None) -> dict:
     from omnitest.pack import pack_module
 
-    lifecycle = pack_module("nodes.lifecycle")
+    features = pack_module("nodes.features")
     stats_mod = pack_module("omni_hooks.stats")
     stats = stats_mod.CacheRunStats(kind="teacache", model="tiny", threshold=threshold)
-    session = lifecycle.CacheSession(cache=lifecycle.AppliedCache("teacache", "Apply TeaCache", "10", None),
-                                     stats=stats)
+    # what stats_store reads of a cache's session (nodes.caches.CacheSession): its feature and statistics
+    session = types.SimpleNamespace(
+        feature=features.AppliedFeature("teacache", features.Category.CACHE, "Apply TeaCache", "10", None),
+        stats=stats)
     store.run_started(session)
     for i in range(evaluations):
         computed = i % 3 == 0

@@ -98,6 +98,8 @@ def test_reprs_list_every_field():
     ({"a": {"x": SequenceParallelInput(1, auto_pad=True, shard_group="img")},
       "b": {"y": SequenceParallelInput(1, auto_pad=True, shard_group="img")}}, "multiple split boundaries"),
     ({"": 3}, "_sp_plan values must be dict"),
+    ({"": {"x": SequenceParallelInput(1, outside_caches=True), "y": SequenceParallelInput(1)}},
+     "must agree on outside_caches"),
     ({"": [SequenceParallelOutput(1), SequenceParallelInput(1)]}, "_sp_plan values must be dict"),
 ])
 def test_plan_validation_errors(plan, message):
@@ -349,6 +351,26 @@ def test_sharding_hooks_run_inside_caches_and_outside_placement_whatever_their_n
     assert order == [("cache", 8), ("placement", 4)]
     assert HookRegistry.get_or_create(hooked).ordered_names() == ["z_cache", "sp_input---proj_in", "a_offload"]
     assert hooked.__dict__["forward"] is original
+
+
+def test_a_split_declared_outside_caches_runs_before_the_cache_on_its_module():
+    order = []
+
+    class Cache(ModelHook):
+        phase = HookPhase.CACHING
+
+        def pre_forward(self, module, *args, **kwargs):
+            order.append(args[0].shape[1])
+            return args, kwargs
+
+    model = Model()
+    config, mesh = simulated()
+    plan = {"proj_in": {"input": SequenceParallelInput(split_dim=1, outside_caches=True)}}
+    apply_sequence_parallel(model, config, plan, mesh=mesh)
+    HookRegistry.get_or_create(model.proj_in).register_hook("a_cache", Cache())
+    model(torch.zeros(1, 8, 2))
+    assert order == [4]  # the cache saw this rank's shard
+    assert HookRegistry.get_or_create(model.proj_in).ordered_names() == ["sp_input---proj_in", "a_cache"]
 
 
 def test_outside_a_site_the_attention_entry_calls_the_host_function_unchanged():

@@ -1,0 +1,210 @@
+"""The Sequence Parallel node: the MODEL's token sequence split across several processes (GPUs, or CPU ranks over
+gloo), every other node of the workflow unchanged.
+
+Rank 0 is the ComfyUI process. Per run, the session (``SequenceParallelSession``) gets the process's group
+(``sp_group``: local workers started once and kept), sends the patched weights when the model or its patches changed,
+applies the family's sequence plan to the diffusion model, and per model call sends the call to every worker (a
+header they check before any collective), installs the attention exchange in ComfyUI's attention-override seam and
+gives caches the group's ``RankView``. Every rank runs the model's own forward on its shard; the head's output is
+gathered, so rank 0 returns the whole output to the sampler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from comfy_api.latest import io
+
+from ..omni_hooks.sequence_parallel import SequenceParallelConfig, apply_sequence_parallel, remove_sequence_parallel
+from . import sp_group
+from .families import FAMILIES, detect
+from .features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, register_feature
+from .sp_protocol import OPTIONS_SLOT, SequenceParallelError, check_picklable, tensor_signature, to_cpu
+
+KIND = "sequence_parallel"
+NODE_ID = "OmniHooks.SequenceParallel"
+NODE_TITLE = "Sequence Parallel"
+AUTO = "auto"
+ATTENTION_OVERRIDE = "optimized_attention_override"
+# options rank 0 keeps to itself: its own wrappers and callbacks (they run around the call on rank 0) and our run
+LOCAL_ONLY_OPTIONS = ("wrappers", "callbacks", "omni_hooks.run", "omni_hooks.features")
+
+
+@dataclass(frozen=True)
+class SequenceParallelSettings:
+    world_size: int
+    ulysses_degree: int | None  # None: auto
+    ring_degree: int | None
+    devices: tuple[str, ...]
+    backend: str
+    host: str
+    port: int
+
+
+def supported_families() -> str:
+    return ", ".join(f.display_name for f in FAMILIES if f.sequence_plan is not None)
+
+
+def resolve_devices(value: str, world_size: int) -> tuple[str, ...]:
+    """The local ranks' devices: "auto" = the visible GPUs (at most ``world_size``), else ``world_size`` CPU ranks;
+    or a comma-separated list ("cuda:0,cuda:1"); ranks beyond the list are remote."""
+    if value.strip() == AUTO:
+        if torch.cuda.is_available():
+            return tuple(f"cuda:{i}" for i in range(min(world_size, torch.cuda.device_count())))
+        return ("cpu",) * world_size
+    devices = tuple(d.strip() for d in value.split(",") if d.strip())
+    if not devices or len(devices) > world_size:
+        raise ValueError(f"{NODE_TITLE}: devices {value!r}: give 1 to {world_size} devices (rank 0 first), or 'auto'")
+    return devices
+
+
+def resolve_degrees(settings: SequenceParallelSettings, heads: int) -> SequenceParallelConfig:
+    """'auto': Ulysses when the head count divides the world size's, else ring attention."""
+    world = settings.world_size
+    u, r = settings.ulysses_degree, settings.ring_degree
+    if u is None and r is None:
+        u, r = (world, 1) if heads % world == 0 else (1, world)
+    elif u is None:
+        u = world // r
+    elif r is None:
+        r = world // u
+    if u * r != world:
+        raise ValueError(f"{NODE_TITLE}: ulysses_degree {u} x ring_degree {r} must equal world_size {world}")
+    if heads % u:
+        raise ValueError(f"{NODE_TITLE}: the model has {heads} attention heads, which ulysses_degree {u} does not "
+                         "divide; set ulysses_degree to a divisor or 'auto'")
+    return SequenceParallelConfig(ulysses_degree=u, ring_degree=r)
+
+
+def _heads(dm: torch.nn.Module) -> int:
+    heads = getattr(dm, "num_heads", None) or getattr(getattr(dm, "params", None), "num_heads", None)
+    if not isinstance(heads, int):
+        raise ValueError(f"{NODE_TITLE}: cannot read the head count of {type(dm).__name__}; set ulysses_degree and "
+                         "ring_degree instead of 'auto'")
+    return heads
+
+
+def _comfyui_root() -> Path:
+    import comfy.model_management
+
+    return Path(comfy.model_management.__file__).resolve().parents[1]
+
+
+class SequenceParallelSession(FeatureSession):
+    def __init__(self, patcher, feature: AppliedFeature):
+        super().__init__(patcher, feature)
+        self.settings: SequenceParallelSettings = feature.settings
+        self.group: sp_group.SequenceParallelGroup | None = None
+        self.runtime = None
+        self.plan = None
+        self.installed_on: torch.nn.Module | None = None
+        self.family = None
+        self.degrees: tuple[int, int] | None = None
+
+    def install(self, diffusion_model: torch.nn.Module) -> None:
+        s = self.settings
+        self.family = detect(self.patcher).model_family
+        if self.family.sequence_plan is None:
+            raise ValueError(f"{self.feature.describe()}: {self.family.display_name} has no sequence plan yet; "
+                             f"supported: {supported_families()}")
+        config = resolve_degrees(s, _heads(diffusion_model))
+        self.group = sp_group.current_group(
+            sp_group.GroupSettings(s.world_size, s.backend, s.devices, s.host, s.port), _comfyui_root())
+        plan = self.family.sequence_plan(diffusion_model)
+        mesh = self.group.mesh(config)
+        self.runtime = apply_sequence_parallel(diffusion_model, config, plan, mesh=mesh)
+        self.plan, self.installed_on = plan, diffusion_model
+        self.degrees = (config.ulysses_degree, config.ring_degree)
+
+    def remove(self) -> None:
+        if self.installed_on is not None:
+            remove_sequence_parallel(self.installed_on, self.plan)
+        self.installed_on, self.plan = None, None
+
+    def before_call(self, args: tuple, kwargs: dict, transformer_options: dict) -> None:
+        if ATTENTION_OVERRIDE in transformer_options:
+            raise ValueError(f"{self.feature.describe()}: another node already overrides attention on this model "
+                             f"({transformer_options[ATTENTION_OVERRIDE]!r}); remove it or Sequence Parallel")
+        sent = {k: v for k, v in transformer_options.items() if k not in LOCAL_ONLY_OPTIONS}
+        check_picklable(sent, self.feature.describe())
+        self.group.sync_weights(self.patcher.model, self.family.name)
+        slot = lambda v: OPTIONS_SLOT if v is transformer_options else v  # noqa: E731
+        call_args = tuple(slot(a) for a in args)
+        call_kwargs = {k: slot(v) for k, v in kwargs.items()}
+        header = {"signature": tensor_signature((call_args, call_kwargs)), "degrees": self.degrees,
+                  "weights": self.group.serial_of_weights}
+        self.group.command("call", header, to_cpu((call_args, call_kwargs, sent)))
+        transformer_options[ATTENTION_OVERRIDE] = self.runtime.attention
+        self.runtime.reset()
+
+    def begin_call(self, context) -> None:
+        context.rank = self.runtime.rank_view()
+
+    def close(self, status: str) -> None:
+        self.remove()
+        if status == "error":  # the group may be out of step (a rank died or raised): start afresh next run
+            sp_group.close_group()
+
+
+register_feature(FeatureSpec(KIND, Category.SEQUENCE_PARALLEL, SequenceParallelSession))
+
+
+def _degree_input(name: str, tooltip: str) -> io.Combo.Input:
+    return io.Combo.Input(name, options=[AUTO, "1", "2", "4", "8"], default=AUTO, tooltip=tooltip)
+
+
+class SequenceParallel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID, display_name=NODE_TITLE, category="OmniHooks",
+            description=("Samples this MODEL across several GPUs (or CPU processes): each rank computes its share of "
+                         "the tokens, attention is exchanged exactly. Place between the loader (and LoRAs) and the "
+                         f"sampler. Supported: {supported_families()}."),
+            inputs=[
+                io.Model.Input("model"),
+                io.Int.Input("world_size", default=2, min=2, max=64,
+                             tooltip="How many ranks share each model call (this ComfyUI process is rank 0)."),
+                _degree_input("ulysses_degree", "Ranks exchanging attention heads (all-to-all); must divide the "
+                              "head count. 'auto': all ranks when the heads allow, else ring."),
+                _degree_input("ring_degree", "Ranks passing keys/values around a ring (any head count). "
+                              "ulysses x ring = world_size."),
+                io.String.Input("devices", default=AUTO,
+                                tooltip="Devices of the ranks on this machine, rank 0 first (\"cuda:0,cuda:1\"). "
+                                "'auto': the visible GPUs, or CPU ranks without one. Ranks beyond them are remote "
+                                "and join with the worker command (README)."),
+                io.Combo.Input("backend", options=[AUTO, "nccl", "gloo"], default=AUTO,
+                               tooltip="torch.distributed backend. 'auto': NCCL on CUDA, gloo on CPU."),
+                io.String.Input("master_address", default="127.0.0.1",
+                                tooltip="Where rank 0 listens. Keep 127.0.0.1 unless remote ranks join; only this "
+                                "address is used."),
+                io.Int.Input("master_port", default=0, min=0, max=65535,
+                             tooltip="Rank 0's port; 0 picks a free one (local ranks only)."),
+            ],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model, world_size, ulysses_degree, ring_degree, devices, backend, master_address,
+                master_port) -> io.NodeOutput:
+        family = detect(model).model_family
+        if family.sequence_plan is None:
+            raise ValueError(f"{NODE_TITLE}: {family.display_name} is not supported yet; supported: "
+                             f"{supported_families()}")
+        local = resolve_devices(devices, world_size)
+        if backend == AUTO:
+            backend = "nccl" if local[0].startswith("cuda") else "gloo"
+        if world_size > len(local) and master_port == 0:
+            raise ValueError(f"{NODE_TITLE}: {world_size - len(local)} rank(s) are remote: set master_port so they "
+                             "know where to join")
+        settings = SequenceParallelSettings(
+            world_size=world_size, ulysses_degree=None if ulysses_degree == AUTO else int(ulysses_degree),
+            ring_degree=None if ring_degree == AUTO else int(ring_degree), devices=local, backend=backend,
+            host=master_address, port=master_port)
+        node_id = getattr(cls, "hidden", None) and cls.hidden.unique_id
+        feature = AppliedFeature(KIND, Category.SEQUENCE_PARALLEL, NODE_TITLE, node_id, settings)
+        return io.NodeOutput(attach_feature(model, feature))
+
+
+__all__ = ["SequenceParallel", "SequenceParallelSession", "SequenceParallelSettings"]
