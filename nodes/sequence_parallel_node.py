@@ -7,6 +7,10 @@ applies the family's sequence plan to the diffusion model, and per model call se
 header they check before any collective), installs the attention exchange in ComfyUI's attention-override seam and
 gives caches the group's ``RankView``. Every rank runs the model's own forward on its shard; the head's output is
 gathered, so rank 0 returns the whole output to the sampler.
+
+Not registered with ComfyUI yet (``nodes/extension.py`` does not list it): caches and offload on the same MODEL are
+not rebuilt on the workers, and faults mid-run, remote join, server e2e and the families other than Wan are still to
+do. Host tests exercise what exists.
 """
 from __future__ import annotations
 
