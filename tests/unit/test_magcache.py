@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from omni_hooks import HookPhase, HookRegistry, ModelHook, module_has_active_hooks
+from omnitest.hooks import count_calls_on
 from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from omni_hooks.magcache import (
     CallContext,
@@ -499,19 +500,8 @@ def test_remove_restores_every_module_exactly():
 def test_composes_with_a_pre_forward_only_hook_on_the_same_block(phase):
     """A placement hook (block offload) runs only on computed calls; an observation hook on every call."""
 
-    class PreOnly(ModelHook):
-        def __init__(self):
-            self.calls = 0
-
-        def pre_forward(self, module, *args, **kwargs):
-            self.calls += 1
-            return args, kwargs
-
-    PreOnly.phase = phase
     model = ToyDiT()
-    hooks = [PreOnly() for _ in model.blocks]
-    for block, hook in zip(model.blocks, hooks):
-        HookRegistry.get_or_create(block).register_hook("sequential_offload", hook)
+    hooks = count_calls_on(model.blocks, phase, name="sequential_offload")
     run = explicit(model, threshold=1.0, mag_ratios=[1.0] * 6, retention_ratio=0.0, max_skip_steps=8)
     run_steps(model, run, 6, torch.randn(1, 5, 8))
     assert run.stats.reused == 5

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from omni_hooks import HookPhase, HookRegistry, ModelHook, module_has_active_hooks
+from omnitest.hooks import count_calls_on
 from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from omni_hooks.teacache import (
     CallContext,
@@ -237,19 +238,8 @@ def test_composes_with_a_pre_forward_only_hook_on_the_same_block(phase):
     hook (what block offload is) runs only on the calls whose blocks really run, so a skipped step moves no weights.
     An observation hook sees every call."""
 
-    class PreOnly(ModelHook):
-        def __init__(self):
-            self.calls = 0
-
-        def pre_forward(self, module, *args, **kwargs):
-            self.calls += 1
-            return args, kwargs
-
-    PreOnly.phase = phase
     model = ToyDiT()
-    hooks = [PreOnly() for _ in model.blocks]
-    for block, hook in zip(model.blocks, hooks):
-        HookRegistry.get_or_create(block).register_hook("sequential_offload", hook)
+    hooks = count_calls_on(model.blocks, phase, name="sequential_offload")
     run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(0.5, ALWAYS_REUSE), signal_from_time_embedding())
     run_steps(model, run, TIMESTEPS, torch.randn(1, 5, 8))
     assert run.stats.reused == len(TIMESTEPS) - 2
