@@ -86,6 +86,12 @@ class CacheSpec:
     calibration_output_tooltip: str
 
 
+def named(title: str, error: ValueError) -> ValueError:
+    """``error`` as a ValueError whose message starts with the node's title (once)."""
+    message = str(error)
+    return ValueError(message if message.startswith(title) else f"{title}: {message}")
+
+
 def variant_options(spec: CacheSpec) -> list[str]:
     """'auto', the published entries, and the calibration files of this cache that can be used."""
     names = calibration_files.list_names(spec.kind, validate=spec.check_file)
@@ -96,7 +102,7 @@ def detect(spec_title: str, model) -> DetectedModel:
     try:
         return families.detect(model)
     except UnsupportedModelError as e:
-        raise ValueError(f"{spec_title}: {e}") from None
+        raise named(spec_title, e) from None
 
 
 def resolve(spec: CacheSpec, adapter: DetectedModel, value: str) -> Recommendation:
@@ -112,7 +118,7 @@ def resolve(spec: CacheSpec, adapter: DetectedModel, value: str) -> Recommendati
         try:
             data = calibration_files.load(spec.kind, name)
         except ValueError as e:
-            raise ValueError(f"{title}: {e}") from None
+            raise named(title, e) from None
         family = data.get("family", adapter.family)
         if family != adapter.family:
             raise ValueError(f"{title}: calibration {name!r} was made on a {family} model, but this MODEL is "
@@ -143,9 +149,7 @@ def settings_for(spec: CacheSpec, model, inputs: dict[str, Any], calibrate: bool
     try:
         return spec.make_settings(adapter, recommendation, tuning, value == AUTO and not calibrate)
     except ValueError as e:
-        message = str(e)
-        raise ValueError(message if message.startswith(spec.apply_title) else f"{spec.apply_title}: {message}") \
-            from None
+        raise named(spec.apply_title, e) from None
 
 
 class CacheSession(FeatureSession):
@@ -289,7 +293,7 @@ def calibrate_node(spec: CacheSpec, class_name: str) -> type[io.ComfyNode]:
             try:
                 calibration_files.check_writable(spec.kind)  # before sampling, not after
             except ValueError as e:
-                raise ValueError(f"{spec.calibrate_title}: {e}") from None
+                raise named(spec.calibrate_title, e) from None
             settings = settings_for(spec, model, dict(spec.calibrate_tuning), calibrate=True)
             feature = AppliedFeature(kind=spec.kind, category=Category.CACHE, node_title=spec.calibrate_title,
                                      node_id=cls.hidden.unique_id, settings=settings)
@@ -299,14 +303,12 @@ def calibrate_node(spec: CacheSpec, class_name: str) -> type[io.ComfyNode]:
             try:
                 data = spec.calibration_file(parts, adapter)
             except ValueError as e:
-                message = str(e)
-                raise ValueError(message if message.startswith(spec.calibrate_title)
-                                 else f"{spec.calibrate_title}: {message}") from None
+                raise named(spec.calibrate_title, e) from None
             data["sampler"] = {"steps": steps, "cfg": cfg, "sampler_name": sampler_name, "scheduler": scheduler}
             try:
                 path = calibration_files.save(spec.kind, name, data)
             except ValueError as e:  # non-finite results (a NaN cfg, a model producing NaN): the old file stays
-                raise ValueError(f"{spec.calibrate_title}: {e}") from None
+                raise named(spec.calibrate_title, e) from None
             what = spec.describe_calibration(data)
             log.info("OmniHooks %s: %s on %s, saved to %s", spec.calibrate_title, what, adapter.describe(), path)
             return io.NodeOutput(latent, json.dumps(data, indent=1), ui={"text": [f"saved {path.name}: {what}"]})
