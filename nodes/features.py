@@ -58,6 +58,9 @@ COMBINABLE: frozenset[frozenset[Category]] = frozenset({
 # A run's sessions begin in this order and end in the reverse: weights must be placed before the model runs sharded,
 # and a cache decides on what the sharded model computes.
 SESSION_ORDER: tuple[Category, ...] = (Category.OFFLOAD, Category.SEQUENCE_PARALLEL, Category.CACHE)
+# After ComfyUI's load, sequence parallel reads the loaded weights (to send them to its other ranks) before offload
+# replaces the blocks' weights with placeholders.
+LOAD_ORDER: tuple[Category, ...] = (Category.SEQUENCE_PARALLEL, Category.OFFLOAD, Category.CACHE)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,10 @@ class FeatureSession:
 
     def end_call(self, context: CallContext) -> None:
         """The model call ended (also after an error inside it)."""
+
+    def explain_failure(self, error: Exception) -> Exception | None:
+        """A model call raised ``error``: return a clearer exception to raise instead (None: not this feature's)."""
+        return None
 
     def close(self, status: str) -> None:
         """The run ended with ``status`` ("success", "error", "interrupted"): undo everything."""
@@ -242,7 +249,8 @@ class RunSession:
             self.sessions.append(_SPECS[feature.kind].session_factory(self.patcher, feature))
 
     def after_load(self, patcher, request: LoadRequest | None = None) -> None:
-        for session in self.sessions:
+        rank = {category: i for i, category in enumerate(LOAD_ORDER)}
+        for session in sorted(self.sessions, key=lambda s: rank[s.feature.category]):
             session.load_request = request
             session.after_load(patcher)
 
@@ -377,12 +385,13 @@ def call_context(run: RunSession, options: dict) -> CallContext:
     return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps)
 
 
-def _diffusion_model(executor, *args, **kwargs):
-    options = _transformer_options(args, kwargs)
-    run: RunSession | None = options.get(RUN_KEY)
-    if run is None or not run.sessions:
-        return executor(*args, **kwargs)
-    run.ensure_installed(executor.class_obj)
+def run_call(run: RunSession, diffusion_model: torch.nn.Module, forward: Callable[..., Any], args: tuple,
+             kwargs: dict, options: dict) -> Any:
+    """One model call of ``run``: hooks installed on ``diffusion_model``, every session's ``before_call`` and
+    ``begin_call``, ``forward(*args, **kwargs)``, then ``end_call`` in reverse. A failure of the call is replaced by
+    the first session's explanation of it (``explain_failure``), if any. The DIFFUSION_MODEL wrapper and a
+    sequence-parallel worker rank both drive a call through here."""
+    run.ensure_installed(diffusion_model)
     for session in run.sessions:
         session.before_call(args, kwargs, options)
     context = call_context(run, options)
@@ -391,7 +400,21 @@ def _diffusion_model(executor, *args, **kwargs):
         for session in run.sessions:
             session.begin_call(context)
             begun.append(session)
-        return executor(*args, **kwargs)
+        return forward(*args, **kwargs)
+    except Exception as error:
+        for session in run.sessions:
+            explained = session.explain_failure(error)
+            if explained is not None:
+                raise explained from error
+        raise
     finally:
         for session in reversed(begun):
             session.end_call(context)
+
+
+def _diffusion_model(executor, *args, **kwargs):
+    options = _transformer_options(args, kwargs)
+    run: RunSession | None = options.get(RUN_KEY)
+    if run is None or not run.sessions:
+        return executor(*args, **kwargs)
+    return run_call(run, executor.class_obj, executor, args, kwargs, options)
