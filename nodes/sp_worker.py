@@ -1,19 +1,26 @@
 """A sequence-parallel worker rank: joins rank 0's group, builds the diffusion model from its config, receives its
 weights and runs every model call on its shard.
 
-Started by the pack for local devices, or by hand on another machine (README, "Sequence Parallel on several
+The pack starts the workers of the local devices itself. Ranks on other machines (the Sequence Parallel node's ranks
+beyond its ``devices``) are started there, K at a time with torchrun (README, "Sequence Parallel on several
 machines")::
 
-    python <pack>/nodes/sp_worker.py --comfyui <ComfyUI folder> --master <rank-0 address>:<port> \\
-        --rank 1 --world-size 2 --backend nccl --device cuda:0
+    torchrun --nproc-per-node K <pack>/nodes/sp_worker.py --master <ComfyUI host>:<port> --first-rank R \
+        --world-size N --comfyui <ComfyUI folder>
 
-``--master``, ``--rank`` and ``--world-size`` default to torchrun's environment variables (MASTER_ADDR, MASTER_PORT,
-RANK, WORLD_SIZE). The worker needs ComfyUI's code, never the checkpoint file.
+starts ranks R..R+K-1 (rank R + torchrun's RANK, so ``--nnodes`` works too) on cuda:LOCAL_RANK (cpu without CUDA).
+torchrun's own rendezvous (its MASTER_ADDR, RANK, WORLD_SIZE) only places these processes; ComfyUI's group is the one
+at ``--master``. One rank without torchrun::
+
+    python <pack>/nodes/sp_worker.py --master <ComfyUI host>:<port> --rank R --world-size N --comfyui <ComfyUI folder>
+
+The backend and the timeouts come from rank 0. A worker serves one group: it leaves when rank 0 closes it (another
+setting, ComfyUI's exit, a failure); start it again for the next group. The worker needs ComfyUI's code, never the
+checkpoint file.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import os
 import sys
@@ -21,22 +28,35 @@ import traceback
 from pathlib import Path
 
 PACKAGE = "omnihooks_sp_worker_pack"
+AUTO = "auto"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    env = os.environ
+def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> argparse.Namespace:
+    """The worker's options; ``rank`` and ``device`` resolved (torchrun's RANK and LOCAL_RANK read from ``environ``)."""
+    env = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    master = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}" if "MASTER_ADDR" in env and "MASTER_PORT" in env else None
-    parser.add_argument("--master", default=master, required=master is None, help="rank 0's address:port")
-    parser.add_argument("--rank", type=int, default=int(env["RANK"]) if "RANK" in env else None,
-                        required="RANK" not in env)
-    parser.add_argument("--world-size", type=int, default=int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else None,
-                        required="WORLD_SIZE" not in env)
-    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
-    parser.add_argument("--device", default="cpu", help="this rank's device: cpu, cuda:0, ...")
+    parser.add_argument("--master", required=True, help="rank 0's address:port (the Sequence Parallel node's "
+                        "master_address and master_port)")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--rank", type=int, help="this process's rank (plain python, one rank)")
+    which.add_argument("--first-rank", type=int, help="under torchrun: the rank of torchrun's rank 0; each process "
+                       "is rank FIRST_RANK + RANK")
+    parser.add_argument("--world-size", type=int, required=True, help="the Sequence Parallel node's world_size "
+                        "(checked against rank 0's)")
+    parser.add_argument("--device", default=AUTO, help="this rank's device: cpu, cuda:0, ...; auto: cuda:LOCAL_RANK, "
+                        "or cpu without CUDA")
     parser.add_argument("--comfyui", default=env.get("COMFYUI_PATH", "."), help="the ComfyUI folder (its code)")
     parser.add_argument("--parent-pid", type=int, default=None, help="(local workers) exit when this process is gone")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rank is None:
+        args.rank = args.first_rank + int(env.get("RANK", "0"))
+    elif int(env.get("WORLD_SIZE", "1")) > 1:
+        parser.error("torchrun starts several processes here: give --first-rank, not --rank")
+    if args.device == AUTO:
+        import torch
+
+        args.device = f"cuda:{int(env.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+    return args
 
 
 def _load_pack():
@@ -149,20 +169,32 @@ class Worker:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Join the group and run commands until "exit", rank 0's death, or a failed collective."""
+    """Join the group and run commands until "exit" (0), rank 0's or its store's end (1), or a failed command (2)."""
     import torch
     import torch.distributed as dist
 
-    from .sp_protocol import POLL_S, connect_store, decode, dumps, join_group, wait_for
+    from .sp_protocol import (POLL_S, Heartbeat, Timeouts, claim_rank, command_store, connect_store, decode, dumps,
+                              init_group, read_group, wait_for)
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     host, port = args.master.rsplit(":", 1)
+    host = host.strip("[]")  # [::1]:port
+    join_s = Timeouts.from_env().join_s  # until rank 0's timeouts are known
+    store = connect_store(host, int(port), join_s)
+    commands = command_store(store)
+    info = read_group(commands)
+    args.backend = info.backend
+    if info.backend == "nccl" and not args.device.startswith("cuda"):
+        raise SystemExit(f"Sequence Parallel worker rank {args.rank}: rank 0 uses NCCL, which needs a CUDA device; "
+                         f"this rank has {args.device}")
+    claim_rank(commands, args.rank, args.world_size, info)
+    heartbeat = Heartbeat(host, int(port), args.rank, join_s)
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))
-    commands = join_group(connect_store(host, int(port)), args.rank, args.world_size, args.backend)
     worker = Worker(args)
     serial = 0
     try:
+        init_group(store, args.rank, info)
         while True:
             serial += 1
             key = f"cmd/{serial}"
@@ -186,7 +218,11 @@ def serve(args: argparse.Namespace) -> int:
                 commands.set(f"error/{args.rank}", dumps(traceback.format_exc()))
                 traceback.print_exc()
                 return 2  # a collective failed: the group is broken, rank 0 restarts it
+    except dist.DistError as exc:  # rank 0's store went away (ComfyUI exited or closed the group)
+        print(f"Sequence Parallel worker rank {args.rank}: rank 0 is gone ({exc}); exiting", file=sys.stderr)
+        return 1
     finally:
+        heartbeat.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
 
