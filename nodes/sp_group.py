@@ -76,7 +76,7 @@ def remote_worker_command(settings: GroupSettings, port: int, comfyui: str = "<C
     machines, each starts its share with its own ``--first-rank``)."""
     first = len(settings.devices)
     return (f"torchrun --nproc-per-node {settings.remote_ranks} <ComfyUI-OmniHooks folder>/nodes/sp_worker.py "
-            f"--master {settings.host}:{port} --first-rank {first} --world-size {settings.world_size} "
+            f"--join {settings.host}:{port} --first-rank {first} --world-size {settings.world_size} "
             f"--comfyui {comfyui}")
 
 
@@ -165,7 +165,7 @@ class SequenceParallelGroup:
         info = GroupInfo(s.world_size, s.backend, self.timeouts)
         publish_group(self.commands, info)
         for rank in range(1, len(s.devices)):
-            command = [sys.executable, str(WORKER_SCRIPT), "--master", f"{s.host}:{self.port}", "--rank", str(rank),
+            command = [sys.executable, str(WORKER_SCRIPT), "--join", f"{s.host}:{self.port}", "--rank", str(rank),
                        "--world-size", str(s.world_size), "--device", s.devices[rank],
                        "--comfyui", str(comfyui_root), "--parent-pid", str(os.getpid())]
             self.processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL))

@@ -5,14 +5,14 @@ The pack starts the workers of the local devices itself. Ranks on other machines
 beyond its ``devices``) are started there, K at a time with torchrun (README, "Sequence Parallel on several
 machines")::
 
-    torchrun --nproc-per-node K <pack>/nodes/sp_worker.py --master <ComfyUI host>:<port> --first-rank R \
+    torchrun --nproc-per-node K <pack>/nodes/sp_worker.py --join <ComfyUI host>:<port> --first-rank R \
         --world-size N --comfyui <ComfyUI folder>
 
 starts ranks R..R+K-1 (rank R + torchrun's RANK, so ``--nnodes`` works too) on cuda:LOCAL_RANK (cpu without CUDA).
 torchrun's own rendezvous (its MASTER_ADDR, RANK, WORLD_SIZE) only places these processes; ComfyUI's group is the one
-at ``--master``. One rank without torchrun::
+at ``--join``. One rank without torchrun::
 
-    python <pack>/nodes/sp_worker.py --master <ComfyUI host>:<port> --rank R --world-size N --comfyui <ComfyUI folder>
+    python <pack>/nodes/sp_worker.py --join <ComfyUI host>:<port> --rank R --world-size N --comfyui <ComfyUI folder>
 
 The backend and the timeouts come from rank 0. A worker serves one group: it leaves when rank 0 closes it (another
 setting, ComfyUI's exit, a failure); start it again for the next group. The worker needs ComfyUI's code, never the
@@ -35,8 +35,9 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> ar
     """The worker's options; ``rank`` and ``device`` resolved (torchrun's RANK and LOCAL_RANK read from ``environ``)."""
     env = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--master", required=True, help="rank 0's address:port (the Sequence Parallel node's "
-                        "master_address and master_port)")
+    # not "--master": torchrun's parser reads it, even after the script, as an ambiguous --master-addr/--master-port
+    parser.add_argument("--join", required=True, metavar="HOST:PORT", help="rank 0's address and port (the Sequence "
+                        "Parallel node's master_address and master_port)")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--rank", type=int, help="this process's rank (plain python, one rank)")
     which.add_argument("--first-rank", type=int, help="under torchrun: the rank of torchrun's rank 0; each process "
@@ -177,7 +178,7 @@ def serve(args: argparse.Namespace) -> int:
                               init_group, read_group, wait_for)
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    host, port = args.master.rsplit(":", 1)
+    host, port = args.join.rsplit(":", 1)
     host = host.strip("[]")  # [::1]:port
     join_s = Timeouts.from_env().join_s  # until rank 0's timeouts are known
     store = connect_store(host, int(port), join_s)

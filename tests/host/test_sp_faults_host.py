@@ -183,7 +183,7 @@ def test_a_remote_rank_started_by_torchrun_joins_and_equals_one_process(sp, wan,
     port = free_port()
     model = _with_sp(node, case, devices=("cpu",), port=port)  # rank 1 is remote
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               str(group.WORKER_SCRIPT), "--master", f"{LOOPBACK}:{port}", "--first-rank", "1", "--world-size", "2",
+               str(group.WORKER_SCRIPT), "--join", f"{LOOPBACK}:{port}", "--first-rank", "1", "--world-size", "2",
                "--comfyui", str(comfyui_path())]
     with deadline(TEST_DEADLINE_S, "torchrun remote rank"):
         torchrun = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=dict(os.environ, **TIMEOUTS))
@@ -218,14 +218,17 @@ def test_a_remote_rank_that_never_joins_fails_the_start_within_the_join_timeout(
 
 
 @pytest.mark.parametrize("argv, env, rank, device", [
-    (["--rank", "3", "--world-size", "4"], {}, 3, "cpu"),
-    (["--first-rank", "2", "--world-size", "4"], {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, 3, "cpu"),
+    (["--rank", "3", "--world-size", "4"], {}, 3, "auto:0"),
+    (["--first-rank", "2", "--world-size", "4"], {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, 3, "auto:1"),
     (["--first-rank", "1", "--world-size", "4", "--device", "cuda:5"], {"RANK": "0", "LOCAL_RANK": "0"}, 1, "cuda:5"),
 ])
 def test_worker_rank_and_device_come_from_first_rank_plus_torchruns_rank(sp, argv, env, rank, device):
+    import torch
     from omnitest.pack import pack_module
 
-    args = pack_module("nodes.sp_worker").parse_args(["--master", "127.0.0.1:1", *argv], env)
+    if device.startswith("auto:"):  # cuda:LOCAL_RANK, or cpu without CUDA
+        device = f"cuda:{device[5:]}" if torch.cuda.is_available() else "cpu"
+    args = pack_module("nodes.sp_worker").parse_args(["--join", "127.0.0.1:1", *argv], env)
     assert (args.rank, args.device) == (rank, device)
 
 
@@ -233,5 +236,5 @@ def test_worker_under_torchrun_refuses_a_fixed_rank(sp):
     from omnitest.pack import pack_module
 
     with pytest.raises(SystemExit):
-        pack_module("nodes.sp_worker").parse_args(["--master", "127.0.0.1:1", "--rank", "1", "--world-size", "3"],
+        pack_module("nodes.sp_worker").parse_args(["--join", "127.0.0.1:1", "--rank", "1", "--world-size", "3"],
                                                   {"RANK": "0", "WORLD_SIZE": "2"})
