@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,7 +74,7 @@ class GroupSettings:
 
 def remote_worker_command(settings: GroupSettings, port: int, comfyui: str = "<ComfyUI folder>") -> str:
     """The command that starts this group's remote ranks on one other machine (all of them there; with several
-    machines, each starts its share with its own ``--first-rank``)."""
+    machines, each starts its share with its own ``--first-rank``). They rejoin rank 0's later groups by themselves."""
     first = len(settings.devices)
     return (f"torchrun --nproc-per-node {settings.remote_ranks} <ComfyUI-OmniHooks folder>/nodes/sp_worker.py "
             f"--join {settings.host}:{port} --first-rank {first} --world-size {settings.world_size} "
@@ -162,7 +163,7 @@ class SequenceParallelGroup:
                                     timeout=datetime.timedelta(seconds=self.timeouts.join_s),
                                     master_listen_fd=listener.detach())  # the store owns (and closes) it
         self.commands = command_store(self._store)
-        info = GroupInfo(s.world_size, s.backend, self.timeouts)
+        info = GroupInfo(s.world_size, s.backend, self.timeouts, uuid.uuid4().hex)
         publish_group(self.commands, info)
         for rank in range(1, len(s.devices)):
             command = [sys.executable, str(WORKER_SCRIPT), "--join", f"{s.host}:{self.port}", "--rank", str(rank),
@@ -249,7 +250,7 @@ class SequenceParallelGroup:
         else:
             what = "the exchange between the ranks failed (every worker still looks alive)"
         remote = ("" if not self.settings.remote_ranks else
-                  " (remote ranks must be started again with the worker command when they exited)")
+                  " (remote ranks rejoin it by themselves)")
         return SequenceParallelError(
             f"Sequence Parallel: a model call failed across the {self.settings.world_size} ranks: {what}. The group is "
             f"closed; the next run restarts the workers{remote}. torch.distributed said: {error}")

@@ -81,6 +81,7 @@ class GroupInfo:
     world_size: int
     backend: str
     timeouts: Timeouts
+    group_id: str  # a rank that rejoins waits for a group other than the one it served
 
 #: stands for the call's transformer_options in the arguments sent (the options travel separately, filtered)
 OPTIONS_SLOT = "<omnihooks transformer_options>"
@@ -182,13 +183,13 @@ def check_picklable(options: dict, where: str) -> None:
 def publish_group(commands: dist.Store, info: GroupInfo) -> None:
     """Rank 0, before any worker starts: what joining ranks read (``commands``: the prefixed store)."""
     commands.set("group", dumps({"world_size": info.world_size, "backend": info.backend,
-                                 "timeouts": asdict(info.timeouts)}))
+                                 "timeouts": asdict(info.timeouts), "group_id": info.group_id}))
 
 
 def read_group(commands: dist.Store) -> GroupInfo:
     """A worker: rank 0's ``GroupInfo`` (waits up to the store's timeout for rank 0 to publish it)."""
     data = loads(commands.get("group"))
-    return GroupInfo(data["world_size"], data["backend"], Timeouts(**data["timeouts"]))
+    return GroupInfo(data["world_size"], data["backend"], Timeouts(**data["timeouts"]), data["group_id"])
 
 
 def claim_rank(commands: dist.Store, rank: int, world_size: int | None, info: GroupInfo) -> None:

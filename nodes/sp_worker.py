@@ -14,9 +14,10 @@ at ``--join``. One rank without torchrun::
 
     python <pack>/nodes/sp_worker.py --join <ComfyUI host>:<port> --rank R --world-size N --comfyui <ComfyUI folder>
 
-The backend and the timeouts come from rank 0. A worker serves one group: it leaves when rank 0 closes it (another
-setting, ComfyUI's exit, a failure); start it again for the next group. The worker needs ComfyUI's code, never the
-checkpoint file.
+The backend and the timeouts come from rank 0. When rank 0 closes its group (a failure, another setting of the node)
+the worker joins the next group at the same address by itself, and exits when none starts within the join timeout
+(``OMNIHOOKS_SP_JOIN_TIMEOUT_S`` of the worker's environment, default 120 s) or with ``--once``. The worker needs
+ComfyUI's code, never the checkpoint file.
 """
 from __future__ import annotations
 
@@ -47,7 +48,10 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> ar
     parser.add_argument("--device", default=AUTO, help="this rank's device: cpu, cuda:0, ...; auto: cuda:LOCAL_RANK, "
                         "or cpu without CUDA")
     parser.add_argument("--comfyui", default=env.get("COMFYUI_PATH", "."), help="the ComfyUI folder (its code)")
-    parser.add_argument("--parent-pid", type=int, default=None, help="(local workers) exit when this process is gone")
+    parser.add_argument("--once", action="store_true", help="serve one group and exit (default: after rank 0 closes "
+                        "a group, wait for its next one at --join, up to the join timeout)")
+    parser.add_argument("--parent-pid", type=int, default=None, help="(local workers) exit when this process is gone; "
+                        "implies --once")
     args = parser.parse_args(argv)
     if args.rank is None:
         args.rank = args.first_rank + int(env.get("RANK", "0"))
@@ -170,18 +174,59 @@ class Worker:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Join the group and run commands until "exit" (0), rank 0's or its store's end (1), or a failed command (2)."""
+    """Serve one group: join it and run commands until "exit" (0), rank 0's or its store's end (1), or a failed
+    command (2)."""
+    from .sp_protocol import Timeouts, connect_store
+
+    store = connect_store(*_address(args), Timeouts.from_env().join_s)
+    return _serve_group(args, store)[0]
+
+
+def serve_groups(args: argparse.Namespace) -> int:
+    """A rank started by hand: serve rank 0's groups one after another (rank 0 closes a group on a failure, another
+    setting or its exit) until no new group starts at ``--join`` within the join timeout (this process's
+    ``OMNIHOOKS_SP_JOIN_TIMEOUT_S``); then 0."""
+    import time
+
+    import torch.distributed as dist
+
+    from .sp_protocol import Timeouts, command_store, connect_store, read_group
+
+    served: str | None = None
+    join_s = Timeouts.from_env().join_s
+    deadline = time.monotonic() + join_s
+    while time.monotonic() < deadline:
+        try:
+            store = connect_store(*_address(args), max(1.0, deadline - time.monotonic()))
+            info = read_group(command_store(store))
+        except dist.DistError:  # no rank 0 there (yet, or any more)
+            time.sleep(0.5)
+            continue
+        if info.group_id == served:  # the closed group's store, until rank 0 lets it go
+            del store
+            time.sleep(0.5)
+            continue
+        code, served = _serve_group(args, store)
+        print(f"Sequence Parallel worker rank {args.rank}: group {served} ended ({code}); waiting up to {join_s:.0f} s "
+              "for rank 0's next group", file=sys.stderr)
+        deadline = time.monotonic() + join_s
+    return 0
+
+
+def _address(args: argparse.Namespace) -> tuple[str, int]:
+    host, port = args.join.rsplit(":", 1)
+    return host.strip("[]"), int(port)  # [::1]:port
+
+
+def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
+    """Serve the group whose rendezvous ``store`` is: its exit code (as ``serve``) and its id."""
     import torch
     import torch.distributed as dist
 
-    from .sp_protocol import (POLL_S, Heartbeat, Timeouts, claim_rank, command_store, connect_store, decode, dumps,
-                              init_group, read_group, wait_for)
+    from .sp_protocol import (POLL_S, Heartbeat, claim_rank, command_store, decode, dumps, init_group, read_group,
+                              wait_for)
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    host, port = args.join.rsplit(":", 1)
-    host = host.strip("[]")  # [::1]:port
-    join_s = Timeouts.from_env().join_s  # until rank 0's timeouts are known
-    store = connect_store(host, int(port), join_s)
     commands = command_store(store)
     info = read_group(commands)
     args.backend = info.backend
@@ -189,7 +234,7 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"Sequence Parallel worker rank {args.rank}: rank 0 uses NCCL, which needs a CUDA device; "
                          f"this rank has {args.device}")
     claim_rank(commands, args.rank, args.world_size, info)
-    heartbeat = Heartbeat(host, int(port), args.rank, join_s)
+    heartbeat = Heartbeat(*_address(args), args.rank, info.timeouts.join_s)
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))
     worker = Worker(args)
@@ -201,7 +246,7 @@ def serve(args: argparse.Namespace) -> int:
             key = f"cmd/{serial}"
             while not wait_for(commands, key, POLL_S):
                 if _parent_gone(args.parent_pid):
-                    return 1
+                    return 1, info.group_id
             command = decode(commands.get(key))
             try:
                 if command.serial != serial or command.header.get("serial") != serial:
@@ -212,16 +257,16 @@ def serve(args: argparse.Namespace) -> int:
                 continue
             commands.set(f"ack/{serial}/{args.rank}", "ok")
             if command.op == "exit":
-                return 0
+                return 0, info.group_id
             try:
                 worker.run(command)
             except Exception:
                 commands.set(f"error/{args.rank}", dumps(traceback.format_exc()))
                 traceback.print_exc()
-                return 2  # a collective failed: the group is broken, rank 0 restarts it
+                return 2, info.group_id  # a collective failed: the group is broken, rank 0 closes it
     except dist.DistError as exc:  # rank 0's store went away (ComfyUI exited or closed the group)
-        print(f"Sequence Parallel worker rank {args.rank}: rank 0 is gone ({exc}); exiting", file=sys.stderr)
-        return 1
+        print(f"Sequence Parallel worker rank {args.rank}: rank 0 is gone ({exc})", file=sys.stderr)
+        return 1, info.group_id
     finally:
         heartbeat.stop()
         if dist.is_initialized():
@@ -240,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     import comfy.model_management  # noqa: F401  (picks its device at import)
 
     pack = _load_pack()
-    return importlib.import_module(f"{pack.__name__}.nodes.sp_worker").serve(args)
+    worker_module = importlib.import_module(f"{pack.__name__}.nodes.sp_worker")
+    if args.parent_pid is not None or args.once:  # the pack's own workers: one group, started again by rank 0
+        return worker_module.serve(args)
+    return worker_module.serve_groups(args)
 
 
 if __name__ == "__main__":

@@ -174,7 +174,7 @@ def test_an_interrupt_inside_a_model_call_unblocks_the_workers_at_once(sp, wan, 
         assert psnr_db(sample(case, model), reference) >= MIN_PSNR_DB
 
 
-def test_a_remote_rank_started_by_torchrun_joins_and_equals_one_process(sp, wan, ports_before):
+def test_a_remote_rank_started_by_torchrun_joins_equals_one_process_and_rejoins_the_next_group(sp, wan, ports_before):
     from omnitest.comfy_path import comfyui_path
     from omnitest.tiny_models import sample
 
@@ -185,13 +185,19 @@ def test_a_remote_rank_started_by_torchrun_joins_and_equals_one_process(sp, wan,
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                str(group.WORKER_SCRIPT), "--join", f"{LOOPBACK}:{port}", "--first-rank", "1", "--world-size", "2",
                "--comfyui", str(comfyui_path())]
+    worker_join_s = 30  # how long the remote rank waits for rank 0's next group
     with deadline(TEST_DEADLINE_S, "torchrun remote rank"):
-        torchrun = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=dict(os.environ, **TIMEOUTS))
+        torchrun = subprocess.Popen(command, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **TIMEOUTS, "OMNIHOOKS_SP_JOIN_TIMEOUT_S": str(worker_join_s)})
         try:
             assert psnr_db(sample(case, model), reference) >= MIN_PSNR_DB
-            assert group.active_group().processes == []  # no local worker: rank 1 came from torchrun
-            group.close_group()  # the exit command: the remote rank leaves, and torchrun with it
-            assert torchrun.wait(timeout=60) == 0
+            first = group.active_group()
+            assert first.processes == []  # no local worker: rank 1 came from torchrun
+            group.close_group()  # as after a failure or a changed setting: the remote rank waits for the next group
+            assert psnr_db(sample(case, model), reference) >= MIN_PSNR_DB
+            assert group.active_group() is not first and group.active_group().port == port
+            group.close_group()
+            assert torchrun.wait(timeout=worker_join_s + 60) == 0  # no next group: the remote rank and torchrun end
         finally:
             if torchrun.poll() is None:
                 torchrun.kill()
