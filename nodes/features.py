@@ -242,11 +242,13 @@ class RunSession:
     schedules: dict = field(default_factory=dict)  # step_of's memo for this run
     closed: bool = False
 
-    def open(self, features: tuple[AppliedFeature, ...]) -> None:
-        """Create one session per feature, in ``SESSION_ORDER`` (each kept as soon as it exists, for ``close``)."""
+    def open(self, features: tuple[AppliedFeature, ...], factories: dict[str, SessionFactory] | None = None) -> None:
+        """Create one session per feature, in ``SESSION_ORDER`` (each kept as soon as it exists, for ``close``).
+        ``factories``: a kind's session made otherwise than its spec says (a worker rank's side of a feature)."""
         rank = {category: i for i, category in enumerate(SESSION_ORDER)}
         for feature in sorted(features, key=lambda f: rank[f.category]):
-            self.sessions.append(_SPECS[feature.kind].session_factory(self.patcher, feature))
+            factory = (factories or {}).get(feature.kind) or _SPECS[feature.kind].session_factory
+            self.sessions.append(factory(self.patcher, feature))
 
     def after_load(self, patcher, request: LoadRequest | None = None) -> None:
         rank = {category: i for i, category in enumerate(LOAD_ORDER)}

@@ -14,8 +14,11 @@ do. Host tests exercise what exists.
 """
 from __future__ import annotations
 
+import logging
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from comfy_api.latest import io
@@ -23,8 +26,11 @@ from comfy_api.latest import io
 from ..omni_hooks.sequence_parallel import SequenceParallelConfig, apply_sequence_parallel, remove_sequence_parallel
 from . import sp_group
 from .families import FAMILIES, detect
-from .features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, register_feature
+from .features import (FEATURES_KEY, AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature,
+                       register_feature)
 from .sp_protocol import OPTIONS_SLOT, SequenceParallelError, check_picklable, tensor_signature, to_cpu
+
+log = logging.getLogger("OmniHooks")
 
 KIND = "sequence_parallel"
 NODE_ID = "OmniHooks.SequenceParallel"
@@ -96,25 +102,39 @@ def _comfyui_root() -> Path:
 
 
 class SequenceParallelSession(FeatureSession):
+    """One sampling run on rank 0. After ComfyUI's load (before offload places the weights: ``LOAD_ORDER``) it gets
+    the group and sends the weights if they changed; per call it sends the call, with the run's other features (the
+    workers run the same caches and offload) and the run's id, then installs the attention exchange."""
+
     def __init__(self, patcher, feature: AppliedFeature):
         super().__init__(patcher, feature)
         self.settings: SequenceParallelSettings = feature.settings
+        self.family = detect(patcher).model_family
         self.group: sp_group.SequenceParallelGroup | None = None
         self.runtime = None
         self.plan = None
         self.installed_on: torch.nn.Module | None = None
-        self.family = None
         self.degrees: tuple[int, int] | None = None
+        self.run_id = uuid.uuid4().hex
+        self.calls = 0
 
-    def install(self, diffusion_model: torch.nn.Module) -> None:
-        s = self.settings
-        self.family = detect(self.patcher).model_family
+    def after_load(self, patcher) -> None:
+        self._join(patcher)
+
+    def _join(self, patcher) -> None:
+        """The group of this run's settings, holding the model's current weights."""
         if self.family.sequence_plan is None:
             raise ValueError(f"{self.feature.describe()}: {self.family.display_name} has no sequence plan yet; "
                              f"supported: {supported_families()}")
-        config = resolve_degrees(s, _heads(diffusion_model))
-        self.group = sp_group.current_group(
-            sp_group.GroupSettings(s.world_size, s.backend, s.devices, s.host, s.port), _comfyui_root())
+        s = self.settings
+        if self.group is None:
+            self.group = sp_group.current_group(
+                sp_group.GroupSettings(s.world_size, s.backend, s.devices, s.host, s.port), _comfyui_root())
+        self.group.sync_weights(patcher, self.family.name)
+
+    def install(self, diffusion_model: torch.nn.Module) -> None:
+        self._join(self.patcher)
+        config = resolve_degrees(self.settings, _heads(diffusion_model))
         plan = self.family.sequence_plan(diffusion_model)
         mesh = self.group.mesh(config)
         self.runtime = apply_sequence_parallel(diffusion_model, config, plan, mesh=mesh)
@@ -132,13 +152,15 @@ class SequenceParallelSession(FeatureSession):
                              f"({transformer_options[ATTENTION_OVERRIDE]!r}); remove it or Sequence Parallel")
         sent = {k: v for k, v in transformer_options.items() if k not in LOCAL_ONLY_OPTIONS}
         check_picklable(sent, self.feature.describe())
-        self.group.sync_weights(self.patcher.model, self.family.name)
+        self.group.sync_weights(self.patcher, self.family.name)
         slot = lambda v: OPTIONS_SLOT if v is transformer_options else v  # noqa: E731
         call_args = tuple(slot(a) for a in args)
         call_kwargs = {k: slot(v) for k, v in kwargs.items()}
+        features = tuple(transformer_options.get(FEATURES_KEY, ()))
         header = {"signature": tensor_signature((call_args, call_kwargs)), "degrees": self.degrees,
-                  "weights": self.group.serial_of_weights}
-        self.group.command("call", header, to_cpu((call_args, call_kwargs, sent)))
+                  "weights": self.group.serial_of_weights, "run": self.run_id}
+        self.group.command("call", header, to_cpu((call_args, call_kwargs, sent, features)))
+        self.calls += 1
         transformer_options[ATTENTION_OVERRIDE] = self.runtime.attention
         self.runtime.reset()
 
@@ -149,6 +171,21 @@ class SequenceParallelSession(FeatureSession):
         self.remove()
         if status == "error":  # the group may be out of step (a rank died or raised): start afresh next run
             sp_group.close_group()
+        elif self.calls and self.group is not None:
+            try:  # the workers end the run too (their caches' and offload's close)
+                self.group.command("end", {"run": self.run_id, "status": status})
+            except Exception:
+                log.exception("OmniHooks %s: the workers did not end the run; restarting them next run",
+                              self.feature.describe())
+                sp_group.close_group()
+
+    def summary(self) -> dict[str, Any] | None:
+        if self.degrees is None:
+            return None
+        ulysses, ring = self.degrees
+        return {"world_size": self.settings.world_size, "ulysses_degree": ulysses, "ring_degree": ring,
+                "backend": self.settings.backend, "local_devices": list(self.settings.devices),
+                "calls": self.calls, "bytes_sent": self.runtime.stats.bytes_sent if self.runtime else 0}
 
 
 register_feature(FeatureSpec(KIND, Category.SEQUENCE_PARALLEL, SequenceParallelSession))
