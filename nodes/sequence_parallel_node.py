@@ -7,10 +7,6 @@ applies the family's sequence plan to the diffusion model, and per model call se
 header they check before any collective), installs the attention exchange in ComfyUI's attention-override seam and
 gives caches the group's ``RankView``. Every rank runs the model's own forward on its shard; the head's output is
 gathered, so rank 0 returns the whole output to the sampler.
-
-Not registered with ComfyUI yet (``nodes/extension.py`` does not list it): caches and offload on the same MODEL are
-not rebuilt on the workers, and faults mid-run, remote join, server e2e and the families other than Wan are still to
-do. Host tests exercise what exists.
 """
 from __future__ import annotations
 
@@ -224,6 +220,7 @@ class SequenceParallel(io.ComfyNode):
                              tooltip="Rank 0's port; 0 picks a free one (local ranks only)."),
             ],
             outputs=[io.Model.Output()],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -243,8 +240,7 @@ class SequenceParallel(io.ComfyNode):
             world_size=world_size, ulysses_degree=None if ulysses_degree == AUTO else int(ulysses_degree),
             ring_degree=None if ring_degree == AUTO else int(ring_degree), devices=local, backend=backend,
             host=master_address, port=master_port)
-        node_id = getattr(cls, "hidden", None) and cls.hidden.unique_id
-        feature = AppliedFeature(KIND, Category.SEQUENCE_PARALLEL, NODE_TITLE, node_id, settings)
+        feature = AppliedFeature(KIND, Category.SEQUENCE_PARALLEL, NODE_TITLE, cls.hidden.unique_id, settings)
         return io.NodeOutput(attach_feature(model, feature))
 
 
