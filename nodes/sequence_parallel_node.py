@@ -195,7 +195,7 @@ class SequenceParallel(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
-            node_id=NODE_ID, display_name=NODE_TITLE, category="OmniHooks",
+            node_id=NODE_ID, display_name=f"{NODE_TITLE} (OmniHooks)", category="OmniHooks",
             description=("Samples this MODEL across several GPUs (or CPU processes): each rank computes its share of "
                          "the tokens, attention is exchanged exactly. Place between the loader (and LoRAs) and the "
                          f"sampler. Supported: {supported_families()}."),
