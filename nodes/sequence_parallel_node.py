@@ -44,6 +44,7 @@ class SequenceParallelSettings:
     backend: str
     host: str
     port: int
+    cfg_parallel: bool = False
 
 
 def supported_families() -> str:
@@ -64,8 +65,13 @@ def resolve_devices(value: str, world_size: int) -> tuple[str, ...]:
 
 
 def resolve_degrees(settings: SequenceParallelSettings, heads: int) -> SequenceParallelConfig:
-    """'auto': Ulysses when the head count divides the world size's, else ring attention."""
+    """'auto': Ulysses when the head count divides the world size's, else ring attention. With ``cfg_parallel`` the
+    degrees share half the world (two cfg halves)."""
     world = settings.world_size
+    cfg = 2 if settings.cfg_parallel else 1
+    if world % cfg:
+        raise ValueError(f"{NODE_TITLE}: cfg_parallel needs an even world_size (two halves), got {world}")
+    world //= cfg
     u, r = settings.ulysses_degree, settings.ring_degree
     if u is None and r is None:
         u, r = (world, 1) if heads % world == 0 else (1, world)
@@ -74,11 +80,12 @@ def resolve_degrees(settings: SequenceParallelSettings, heads: int) -> SequenceP
     elif r is None:
         r = world // u
     if u * r != world:
-        raise ValueError(f"{NODE_TITLE}: ulysses_degree {u} x ring_degree {r} must equal world_size {world}")
+        what = "world_size / 2 (cfg_parallel)" if cfg > 1 else "world_size"
+        raise ValueError(f"{NODE_TITLE}: ulysses_degree {u} x ring_degree {r} must equal {what} {world}")
     if heads % u:
         raise ValueError(f"{NODE_TITLE}: the model has {heads} attention heads, which ulysses_degree {u} does not "
                          "divide; set ulysses_degree to a divisor or 'auto'")
-    return SequenceParallelConfig(ulysses_degree=u, ring_degree=r)
+    return SequenceParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg)
 
 
 def _heads(dm: torch.nn.Module) -> int:
@@ -104,7 +111,7 @@ class SequenceParallelSession(FeatureSession):
         self.plan = None
         self.installed_on: torch.nn.Module | None = None
         self.family = None
-        self.degrees: tuple[int, int] | None = None
+        self.degrees: tuple[int, int, int] | None = None  # (ulysses, ring, cfg)
 
     def install(self, diffusion_model: torch.nn.Module) -> None:
         s = self.settings
@@ -119,7 +126,7 @@ class SequenceParallelSession(FeatureSession):
         mesh = self.group.mesh(config)
         self.runtime = apply_sequence_parallel(diffusion_model, config, plan, mesh=mesh)
         self.plan, self.installed_on = plan, diffusion_model
-        self.degrees = (config.ulysses_degree, config.ring_degree)
+        self.degrees = (config.ulysses_degree, config.ring_degree, config.cfg_degree)
 
     def remove(self) -> None:
         if self.installed_on is not None:
@@ -133,6 +140,10 @@ class SequenceParallelSession(FeatureSession):
         sent = {k: v for k, v in transformer_options.items() if k not in LOCAL_ONLY_OPTIONS}
         check_picklable(sent, self.feature.describe())
         self.group.sync_weights(self.patcher.model, self.family.name)
+        # CFG parallel: the root's batch hook ran before this wrapper and split rank 0's arguments; the workers get
+        # the whole call and split it themselves
+        if self.runtime.whole_call is not None:
+            args, kwargs = self.runtime.whole_call
         slot = lambda v: OPTIONS_SLOT if v is transformer_options else v  # noqa: E731
         call_args = tuple(slot(a) for a in args)
         call_kwargs = {k: slot(v) for k, v in kwargs.items()}
@@ -185,13 +196,18 @@ class SequenceParallel(io.ComfyNode):
                                 "address is used."),
                 io.Int.Input("master_port", default=0, min=0, max=65535,
                              tooltip="Rank 0's port; 0 picks a free one (local ranks only)."),
+                io.Boolean.Input("cfg_parallel", default=False,
+                                 tooltip="With cfg > 1: half the ranks compute the cond batch, the other half the "
+                                 "uncond, each half splitting the tokens (ulysses x ring = world_size / 2). Calls "
+                                 "that do not split in two (cfg 1, one cond) run on all ranks. Needs an even "
+                                 "world_size."),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
     def execute(cls, model, world_size, ulysses_degree, ring_degree, devices, backend, master_address,
-                master_port) -> io.NodeOutput:
+                master_port, cfg_parallel=False) -> io.NodeOutput:
         family = detect(model).model_family
         if family.sequence_plan is None:
             raise ValueError(f"{NODE_TITLE}: {family.display_name} is not supported yet; supported: "
@@ -205,7 +221,7 @@ class SequenceParallel(io.ComfyNode):
         settings = SequenceParallelSettings(
             world_size=world_size, ulysses_degree=None if ulysses_degree == AUTO else int(ulysses_degree),
             ring_degree=None if ring_degree == AUTO else int(ring_degree), devices=local, backend=backend,
-            host=master_address, port=master_port)
+            host=master_address, port=master_port, cfg_parallel=bool(cfg_parallel))
         node_id = getattr(cls, "hidden", None) and cls.hidden.unique_id
         feature = AppliedFeature(KIND, Category.SEQUENCE_PARALLEL, NODE_TITLE, node_id, settings)
         return io.NodeOutput(attach_feature(model, feature))

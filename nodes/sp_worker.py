@@ -100,8 +100,9 @@ class Worker:
         from .sp_protocol import broadcast_state, to_device
 
         if command.op == "mesh":
-            config = SequenceParallelConfig(command.header["ulysses"], command.header["ring"])
-            self.meshes[(config.ulysses_degree, config.ring_degree)] = SequenceParallelMesh.from_config(config)
+            config = SequenceParallelConfig(command.header["ulysses"], command.header["ring"], command.header["cfg"])
+            key = (config.ulysses_degree, config.ring_degree, config.cfg_degree)
+            self.meshes[key] = SequenceParallelMesh.from_config(config)
         elif command.op == "load":
             broadcast_state(self.base_model.diffusion_model)
             self.weights_serial = command.serial

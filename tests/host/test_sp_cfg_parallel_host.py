@@ -52,3 +52,32 @@ def test_wan_cfg_parallel_on_two_ranks_equals_one_process(rank_pool):
     for rank, (quality, restored, gathers, parts) in enumerate(results):
         assert quality >= MIN_PSNR_DB and restored
         assert gathers > 0 and parts == [(rank, 2)]  # every call split: this rank ran its half of cond+uncond
+
+
+# -- the node's degrees ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sp_node():
+    from omnitest.pack import pack_module
+
+    node, group = pack_module("nodes.sequence_parallel_node"), pack_module("nodes.sp_group")
+    yield node
+    group.close_group()
+
+
+def _settings(node, world_size: int, cfg_parallel: bool, ulysses=None, ring=None):
+    return node.SequenceParallelSettings(world_size=world_size, ulysses_degree=ulysses, ring_degree=ring,
+                                         devices=("cpu",) * world_size, backend="gloo", host="127.0.0.1", port=0,
+                                         cfg_parallel=cfg_parallel)
+
+
+def test_cfg_parallel_degrees_share_half_the_world(sp_node):
+    config = sp_node.resolve_degrees(_settings(sp_node, 4, True), heads=2)
+    assert (config.ulysses_degree, config.ring_degree, config.cfg_degree) == (2, 1, 2)
+    config = sp_node.resolve_degrees(_settings(sp_node, 2, True), heads=1)
+    assert (config.ulysses_degree, config.ring_degree, config.cfg_degree) == (1, 1, 2)
+    with pytest.raises(ValueError, match="even world_size"):
+        sp_node.resolve_degrees(_settings(sp_node, 3, True), heads=2)
+    with pytest.raises(ValueError, match=r"world_size / 2 \(cfg_parallel\)"):
+        sp_node.resolve_degrees(_settings(sp_node, 4, True, ulysses=2, ring=2), heads=2)
+
