@@ -33,6 +33,7 @@ NODE_ID = "OmniHooks.SequenceParallel"
 NODE_TITLE = "Sequence Parallel"
 AUTO = "auto"
 ATTENTION_OVERRIDE = "optimized_attention_override"
+OPTIONS_NAME = "transformer_options"
 # options rank 0 keeps to itself: its own wrappers and callbacks (they run around the call on rank 0) and our run
 LOCAL_ONLY_OPTIONS = ("wrappers", "callbacks", "omni_hooks.run", "omni_hooks.features")
 
@@ -46,6 +47,7 @@ class SequenceParallelSettings:
     backend: str
     host: str
     port: int
+    cfg_parallel: bool = False
 
 
 def supported_families() -> str:
@@ -66,8 +68,13 @@ def resolve_devices(value: str, world_size: int) -> tuple[str, ...]:
 
 
 def resolve_degrees(settings: SequenceParallelSettings, heads: int) -> SequenceParallelConfig:
-    """'auto': Ulysses when the head count divides the world size's, else ring attention."""
+    """'auto': Ulysses when the head count divides the world size's, else ring attention. With ``cfg_parallel`` the
+    degrees share half the world (two cfg halves)."""
     world = settings.world_size
+    cfg = 2 if settings.cfg_parallel else 1
+    if world % cfg:
+        raise ValueError(f"{NODE_TITLE}: cfg_parallel needs an even world_size (two halves), got {world}")
+    world //= cfg
     u, r = settings.ulysses_degree, settings.ring_degree
     if u is None and r is None:
         u, r = (world, 1) if heads % world == 0 else (1, world)
@@ -76,11 +83,20 @@ def resolve_degrees(settings: SequenceParallelSettings, heads: int) -> SequenceP
     elif r is None:
         r = world // u
     if u * r != world:
-        raise ValueError(f"{NODE_TITLE}: ulysses_degree {u} x ring_degree {r} must equal world_size {world}")
+        what = "world_size / 2 (cfg_parallel)" if cfg > 1 else "world_size"
+        raise ValueError(f"{NODE_TITLE}: ulysses_degree {u} x ring_degree {r} must equal {what} {world}")
     if heads % u:
         raise ValueError(f"{NODE_TITLE}: the model has {heads} attention heads, which ulysses_degree {u} does not "
                          "divide; set ulysses_degree to a divisor or 'auto'")
-    return SequenceParallelConfig(ulysses_degree=u, ring_degree=r)
+    return SequenceParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg)
+
+
+def split_batch(runtime, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
+    """CFG parallel: this rank's part of a model call's batch (``transformer_options`` stays whole). Done by the
+    sessions inside the DIFFUSION_MODEL wrapper, not by a hook on the diffusion model: ComfyUI runs that wrapper inside
+    the model's forward, so a hook there would run before a run's first call installed anything."""
+    names = [OPTIONS_NAME if a is options else "" for a in args]
+    return runtime.split_batch(args, kwargs, names)
 
 
 def _heads(dm: torch.nn.Module) -> int:
@@ -110,7 +126,7 @@ class SequenceParallelSession(FeatureSession):
         self.runtime = None
         self.plan = None
         self.installed_on: torch.nn.Module | None = None
-        self.degrees: tuple[int, int] | None = None
+        self.degrees: tuple[int, int, int] | None = None  # (ulysses, ring, cfg)
         self.run_id = uuid.uuid4().hex
         self.calls = 0
 
@@ -133,9 +149,9 @@ class SequenceParallelSession(FeatureSession):
         config = resolve_degrees(self.settings, _heads(diffusion_model))
         plan = self.family.sequence_plan(diffusion_model)
         mesh = self.group.mesh(config)
-        self.runtime = apply_sequence_parallel(diffusion_model, config, plan, mesh=mesh)
+        self.runtime = apply_sequence_parallel(diffusion_model, config, plan, mesh=mesh, batch_hook=False)
         self.plan, self.installed_on = plan, diffusion_model
-        self.degrees = (config.ulysses_degree, config.ring_degree)
+        self.degrees = (config.ulysses_degree, config.ring_degree, config.cfg_degree)
 
     def remove(self) -> None:
         if self.installed_on is not None:
@@ -160,6 +176,12 @@ class SequenceParallelSession(FeatureSession):
         transformer_options[ATTENTION_OVERRIDE] = self.runtime.attention
         self.runtime.reset()
 
+    def call_arguments(self, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
+        return split_batch(self.runtime, args, kwargs, options)
+
+    def call_output(self, output: Any) -> Any:
+        return self.runtime.gather_batch(output)
+
     def begin_call(self, context) -> None:
         context.rank = self.runtime.rank_view()
 
@@ -178,8 +200,9 @@ class SequenceParallelSession(FeatureSession):
     def summary(self) -> dict[str, Any] | None:
         if self.degrees is None:
             return None
-        ulysses, ring = self.degrees
+        ulysses, ring, cfg = self.degrees
         return {"world_size": self.settings.world_size, "ulysses_degree": ulysses, "ring_degree": ring,
+                "cfg_degree": cfg,
                 "backend": self.settings.backend, "local_devices": list(self.settings.devices),
                 "calls": self.calls, "bytes_sent": self.runtime.stats.bytes_sent if self.runtime else 0}
 
@@ -218,6 +241,11 @@ class SequenceParallel(io.ComfyNode):
                                 "address is used."),
                 io.Int.Input("master_port", default=0, min=0, max=65535,
                              tooltip="Rank 0's port; 0 picks a free one (local ranks only)."),
+                io.Boolean.Input("cfg_parallel", default=False,
+                                 tooltip="With cfg > 1: half the ranks compute the cond batch, the other half the "
+                                 "uncond, each half splitting the tokens (ulysses x ring = world_size / 2). Calls "
+                                 "that do not split in two (cfg 1, one cond) run on all ranks. Needs an even "
+                                 "world_size."),
             ],
             outputs=[io.Model.Output()],
             hidden=[io.Hidden.unique_id],
@@ -225,7 +253,7 @@ class SequenceParallel(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, world_size, ulysses_degree, ring_degree, devices, backend, master_address,
-                master_port) -> io.NodeOutput:
+                master_port, cfg_parallel=False) -> io.NodeOutput:
         family = detect(model).model_family
         if family.sequence_plan is None:
             raise ValueError(f"{NODE_TITLE}: {family.display_name} is not supported yet; supported: "
@@ -239,7 +267,7 @@ class SequenceParallel(io.ComfyNode):
         settings = SequenceParallelSettings(
             world_size=world_size, ulysses_degree=None if ulysses_degree == AUTO else int(ulysses_degree),
             ring_degree=None if ring_degree == AUTO else int(ring_degree), devices=local, backend=backend,
-            host=master_address, port=master_port)
+            host=master_address, port=master_port, cfg_parallel=bool(cfg_parallel))
         feature = AppliedFeature(KIND, Category.SEQUENCE_PARALLEL, NODE_TITLE, cls.hidden.unique_id, settings)
         return io.NodeOutput(attach_feature(model, feature))
 

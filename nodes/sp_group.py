@@ -66,7 +66,7 @@ class SequenceParallelGroup:
         self.serial = 0
         self.weights_key: tuple | None = None
         self.serial_of_weights: int | None = None  # the "load" command whose weights the workers hold
-        self._meshes: dict[tuple[int, int], SequenceParallelMesh] = {}
+        self._meshes: dict[tuple[int, int, int], SequenceParallelMesh] = {}  # (ulysses, ring, cfg)
         self._start(comfyui_root)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
@@ -156,9 +156,9 @@ class SequenceParallelGroup:
 
     def mesh(self, config: SequenceParallelConfig) -> SequenceParallelMesh:
         """The mesh of these degrees, built on every rank at once (the hybrid creates subgroups collectively)."""
-        key = (config.ulysses_degree, config.ring_degree)
+        key = (config.ulysses_degree, config.ring_degree, config.cfg_degree)
         if key not in self._meshes:
-            self.command("mesh", {"ulysses": key[0], "ring": key[1]})
+            self.command("mesh", {"ulysses": key[0], "ring": key[1], "cfg": key[2]})
             self._meshes[key] = SequenceParallelMesh.from_config(config)
         return self._meshes[key]
 

@@ -19,7 +19,7 @@ from ..omni_hooks.sequence_parallel import (SequenceParallelConfig, SequencePara
                                             remove_sequence_parallel)
 from .families import family_named
 from .features import AppliedFeature, FeatureSession, RunSession, run_call
-from .sequence_parallel_node import KIND
+from .sequence_parallel_node import KIND, split_batch
 from .sp_protocol import OPTIONS_SLOT, Command, broadcast_tensors, tensor_signature, to_device
 
 
@@ -31,9 +31,9 @@ class Worker:
         self.device = torch.device(device)
         self.patcher: comfy.model_patcher.ModelPatcher | None = None
         self.family = None
-        self.meshes: dict[tuple[int, int], SequenceParallelMesh] = {}
+        self.meshes: dict[tuple[int, int, int], SequenceParallelMesh] = {}  # (ulysses, ring, cfg)
         self.weights_serial: int | None = None
-        self.degrees: tuple[int, int] | None = None  # of the call being run
+        self.degrees: tuple[int, int, int] | None = None  # of the call being run
         self.run: RunSession | None = None
         self.run_id: str | None = None
 
@@ -54,8 +54,8 @@ class Worker:
 
     def execute(self, command: Command) -> None:
         if command.op == "mesh":
-            config = SequenceParallelConfig(command.header["ulysses"], command.header["ring"])
-            self.meshes[(config.ulysses_degree, config.ring_degree)] = SequenceParallelMesh.from_config(config)
+            key = (command.header["ulysses"], command.header["ring"], command.header["cfg"])
+            self.meshes[key] = SequenceParallelMesh.from_config(SequenceParallelConfig(*key))
         elif command.op == "load":
             broadcast_tensors(list(self.patcher.model.diffusion_model.state_dict().values()))
             self.weights_serial = command.serial
@@ -116,7 +116,7 @@ class WorkerShardSession(FeatureSession):
         degrees = self.worker.degrees
         plan = self.worker.family.sequence_plan(diffusion_model)
         self.runtime = apply_sequence_parallel(diffusion_model, SequenceParallelConfig(*degrees), plan,
-                                               mesh=self.worker.meshes[degrees])
+                                               mesh=self.worker.meshes[degrees], batch_hook=False)
         self.plan, self.installed_on = plan, diffusion_model
 
     def remove(self) -> None:
@@ -127,6 +127,12 @@ class WorkerShardSession(FeatureSession):
     def before_call(self, args: tuple, kwargs: dict, transformer_options: dict) -> None:
         transformer_options["optimized_attention_override"] = self.runtime.attention
         self.runtime.reset()
+
+    def call_arguments(self, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
+        return split_batch(self.runtime, args, kwargs, options)
+
+    def call_output(self, output):
+        return self.runtime.gather_batch(output)
 
     def begin_call(self, context: CallContext) -> None:
         context.rank = self.runtime.rank_view()

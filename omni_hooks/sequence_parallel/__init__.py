@@ -28,6 +28,7 @@ from .cache_sync import GroupAgreement
 from .comm import CommRecord, CommStats, Communicator
 from .config import SequenceParallelConfig
 from .hooks import (
+    SequenceParallelBatchHook,
     SequenceParallelGatherHook,
     SequenceParallelSelfAttentionHook,
     SequenceParallelSplitHook,
@@ -61,6 +62,7 @@ __all__ = [
     "PaddingRecord",
     "RankGroup",
     "SequenceParallelAttention",
+    "SequenceParallelBatchHook",
     "SequenceParallelConfig",
     "SequenceParallelGatherHook",
     "SequenceParallelInput",

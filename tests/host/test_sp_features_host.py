@@ -157,3 +157,25 @@ def test_lora_on_layers_comfyui_loaded_in_lowvram_mode_reaches_the_workers(env, 
         comfy.model_management.unload_all_models()  # the next test loads afresh
     assert lowvram_layers and lowvram_layers[0] > 0
     assert psnr_db(got, reference) >= MIN_PSNR_DB
+
+
+def test_cfg_parallel_gives_the_one_process_latent_and_runs_with_a_cache(env, wan):
+    """cfg 5: ComfyUI batches cond and uncond; with cfg_parallel rank 0 computes one, the worker the other."""
+    from omnitest.pack import pack_module, run_node
+
+    node = pack_module("nodes.sequence_parallel_node")
+
+    def cfg_parallel(model):
+        return run_node(node.SequenceParallel, node_id="31", model=model, world_size=2, ulysses_degree="auto",
+                        ring_degree="auto", devices="auto", backend="auto", master_address="127.0.0.1",
+                        master_port=0, cfg_parallel=True)[0]
+
+    reference = env.tiny.sample(wan, steps=STEPS, cfg=5.0)
+    assert psnr_db(env.tiny.sample(wan, model=cfg_parallel(wan.patcher), steps=STEPS, cfg=5.0), reference) >= \
+        MIN_PSNR_DB
+    cached = env.tiny.sample(wan, model=cfg_parallel(env.teacache(wan.patcher)), steps=STEPS, cfg=5.0)
+    entry = last_entry(env)
+    (parallel,) = [f for f in entry["features"] if f["kind"] == "sequence_parallel"]
+    assert parallel["summary"]["cfg_degree"] == 2 and entry["status"] == "success"
+    assert entry["summary"]["reused"] > 0
+    assert torch.isfinite(cached).all()
