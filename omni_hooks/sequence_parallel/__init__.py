@@ -38,6 +38,7 @@ from .hooks import (
 from .mesh import RankGroup, SequenceParallelMesh, group_layout
 from .plan import (
     ModuleForwardMetadata,
+    ReplicatedTokens,
     SequenceParallelInput,
     SequenceParallelModelPlan,
     SequenceParallelOutput,
@@ -60,6 +61,7 @@ __all__ = [
     "ModuleForwardMetadata",
     "PaddingRecord",
     "RankGroup",
+    "ReplicatedTokens",
     "SequenceParallelAttention",
     "SequenceParallelConfig",
     "SequenceParallelGatherHook",
