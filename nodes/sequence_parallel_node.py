@@ -22,7 +22,7 @@ from comfy_api.latest import io
 
 from ..omni_hooks.sequence_parallel import SequenceParallelConfig, apply_sequence_parallel, remove_sequence_parallel
 from . import sp_group
-from .families import FAMILIES, detect
+from .families import FAMILIES, ModelFamily, detect
 from .features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, register_feature
 from .sp_protocol import OPTIONS_SLOT, SequenceParallelError, check_picklable, tensor_signature, to_cpu
 
@@ -81,8 +81,13 @@ def resolve_degrees(settings: SequenceParallelSettings, heads: int) -> SequenceP
     return SequenceParallelConfig(ulysses_degree=u, ring_degree=r)
 
 
-def _heads(dm: torch.nn.Module) -> int:
+def _heads(dm: torch.nn.Module, family: ModelFamily) -> int:
+    """The attention head count: ``num_heads`` of the model or of its ``params`` (Wan, Flux), else of its first
+    attention site (``num_heads`` or ``heads``, e.g. Qwen-Image's ``attn``)."""
     heads = getattr(dm, "num_heads", None) or getattr(getattr(dm, "params", None), "num_heads", None)
+    sites = family.attention_sites(dm) if heads is None and family.attention_sites is not None else []
+    if sites:
+        heads = getattr(sites[0], "num_heads", None) or getattr(sites[0], "heads", None)
     if not isinstance(heads, int):
         raise ValueError(f"{NODE_TITLE}: cannot read the head count of {type(dm).__name__}; set ulysses_degree and "
                          "ring_degree instead of 'auto'")
@@ -112,7 +117,7 @@ class SequenceParallelSession(FeatureSession):
         if self.family.sequence_plan is None:
             raise ValueError(f"{self.feature.describe()}: {self.family.display_name} has no sequence plan yet; "
                              f"supported: {supported_families()}")
-        config = resolve_degrees(s, _heads(diffusion_model))
+        config = resolve_degrees(s, _heads(diffusion_model, self.family))
         self.group = sp_group.current_group(
             sp_group.GroupSettings(s.world_size, s.backend, s.devices, s.host, s.port), _comfyui_root())
         plan = self.family.sequence_plan(diffusion_model)

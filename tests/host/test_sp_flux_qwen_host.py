@@ -53,3 +53,35 @@ def test_joint_attention_plan_on_two_ranks_equals_one_process(rank_pool, case, o
         assert exchanged.get(exchange, 0) > 0 and exchanged.get("output_all_gather", 0) > 0
         if ulysses > 1:  # the text tokens' output heads come back from the peer
             assert exchanged.get("ulysses_joint_all_gather", 0) > 0
+
+
+@pytest.mark.parametrize("case, overrides, heads", [
+    ("flux", _FLUX_TWO_HEADS, 2), ("chroma", _FLUX_ONE_HEAD, 1), ("qwen_image", _QWEN_TWO_HEADS, 2),
+    ("qwen_image", _QWEN_ONE_HEAD, 1),  # Qwen-Image's model keeps no head count: its attention sites do
+])
+def test_auto_degrees_read_the_head_count(case, overrides, heads):
+    from omnitest.pack import pack_module
+    from omnitest.tiny_models import build_case
+
+    node = pack_module("nodes.sequence_parallel_node")
+    families = pack_module("nodes.families")
+    built = build_case(case, unet_overrides=overrides)
+    assert node._heads(built.diffusion_model, families.detect(built.patcher).model_family) == heads
+
+
+def test_an_unsupported_family_is_refused_with_the_supported_ones():
+    from omnitest.pack import pack_module
+    from omnitest.tiny_models import CASE_FAMILY, build_case
+
+    node = pack_module("nodes.sequence_parallel_node")
+    families = pack_module("nodes.families")
+    unsupported = {f.name for f in families.FAMILIES if f.sequence_plan is None}
+    case = next((name for name, family in CASE_FAMILY.items() if family in unsupported), None)
+    if case is None:
+        pytest.skip("every registered family has a sequence plan")
+    with pytest.raises(ValueError, match="Sequence Parallel: .* is not supported yet; supported: ") as error:
+        node.SequenceParallel.execute(build_case(case).patcher, 2, "auto", "auto", "auto", "auto", "127.0.0.1", 0)
+    listed = str(error.value).split("supported: ", 1)[1]
+    display = {f.name: f.display_name for f in families.FAMILIES}
+    for name in ("flux", "chroma", "qwen_image"):
+        assert display[name] in listed
