@@ -21,7 +21,7 @@ from comfy_api.latest import io
 
 from ..omni_hooks.sequence_parallel import SequenceParallelConfig, apply_sequence_parallel, remove_sequence_parallel
 from . import sp_group
-from .families import FAMILIES, detect
+from .families import FAMILIES, ModelFamily, detect
 from .features import (FEATURES_KEY, AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature,
                        register_feature)
 from .sp_protocol import OPTIONS_SLOT, SequenceParallelError, check_picklable, tensor_signature, to_cpu
@@ -99,8 +99,13 @@ def split_batch(runtime, args: tuple, kwargs: dict, options: dict) -> tuple[tupl
     return runtime.split_batch(args, kwargs, names)
 
 
-def _heads(dm: torch.nn.Module) -> int:
+def _heads(dm: torch.nn.Module, family: ModelFamily) -> int:
+    """The attention head count: ``num_heads`` of the model or of its ``params`` (Wan, Flux), else of its first
+    attention site (``num_heads`` or ``heads``, e.g. Qwen-Image's ``attn``)."""
     heads = getattr(dm, "num_heads", None) or getattr(getattr(dm, "params", None), "num_heads", None)
+    sites = family.attention_sites(dm) if heads is None and family.attention_sites is not None else []
+    if sites:
+        heads = getattr(sites[0], "num_heads", None) or getattr(sites[0], "heads", None)
     if not isinstance(heads, int):
         raise ValueError(f"{NODE_TITLE}: cannot read the head count of {type(dm).__name__}; set ulysses_degree and "
                          "ring_degree instead of 'auto'")
@@ -146,7 +151,7 @@ class SequenceParallelSession(FeatureSession):
 
     def install(self, diffusion_model: torch.nn.Module) -> None:
         self._join(self.patcher)
-        config = resolve_degrees(self.settings, _heads(diffusion_model))
+        config = resolve_degrees(self.settings, _heads(diffusion_model, self.family))
         plan = self.family.sequence_plan(diffusion_model)
         mesh = self.group.mesh(config)
         self.runtime = apply_sequence_parallel(diffusion_model, config, plan, mesh=mesh, batch_hook=False)

@@ -39,6 +39,7 @@ from .hooks import (
 from .mesh import RankGroup, SequenceParallelMesh, group_layout
 from .plan import (
     ModuleForwardMetadata,
+    ReplicatedTokens,
     SequenceParallelInput,
     SequenceParallelModelPlan,
     SequenceParallelOutput,
@@ -61,6 +62,7 @@ __all__ = [
     "ModuleForwardMetadata",
     "PaddingRecord",
     "RankGroup",
+    "ReplicatedTokens",
     "SequenceParallelAttention",
     "SequenceParallelBatchHook",
     "SequenceParallelConfig",

@@ -18,6 +18,7 @@ from .mesh import SequenceParallelMesh
 from .plan import (
     InputSpec,
     ModuleForwardMetadata,
+    ReplicatedTokens,
     SequenceParallelInput,
     SequenceParallelModelPlan,
     SequenceParallelOutput,
@@ -143,7 +144,7 @@ class SequenceParallelSplitHook(SequenceParallelHook):
         if isinstance(spec, SequenceParallelPartialInput):
             args, kwargs = self._call
             text_len = resolve_length(spec.text_len_source, spec.text_len_dim, self.module_forward_metadata, module,
-                                      args, kwargs, "text_len_source")
+                                      args, kwargs, "text_len_source", self.runtime.split_length)
             if text_len > x.shape[dim]:
                 raise ValueError(f"{self._where(name)}: text length {text_len} exceeds the tensor's {x.shape[dim]}")
             text, x = x.narrow(dim, 0, text_len), x.narrow(dim, text_len, x.shape[dim] - text_len)
@@ -206,15 +207,16 @@ class SequenceParallelSelfAttentionHook(SequenceParallelHook):
 
     def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
         self.module_forward_metadata = ModuleForwardMetadata(module)
-        if isinstance(self.spec.joint_tokens, str):
-            self.module_forward_metadata.check(self.spec.joint_tokens)
+        joint = self.spec.joint_tokens
+        if isinstance(joint, (str, ReplicatedTokens)):
+            self.module_forward_metadata.check(joint if isinstance(joint, str) else joint.param)
         return module
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         joint = 0
         if self.spec.joint_tokens is not None:
             joint = resolve_length(self.spec.joint_tokens, self.spec.joint_tokens_dim, self.module_forward_metadata,
-                                   module, args, kwargs, "joint_tokens")
+                                   module, args, kwargs, "joint_tokens", self.runtime.split_length)
         self.runtime.enter_site(ActiveSite(self.spec, joint, module))
         return args, kwargs
 

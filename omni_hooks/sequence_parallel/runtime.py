@@ -156,6 +156,17 @@ class SequenceParallelRuntime:
             return output
         return gather_output(output, part_batch, lambda x: self.cfg_comm.all_gather(x, 0, CFG_GATHER_KIND))
 
+    def split_length(self, shard_group: str | None, part: str) -> int:
+        """The length of ``shard_group``'s sequence (None: the default one) as its last split saw it: ``part``
+        "shard" is this rank's shard (padded length / world size), "sequence" the whole unpadded sequence.
+        ValueError when no ``auto_pad`` split of it has run."""
+        record = self.padding.get(shard_group)
+        if record is None:
+            raise ValueError(f"the sequence of shard_group {shard_group!r} has not been split with auto_pad=True "
+                             "before this module in this call; fix: split it (auto_pad=True) at a module that runs "
+                             "earlier, or name the shard_group it was split with")
+        return record.padded_len // self.world_size if part == "shard" else record.original_len
+
     # -- self-attention sites -------------------------------------------------------------------------------------
 
     @property
