@@ -179,3 +179,34 @@ def test_cfg_parallel_gives_the_one_process_latent_and_runs_with_a_cache(env, wa
     assert parallel["summary"]["cfg_degree"] == 2 and entry["status"] == "success"
     assert entry["summary"]["reused"] > 0
     assert torch.isfinite(cached).all()
+
+
+@pytest.mark.parametrize("case_name", ["flux", "chroma", "qwen_image"])
+def test_each_family_with_a_plan_runs_through_the_session_with_a_worker_that_builds_it_from_its_config(env,
+                                                                                                      case_name):
+    case = env.tiny.build_case(case_name)
+    reference = env.tiny.sample(case, steps=3)
+    assert psnr_db(env.tiny.sample(case, model=env.sequence_parallel(case.patcher), steps=3), reference) >= \
+        MIN_PSNR_DB
+
+
+def test_teacache_on_flux_decides_alike_on_every_rank(env, user_dir):
+    from omnitest.pack import pack_module, run_node
+
+    pack_module("nodes.calibration_files").save("teacache", "sp-flux-identity",
+                                                 {"coefficients": [0, 0, 0, 1, 0], "family": "flux",
+                                                  "signal": "default"})
+    teacache = pack_module("nodes.teacache_node").ApplyTeaCache
+    case = env.tiny.build_case("flux")
+
+    def cached(model):
+        return run_node(teacache, node_id="21", model=model, rel_l1_thresh=2.0, start_percent=0.0, end_percent=1.0,
+                        cache_device="compute device", model_variant="calibration: sp-flux-identity")[0]
+
+    alone = env.tiny.sample(case, model=cached(case.patcher), steps=STEPS)
+    alone_summary = last_entry(env)["summary"]
+    got = env.tiny.sample(case, model=cached(env.sequence_parallel(case.patcher)), steps=STEPS)
+    summary = last_entry(env)["summary"]
+    assert alone_summary["reused"] > 0
+    assert (summary["reused"], summary["computed"]) == (alone_summary["reused"], alone_summary["computed"])
+    assert psnr_db(got, alone) >= MIN_PSNR_DB
