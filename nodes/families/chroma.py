@@ -17,6 +17,7 @@ import torch
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
 from .base import ModelFamily, AutoChoice, Variant, call_arg, skip_by_type
+from .flux import flux_layout_attention_sites, flux_layout_sequence_plan
 
 IMG = TensorArg("img", 0)
 TXT = TensorArg("txt", 1)
@@ -60,6 +61,9 @@ FAMILY = ModelFamily(
     build_modulated_input=_modulated_input,
     # blocks listed in skip_mmdit / skip_dit are never called: they are neither in the stack nor resident
     resident=("img_in", "txt_in", "distilled_guidance_layer", "final_layer"),
+    # Chroma's forward has Flux's modules and names (img_in, pe_embedder, double/single blocks, final_layer): the same
+    # plan; blocks in skip_mmdit / skip_dit carry hooks that never run
+    sequence_plan=flux_layout_sequence_plan, attention_sites=flux_layout_attention_sites,
     magcache_keys=frozenset({"chroma"}),
     # model_base.Chroma subclasses model_base.Flux (ldm.chroma.model.Chroma and ldm.flux.model.Flux are unrelated
     # classes today): Chroma is tried first so that no future subclassing lets Flux's matcher take it

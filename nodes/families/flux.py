@@ -12,6 +12,13 @@ import comfy.ldm.flux.model as flux_model
 import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.sequence_parallel import (
+    ReplicatedTokens,
+    SequenceParallelInput,
+    SequenceParallelOutput,
+    SequenceParallelPartialInput,
+    SequenceParallelSelfAttention,
+)
 from ...omni_hooks.teacache import ModulatedInput
 from .base import ModelFamily, AutoChoice, Variant, call_arg, skip_by_type
 
@@ -45,6 +52,41 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     def compute(block, args, kwargs, captured):
         return flux_img_modulated(block, IMG.get(args, kwargs), call_arg(args, kwargs, "vec", 2))
     return ModulatedInput(compute=compute)
+
+
+# Sequence parallelism (Flux, and Chroma, whose forward has the same modules and names). forward_orig embeds the image
+# tokens (``img_in``) and makes the RoPE table ``pe`` [B, 1, text + image, D/2, 2, 2] from ``cat(txt_ids, img_ids)``
+# (``pe_embedder``) before any block; both are split where they are made: the image tokens (Kontext reference tokens
+# included) into one shard per rank, the table's image part alike with its text part whole. Double blocks attend
+# ``[txt | img shard]`` from two streams (the text length is their ``txt``); single blocks attend ``x = cat(txt, img
+# shard)`` (the text length is x minus the shard). ``final_layer``'s output [B, L, C·p·p] is gathered before
+# unpatchify. The cached stack (double blocks .. final_layer) sees this rank's shard.
+_ROPE_GROUP = "flux_rope"
+
+
+def flux_layout_sequence_plan(dm: torch.nn.Module) -> dict:
+    """The sequence plan of a Flux-layout model whose forward calls ``img_in``, ``pe_embedder``, ``double_blocks``
+    (``block(img=, txt=, pe=, ...)``, attention over ``[txt | img]``), ``single_blocks`` (``block(x, pe=, ...)``,
+    x = ``[txt | img]``) and ``final_layer`` (Flux, Chroma). ValueError for double blocks built with
+    ``flipped_img_txt`` (attention over ``[img | txt]``, with a RoPE table the plan does not describe)."""
+    flipped = [i for i, block in enumerate(dm.double_blocks) if getattr(block, "flipped_img_txt", False)]
+    if flipped:
+        raise ValueError(f"Sequence Parallel: {type(dm).__name__} has double blocks with flipped_img_txt "
+                         f"({flipped}); the Flux-layout plan supports [text | image] attention only")
+    return {
+        "img_in": {0: SequenceParallelInput(split_dim=1, expected_dims=3, split_output=True, auto_pad=True)},
+        "pe_embedder": {0: SequenceParallelPartialInput(
+            split_dim=2, expected_dims=6, split_output=True, auto_pad=True, shard_group=_ROPE_GROUP,
+            text_len_source=ReplicatedTokens("ids", dim=1, beside="sequence"))},
+        "double_blocks.*": SequenceParallelSelfAttention(joint_tokens="txt"),
+        "single_blocks.*": SequenceParallelSelfAttention(joint_tokens=ReplicatedTokens("x")),
+        "final_layer": SequenceParallelOutput(gather_dim=1, expected_dims=3),
+    }
+
+
+def flux_layout_attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks ``flux_layout_sequence_plan`` marks as self-attention sites: every double and single block."""
+    return [*dm.double_blocks, *dm.single_blocks]
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
@@ -81,4 +123,5 @@ FAMILY = ModelFamily(
     name="flux", display_name="Flux (dev, schnell, Kontext)", matches=_matches, resolve_variant=_variant,
     build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
     resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "final_layer"),
+    sequence_plan=flux_layout_sequence_plan, attention_sites=flux_layout_attention_sites,
     teacache_keys=frozenset({"flux"}), magcache_keys=frozenset({"flux"}))

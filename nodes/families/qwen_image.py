@@ -11,6 +11,12 @@ import comfy.ldm.qwen_image.model as qwen_model
 import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.sequence_parallel import (
+    SequenceParallelInput,
+    SequenceParallelOutput,
+    SequenceParallelPartialInput,
+    SequenceParallelSelfAttention,
+)
 from ...omni_hooks.teacache import ModulatedInput
 from .base import ModelFamily, AutoChoice, Variant, call_arg
 
@@ -36,6 +42,30 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     return ModulatedInput(compute=compute)
 
 
+# Sequence parallelism. _forward embeds the image tokens (Edit reference tokens appended) and passes them with the text
+# stream and the RoPE table ``image_rotary_emb`` [B, text + image, 1, D/2, 2, 2] to every block: the image tokens are
+# split at the first block, before its caches (the block stack starts there), the table's image part at every block
+# (its text part, ``encoder_hidden_states``' length, kept whole). Each block's ``attn`` attends ``[text | image
+# shard]``; ``proj_out``'s output [B, L, p·p·C] (narrower than norm_out's) is gathered before unpatchify.
+_ROPE_GROUP = "qwen_image_rope"
+
+
+def _sequence_plan(dm: torch.nn.Module) -> dict:
+    return {
+        "transformer_blocks.0": {"hidden_states": SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True,
+                                                                        outside_caches=True)},
+        "transformer_blocks.*": {"image_rotary_emb": SequenceParallelPartialInput(
+            split_dim=1, expected_dims=6, auto_pad=True, shard_group=_ROPE_GROUP,
+            text_len_source="encoder_hidden_states", text_len_dim=1)},
+        "transformer_blocks.*.attn": SequenceParallelSelfAttention(joint_tokens="encoder_hidden_states"),
+        "proj_out": SequenceParallelOutput(gather_dim=1, expected_dims=3),
+    }
+
+
+def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
+    return [block.attn for block in dm.transformer_blocks]
+
+
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
     # exact class: QwenImageControlNetModel subclasses it
     return (type(dm) is qwen_model.QwenImageTransformer2DModel and len(dm.transformer_blocks) > 0
@@ -57,4 +87,5 @@ FAMILY = ModelFamily(
     name="qwen_image", display_name="Qwen-Image", matches=_matches, resolve_variant=_variant, build_stack=_stack,
     build_modulated_input=_modulated_input,
     resident=("img_in", "txt_norm", "txt_in", "time_text_embed", "norm_out", "proj_out"),
+    sequence_plan=_sequence_plan, attention_sites=_attention_sites,
     teacache_keys=frozenset({"qwen_image"}), magcache_keys=frozenset({"qwen_image"}))

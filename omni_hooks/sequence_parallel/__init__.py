@@ -28,6 +28,7 @@ from .cache_sync import GroupAgreement
 from .comm import CommRecord, CommStats, Communicator
 from .config import SequenceParallelConfig
 from .hooks import (
+    SequenceParallelBatchHook,
     SequenceParallelGatherHook,
     SequenceParallelSelfAttentionHook,
     SequenceParallelSplitHook,
@@ -38,6 +39,7 @@ from .hooks import (
 from .mesh import RankGroup, SequenceParallelMesh, group_layout
 from .plan import (
     ModuleForwardMetadata,
+    ReplicatedTokens,
     SequenceParallelInput,
     SequenceParallelModelPlan,
     SequenceParallelOutput,
@@ -60,7 +62,9 @@ __all__ = [
     "ModuleForwardMetadata",
     "PaddingRecord",
     "RankGroup",
+    "ReplicatedTokens",
     "SequenceParallelAttention",
+    "SequenceParallelBatchHook",
     "SequenceParallelConfig",
     "SequenceParallelGatherHook",
     "SequenceParallelInput",

@@ -18,6 +18,7 @@ from .mesh import SequenceParallelMesh
 from .plan import (
     InputSpec,
     ModuleForwardMetadata,
+    ReplicatedTokens,
     SequenceParallelInput,
     SequenceParallelModelPlan,
     SequenceParallelOutput,
@@ -35,6 +36,7 @@ log = logging.getLogger("omni_hooks")
 
 GATHER_KIND = "output_all_gather"
 SPLIT_PREFIX, GATHER_PREFIX, SITE_PREFIX = "sp_input---", "sp_output---", "sp_attention---"
+BATCH_HOOK = "sp_batch---"
 
 
 def _dims_match(hook: ModelHook, x: torch.Tensor, expected: int | None, what: str) -> bool:
@@ -142,7 +144,7 @@ class SequenceParallelSplitHook(SequenceParallelHook):
         if isinstance(spec, SequenceParallelPartialInput):
             args, kwargs = self._call
             text_len = resolve_length(spec.text_len_source, spec.text_len_dim, self.module_forward_metadata, module,
-                                      args, kwargs, "text_len_source")
+                                      args, kwargs, "text_len_source", self.runtime.split_length)
             if text_len > x.shape[dim]:
                 raise ValueError(f"{self._where(name)}: text length {text_len} exceeds the tensor's {x.shape[dim]}")
             text, x = x.narrow(dim, 0, text_len), x.narrow(dim, text_len, x.shape[dim] - text_len)
@@ -205,15 +207,16 @@ class SequenceParallelSelfAttentionHook(SequenceParallelHook):
 
     def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
         self.module_forward_metadata = ModuleForwardMetadata(module)
-        if isinstance(self.spec.joint_tokens, str):
-            self.module_forward_metadata.check(self.spec.joint_tokens)
+        joint = self.spec.joint_tokens
+        if isinstance(joint, (str, ReplicatedTokens)):
+            self.module_forward_metadata.check(joint if isinstance(joint, str) else joint.param)
         return module
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         joint = 0
         if self.spec.joint_tokens is not None:
             joint = resolve_length(self.spec.joint_tokens, self.spec.joint_tokens_dim, self.module_forward_metadata,
-                                   module, args, kwargs, "joint_tokens")
+                                   module, args, kwargs, "joint_tokens", self.runtime.split_length)
         self.runtime.enter_site(ActiveSite(self.spec, joint, module))
         return args, kwargs
 
@@ -224,6 +227,29 @@ class SequenceParallelSelfAttentionHook(SequenceParallelHook):
     def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
         self.runtime.leave_site(module)
         return module
+
+
+class SequenceParallelBatchHook(ModelHook):
+    """CFG parallel, on the plan's root: this rank's part of the call's batch in, every part's output out (see
+    ``SequenceParallelRuntime.split_batch``). Of the observation phase: outside every other hook on the root, so the
+    sequence split and any cache there see the part."""
+
+    phase = HookPhase.OBSERVATION
+
+    def __init__(self, runtime: SequenceParallelRuntime):
+        self.runtime = runtime
+        self.names: list[str] = []
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        metadata = ModuleForwardMetadata(module)
+        self.names = [n for n, i in metadata.cached_parameter_indices.items() if i is not None]  # in position order
+        return module
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        return self.runtime.split_batch(args, kwargs, self.names)
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        return self.runtime.gather_batch(output)
 
 
 def _hooks_for(module_id: str, spec: Any) -> tuple[str, type, Any]:
@@ -243,17 +269,24 @@ def _hooks_for(module_id: str, spec: Any) -> tuple[str, type, Any]:
 
 
 def apply_sequence_parallel(module: torch.nn.Module, config: SequenceParallelConfig, plan: SequenceParallelModelPlan,
-                            *, mesh: SequenceParallelMesh | None = None) -> SequenceParallelRuntime:
+                            *, mesh: SequenceParallelMesh | None = None,
+                            batch_hook: bool = True) -> SequenceParallelRuntime:
     """Register the plan's hooks on ``module`` and return the runtime that drives them.
 
     ``mesh`` None builds it from torch.distributed (``SequenceParallelMesh.from_config``: collective, call on every
     rank). Errors (plan, unknown parameter names, a missing submodule, a conflicting hook) leave the model as it was.
     The host then installs ``runtime.attention`` in its attention-override seam and passes ``runtime.rank_view()``
-    in each call's ``CallContext``; ``remove_sequence_parallel(module, plan)`` undoes it.
+    in each call's ``CallContext``. With ``config.cfg_degree`` > 1 a batch hook on ``module`` itself splits each
+    call's batch between the cfg halves and gathers the output (``SequenceParallelRuntime.split_batch``), unless
+    ``batch_hook`` is False: a host whose call reaches the module's hooks before it can act (ComfyUI's wrappers run
+    inside the root forward) then calls ``split_batch``/``gather_batch`` itself around the forward.
+    ``remove_sequence_parallel(module, plan)`` undoes it.
     """
     validate_sp_plan(plan)
     runtime = SequenceParallelRuntime(config, mesh)
     planned = []
+    if config.cfg_degree > 1 and batch_hook:
+        planned.append((module, BATCH_HOOK, lambda rt, spec, module_id: SequenceParallelBatchHook(rt), None, ""))
     for module_id, spec in plan.items():
         name, hook_cls, hook_spec = _hooks_for(module_id, spec)
         planned += [(target, name, hook_cls, hook_spec, module_id) for target in resolve_submodules(module,
@@ -285,6 +318,7 @@ def remove_sequence_parallel(module: torch.nn.Module, plan: SequenceParallelMode
     """Remove the hooks ``apply_sequence_parallel(module, config, plan)`` registered; a module left without hooks is
     restored exactly. Modules without a registry are skipped."""
     validate_sp_plan(plan)
+    remove_hook_and_restore(module, BATCH_HOOK)
     for module_id, spec in plan.items():
         name = _hooks_for(module_id, spec)[0]
         for target in resolve_submodules(module, module_id):

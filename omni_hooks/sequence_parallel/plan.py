@@ -24,9 +24,37 @@ import torch
 from ..base import ORIGINAL_FORWARD_ATTR
 from ..blockstack import TensorArg
 
+
+@dataclass(frozen=True)
+class ReplicatedTokens:
+    """A length source: the replicated (text) tokens of a forward input that holds them next to a split sequence,
+    i.e. its length along ``dim`` minus that sequence's part in it. ``beside``:
+
+    * ``"shard"``: the input holds this rank's shard (padded length of ``shard_group``'s sequence / world size), e.g.
+      Flux's single-stream blocks, whose ``x = cat(txt, img)`` is built after the split:
+      ``SequenceParallelSelfAttention(joint_tokens=ReplicatedTokens("x"))``;
+    * ``"sequence"``: the input holds the whole sequence (its unpadded length), e.g. the position ids
+      ``cat(txt_ids, img_ids)`` of a RoPE module whose output is split:
+      ``{0: SequenceParallelPartialInput(..., split_output=True, text_len_source=ReplicatedTokens("ids",
+      beside="sequence"))}``.
+
+    The sequence of ``shard_group`` must have been split with ``auto_pad=True`` earlier in the same call (that split
+    records its length).
+    """
+
+    param: str
+    dim: int = 1
+    shard_group: str | None = None
+    beside: str = "shard"
+
+    def __post_init__(self) -> None:
+        if self.beside not in ("shard", "sequence"):
+            raise ValueError(f"ReplicatedTokens: beside must be 'shard' or 'sequence', got {self.beside!r}")
+
+
 # An int, the name of a forward parameter of the module (a tensor: its size along a stated dim; an int: itself),
-# or a function of the module's call ``(module, args, kwargs) -> int``.
-LengthSource = Union[int, str, Callable[[torch.nn.Module, tuple, dict], int]]
+# a function of the module's call ``(module, args, kwargs) -> int``, or ``ReplicatedTokens``.
+LengthSource = Union[int, str, ReplicatedTokens, Callable[[torch.nn.Module, tuple, dict], int]]
 
 
 @dataclass(frozen=True)
@@ -60,8 +88,8 @@ class SequenceParallelPartialInput:
     part is split (e.g. a RoPE table over text and image positions).
 
     ``text_len_source``: the text length, an int, a forward parameter name (tensor: its size along ``text_len_dim``;
-    int: the value) or a function ``(module, args, kwargs) -> int``. ``auto_pad``/``shard_group`` as for
-    ``SequenceParallelInput``, applied to the image part.
+    int: the value), a function ``(module, args, kwargs) -> int`` or ``ReplicatedTokens``. ``auto_pad``/``shard_group``
+    as for ``SequenceParallelInput``, applied to the image part.
     """
 
     split_dim: int
@@ -90,7 +118,8 @@ class SequenceParallelSelfAttention:
     ``joint_tokens``: how many replicated tokens (text, kept whole on every rank) the attention's sequence holds
     besides the split image tokens, at ``joint_position`` ("front": ``[text | image]``, "rear": ``[image | text]``);
     None or 0 for image-only self-attention. An int, a forward parameter name of this module (a tensor: its size
-    along ``joint_tokens_dim``) or a function ``(module, args, kwargs) -> int``. ``shard_group``: the split sequence
+    along ``joint_tokens_dim``), a function ``(module, args, kwargs) -> int`` or ``ReplicatedTokens`` (the module
+    receives ``[text | image shard]`` and nothing that tells the text length). ``shard_group``: the split sequence
     whose padding (if any) is dropped from the keys.
     """
 
@@ -256,10 +285,22 @@ class ModuleForwardMetadata:
 
 
 def resolve_length(source: LengthSource, dim: int, metadata: ModuleForwardMetadata, module: torch.nn.Module,
-                   args: tuple, kwargs: dict, what: str) -> int:
-    """Resolve a ``LengthSource`` for one call of ``module``; ValueError naming ``what`` if it cannot."""
+                   args: tuple, kwargs: dict, what: str,
+                   split_length: Callable[[str | None, str], int] | None = None) -> int:
+    """Resolve a ``LengthSource`` for one call of ``module``; ValueError naming ``what`` if it cannot.
+
+    ``split_length(shard_group, part)``: the length of a split sequence's ``part`` ("shard" or "sequence") in the
+    current call (the runtime's ``split_length``), needed by ``ReplicatedTokens`` sources.
+    """
     try:
-        if callable(source):
+        if isinstance(source, ReplicatedTokens):
+            value = metadata.lookup(source.param, args, kwargs)
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"parameter {source.param!r} is not a tensor (got {type(value).__name__})")
+            if split_length is None:
+                raise ValueError("ReplicatedTokens needs the runtime's split_length")
+            value = value.shape[source.dim] - split_length(source.shard_group, source.beside)
+        elif callable(source):
             value = source(module, args, kwargs)
         elif isinstance(source, str):
             value = metadata.lookup(source, args, kwargs)
