@@ -86,7 +86,7 @@ EXPECTED_MODEL_NODES = {
                                                  "vram_budget_gb": 0}},
     SEQUENCE_PARALLEL: {"sequence_parallel_magcache_wan21_t2v_14B": {
         "world_size": 2, "ulysses_degree": "auto", "ring_degree": "auto", "devices": "auto", "backend": "auto",
-        "master_address": "127.0.0.1", "master_port": 0}},
+        "master_address": "127.0.0.1", "master_port": 0, "cfg_parallel": False}},
 }
 WAN22_TEMPLATE = "video_wan2_2_14B_t2v"  # ComfyUI's own template the A14B example follows
 

@@ -34,7 +34,7 @@ TWO_HEADS = "tiny_wan_2_heads.safetensors"  # ComfyUI reads Wan's head count as 
 def sequence_parallel(world_size: int = 2, **inputs):
     return (SEQUENCE_PARALLEL, dict(dict(world_size=world_size, ulysses_degree="auto", ring_degree="auto",
                                          devices="auto", backend="auto", master_address="127.0.0.1",
-                                         master_port=0), **inputs))
+                                         master_port=0, cfg_parallel=False), **inputs))
 
 
 def teacache():
