@@ -16,8 +16,10 @@ Usage (every rank, after ``torch.distributed.init_process_group``)::
 """
 from .attention import (
     SequenceParallelAttention,
+    additive_key_bias,
     attention_math_with_lse,
     attention_with_lse,
+    check_key_mask,
     heads_to_sequence,
     merge_attention,
     ring_attention,
@@ -75,9 +77,11 @@ __all__ = [
     "SequenceParallelSelfAttentionHook",
     "SequenceParallelSplitHook",
     "SequenceParallelSplitOutsideCachesHook",
+    "additive_key_bias",
     "apply_sequence_parallel",
     "attention_math_with_lse",
     "attention_with_lse",
+    "check_key_mask",
     "get_sp_plan_from_model",
     "group_layout",
     "heads_to_sequence",

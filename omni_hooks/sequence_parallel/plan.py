@@ -71,6 +71,8 @@ class SequenceParallelInput:
       phase). For a model that creates its tokens inside its forward and whose first split point is the first block
       of the cached stack (Wan): the cache must see, store and skip with this rank's shard. Every input spec of one
       module must agree on it.
+    * ``broadcast_length_one``: pass a tensor whose length along ``split_dim`` is 1 unchanged (one value broadcast
+      over the whole sequence, e.g. a per-sample timestep of a model that also takes one per token).
     """
 
     split_dim: int
@@ -80,12 +82,14 @@ class SequenceParallelInput:
     clone_shard: bool = False
     shard_group: str | None = None
     outside_caches: bool = False
+    broadcast_length_one: bool = False
 
 
 @dataclass(frozen=True)
 class SequenceParallelPartialInput:
-    """A tensor laid out ``[text | image]`` along ``split_dim``: the text part is kept whole on every rank, the image
-    part is split (e.g. a RoPE table over text and image positions).
+    """A tensor laid out ``[text | image]`` (``text_position="front"``) or ``[image | text]`` (``"rear"``) along
+    ``split_dim``: the text part is kept whole on every rank, the image part is split, and the shard keeps the layout
+    (e.g. a RoPE table over text and image positions).
 
     ``text_len_source``: the text length, an int, a forward parameter name (tensor: its size along ``text_len_dim``;
     int: the value), a function ``(module, args, kwargs) -> int`` or ``ReplicatedTokens``. ``auto_pad``/``shard_group``
@@ -99,6 +103,12 @@ class SequenceParallelPartialInput:
     auto_pad: bool = False
     shard_group: str | None = None
     text_len_dim: int = 0
+    text_position: str = "front"
+
+    def __post_init__(self) -> None:
+        if self.text_position not in ("front", "rear"):
+            raise ValueError(f"SequenceParallelPartialInput: text_position must be 'front' or 'rear', got "
+                             f"{self.text_position!r}")
 
 
 @dataclass(frozen=True)
