@@ -108,8 +108,10 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=None if bias is None else bias.to(dtype), scale=scale)
     if q.device.type == "cuda":
-        kernel_bias = None if bias is None else bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2],
-                                                                         k.shape[2])
+        kernel_bias = None
+        if bias is not None:  # in the inputs' dtype, still finite (float16's range is narrower than the bias's)
+            kernel_bias = bias.clamp(min=torch.finfo(q.dtype).min).to(q.dtype).expand(
+                q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         try:
             out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, kernel_bias, True,
                                                                               scale=scale)[:2]

@@ -6,7 +6,7 @@ applied and the runtime's attention entry in ``transformer_options["optimized_at
 ComfyUI's KSampler. Heads divisible by the world size run Ulysses, one head runs ring attention; 27 tokens pad the
 last shard. HunyuanVideo also runs with a text attention mask (padded text tokens: the host's key mask exchanged
 across ranks); LTX-Video also runs with a denoise mask (image-to-video: one timestep per token, split with the
-tokens).
+tokens) and with keyframe indices (a guide frame's RoPE positions).
 """
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ def rank_family_plan(case_name: str, one_head: bool, padded: bool, extra: str | 
     elif extra == "denoise_mask":  # LTXVImgToVideo: the first latent frame is kept
         case.noise_mask = torch.ones(1, 1, *case.latent.shape[2:])
         case.noise_mask[:, :, 0] = 0
+    elif extra == "keyframes":  # LTXVAddGuide: the last latent frame is a guide placed at pixel frame 0
+        _, _, _, height, width = case.latent.shape
+        rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+        idxs = torch.stack([torch.zeros(height * width), rows.flatten() * 32.0, cols.flatten() * 32.0])[None]
+        for cond in (case.positive, case.negative):
+            cond[0][1]["keyframe_idxs"] = idxs
     reference = sample(case)
     dm = case.diffusion_model
     family = families.detect(case.patcher).model_family
@@ -80,6 +86,8 @@ CASES_RUN = [
     ("ltxv", True, True, None),
     ("ltxv", False, True, "denoise_mask"),
     ("ltxv", True, True, "denoise_mask"),
+    ("ltxv", False, True, "keyframes"),
+    ("ltxv", True, True, "keyframes"),
 ]
 SITES = {"hunyuan_video": 2, "ltxv": 2}  # 1 double + 1 single block; 2 transformer blocks
 

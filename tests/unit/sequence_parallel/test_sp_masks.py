@@ -40,6 +40,22 @@ def test_blockwise_attention_applies_a_key_bias(blockwise):
     torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_blockwise_attention_applies_a_key_bias_on_cuda(dtype):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, n, 64, generator=g) for n in (37, 53, 53))
+    keep = torch.rand(2, 1, 1, 53, generator=g) > 0.4
+    keep[..., 0] = True
+    bias = additive_key_bias(keep, torch.float32)
+    q, k, v = (t.to(dtype) for t in (q, k, v))  # the reference sees the same rounded inputs
+    out, lse = attention_with_lse(*(t.cuda() for t in (q, k, v)), 64 ** -0.5, torch.float32, bias.cuda())
+    ref_out, ref_lse = reference(q, k, v, torch.where(keep, 0.0, float("-inf")).double())
+    tolerance = 5e-3 if dtype == torch.float16 else 1e-4
+    torch.testing.assert_close(out.double().cpu(), ref_out, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=tolerance, atol=tolerance)
+
+
 def test_additive_key_bias_layouts():
     mask = torch.tensor([True, False, True])
     assert additive_key_bias(mask, torch.float32).shape == (1, 1, 1, 3)
