@@ -16,16 +16,10 @@ import comfy.model_base
 import torch
 
 from ...omni_hooks.blockstack import TensorArg
-from ...omni_hooks.sequence_parallel import (
-    ReplicatedTokens,
-    SequenceParallelInput,
-    SequenceParallelOutput,
-    SequenceParallelPartialInput,
-    SequenceParallelSelfAttention,
-)
+from ...omni_hooks.sequence_parallel import SequenceParallelPartialInput
 from ...omni_hooks.teacache import ModulatedInput
 from .base import ModelFamily, AutoChoice, Variant, call_arg
-from .flux import flux_img_modulated, flux_layout_stack
+from .flux import flux_img_modulated, flux_layout_attention_sites, flux_layout_sequence_plan, flux_layout_stack
 
 IMG = TensorArg("img", 0)
 
@@ -38,19 +32,14 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     return ModulatedInput(compute=compute)
 
 
-# Sequence parallelism. forward_orig embeds the image tokens (``img_in``) and makes the RoPE table ``pe`` [B, 1, image +
-# text, D/2, 2, 2] from ``cat(img_ids, txt_ids)`` (``pe_embedder``) before any block; both are split where they are
-# made (the table's image part alike, its text part whole at the rear). So ``img_len`` is measured on the shard and the
-# attention mask forward_orig builds over ``[image | text]`` (padded text tokens masked) is this rank's key mask, which
-# the attention entry exchanges. Double blocks attend ``[img shard | txt]`` (flipped_img_txt; the text length is their
-# ``txt``), single blocks ``x = cat(img shard, txt)`` (the text length is x minus the shard); the text stream, and the
-# token refiner in ``txt_in``, stay whole on every rank. ``final_layer``'s output [B, L, C·p] is gathered before
-# unpatchify. Two inputs are refused at the call, by a guard spec on the root whose length source raises (it resolves
-# only when the input is passed): ``guiding_frame_index`` (I2V "v2 (replace)": per-token modulation ranges over the
-# whole sequence) and ``ref_latent`` (``img_in`` runs twice and the reference tokens are prepended apart).
-_ROPE_GROUP = "hunyuan_rope"
-
-
+# Sequence parallelism: the Flux-layout plan, with the text at the rear (``flux_layout_sequence_plan``: the double
+# blocks are flipped_img_txt). As ``img_in``'s output is split, forward_orig measures ``img_len`` on the shard, and
+# the attention mask it builds over ``[image | text]`` (padded text tokens masked) is this rank's key mask, which the
+# attention entry exchanges; the token refiner in ``txt_in`` attends locally over the whole text. Two inputs are
+# refused at the call, by a guard spec on the root whose length source raises (it resolves only when the input is
+# passed, on every rank alike and before any exchange): ``guiding_frame_index`` (I2V "v2 (replace)": per-token
+# modulation ranges over the whole sequence) and ``ref_latent`` (``img_in`` runs twice and the reference tokens are
+# prepended apart).
 def _refused_input(name: str, why: str) -> SequenceParallelPartialInput:
     def refuse(module: torch.nn.Module, args: tuple, kwargs: dict) -> int:
         raise ValueError(f"Sequence Parallel: HunyuanVideo called with {name} is not supported ({why}); fix: remove "
@@ -59,26 +48,13 @@ def _refused_input(name: str, why: str) -> SequenceParallelPartialInput:
 
 
 def _sequence_plan(dm: torch.nn.Module) -> dict:
-    if not all(getattr(block, "flipped_img_txt", False) for block in dm.double_blocks):
-        raise ValueError(f"Sequence Parallel: {type(dm).__name__} has double blocks without flipped_img_txt; the "
-                         "HunyuanVideo plan describes [image | text] attention only")
     return {
         "": {"guiding_frame_index": _refused_input("guiding_frame_index", "the I2V 'v2 (replace)' conditioning "
                                                    "modulates token ranges of the whole image sequence"),
              "ref_latent": _refused_input("ref_latent", "its reference tokens are embedded apart and prepended to "
                                                         "the image tokens")},
-        "img_in": {0: SequenceParallelInput(split_dim=1, expected_dims=3, split_output=True, auto_pad=True)},
-        "pe_embedder": {0: SequenceParallelPartialInput(
-            split_dim=2, expected_dims=6, split_output=True, auto_pad=True, shard_group=_ROPE_GROUP,
-            text_len_source=ReplicatedTokens("ids", dim=1, beside="sequence"), text_position="rear")},
-        "double_blocks.*": SequenceParallelSelfAttention(joint_tokens="txt", joint_position="rear"),
-        "single_blocks.*": SequenceParallelSelfAttention(joint_tokens=ReplicatedTokens("x"), joint_position="rear"),
-        "final_layer": SequenceParallelOutput(gather_dim=1, expected_dims=3),
+        **flux_layout_sequence_plan(dm),
     }
-
-
-def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
-    return [*dm.double_blocks, *dm.single_blocks]
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
@@ -112,5 +88,5 @@ FAMILY = ModelFamily(
     name="hunyuan_video", display_name="HunyuanVideo", matches=_matches, resolve_variant=_variant,
     build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
     resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "byt5_in", "time_r_in", "final_layer"),
-    sequence_plan=_sequence_plan, attention_sites=_attention_sites,
+    sequence_plan=_sequence_plan, attention_sites=flux_layout_attention_sites,
     teacache_keys=frozenset({"hunyuan_video"}), magcache_keys=frozenset({"hunyuan_video"}))
