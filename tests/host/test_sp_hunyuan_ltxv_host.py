@@ -56,6 +56,19 @@ def test_plan_on_two_ranks_equals_one_process(rank_pool, case_name, one_head, pa
         assert (exchanged.get("key_mask_all_gather", 0) > 0) == (variant == "text_mask")
 
 
+@pytest.mark.parametrize("case_name, one_head", [
+    ("hunyuan_video", False), ("hunyuan_video", True), ("ltxv", False), ("ltxv", True)])
+def test_auto_degrees_read_the_head_count(case_name, one_head):
+    from omnitest.pack import pack_module
+    from omnitest.tiny_models import build_case
+
+    node = pack_module("nodes.sequence_parallel_node")
+    families = pack_module("nodes.families")
+    built = build_case(case_name, unet_overrides=ONE_HEAD[case_name] if one_head else None)
+    family = families.detect(built.patcher).model_family
+    assert node._heads(built.diffusion_model, family) == (1 if one_head else 2)
+
+
 def rank_refused_input():
     """On every rank: the error of a HunyuanVideo call with guiding_frame_index (I2V 'v2 (replace)'), the bytes
     exchanged before it, and the PSNR of a call without it afterwards (the group is still in step)."""
