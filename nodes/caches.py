@@ -194,7 +194,14 @@ class CacheSession(FeatureSession):
             run.remove()
 
     def publish(self, status: str, features: list[dict[str, Any]]) -> bool:
-        stats_store.run_finished(self, status, extra={"features": features} if features else None)
+        extra: dict[str, Any] = {}
+        if features:
+            extra["features"] = features
+        # a feature that ran the model on several devices says how many (the panel shows it)
+        world_size = max((f["summary"].get("world_size", 1) for f in features), default=1)
+        if world_size > 1:
+            extra["world_size"] = world_size
+        stats_store.run_finished(self, status, extra=extra or None)
         return True
 
 

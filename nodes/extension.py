@@ -6,12 +6,14 @@ from comfy_api.latest import ComfyExtension, io
 from . import stats_store
 from .magcache_node import ApplyMagCache, MagCacheCalibrate
 from .offload_node import CPUOffload
+from .sequence_parallel_node import SequenceParallel
 from .teacache_node import ApplyTeaCache, TeaCacheCalibrate
 
 
 class OmniHooksExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [ApplyTeaCache, TeaCacheCalibrate, ApplyMagCache, MagCacheCalibrate, CPUOffload]
+        return [ApplyTeaCache, TeaCacheCalibrate, ApplyMagCache, MagCacheCalibrate, CPUOffload,
+                SequenceParallel]
 
 
 # Routes must exist before ComfyUI's server adds its routes, which happens after custom nodes are loaded.

@@ -118,6 +118,15 @@ class FeatureSession:
         """A model call is about to start (hooks installed, before ``begin_call``): its arguments as the
         DIFFUSION_MODEL wrapper got them; ``transformer_options`` is this call's own copy and may be changed."""
 
+    def call_arguments(self, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
+        """The arguments the model is called with, after every ``before_call`` (default: unchanged). ``options`` is
+        the call's ``transformer_options`` (one of the arguments)."""
+        return args, kwargs
+
+    def call_output(self, output: Any) -> Any:
+        """What the call returns, from what the model returned (default: unchanged)."""
+        return output
+
     def begin_call(self, context: CallContext) -> None:
         """A model call starts (hooks installed)."""
 
@@ -242,11 +251,13 @@ class RunSession:
     schedules: dict = field(default_factory=dict)  # step_of's memo for this run
     closed: bool = False
 
-    def open(self, features: tuple[AppliedFeature, ...]) -> None:
-        """Create one session per feature, in ``SESSION_ORDER`` (each kept as soon as it exists, for ``close``)."""
+    def open(self, features: tuple[AppliedFeature, ...], factories: dict[str, SessionFactory] | None = None) -> None:
+        """Create one session per feature, in ``SESSION_ORDER`` (each kept as soon as it exists, for ``close``).
+        ``factories``: a kind's session made otherwise than its spec says (a worker rank's side of a feature)."""
         rank = {category: i for i, category in enumerate(SESSION_ORDER)}
         for feature in sorted(features, key=lambda f: rank[f.category]):
-            self.sessions.append(_SPECS[feature.kind].session_factory(self.patcher, feature))
+            factory = (factories or {}).get(feature.kind) or _SPECS[feature.kind].session_factory
+            self.sessions.append(factory(self.patcher, feature))
 
     def after_load(self, patcher, request: LoadRequest | None = None) -> None:
         rank = {category: i for i, category in enumerate(LOAD_ORDER)}
@@ -387,20 +398,25 @@ def call_context(run: RunSession, options: dict) -> CallContext:
 
 def run_call(run: RunSession, diffusion_model: torch.nn.Module, forward: Callable[..., Any], args: tuple,
              kwargs: dict, options: dict) -> Any:
-    """One model call of ``run``: hooks installed on ``diffusion_model``, every session's ``before_call`` and
-    ``begin_call``, ``forward(*args, **kwargs)``, then ``end_call`` in reverse. A failure of the call is replaced by
+    """One model call of ``run``: hooks installed on ``diffusion_model``, every session's ``before_call``,
+    ``call_arguments`` and ``begin_call``, ``forward(*args, **kwargs)``, ``call_output`` and ``end_call`` in reverse. A failure of the call is replaced by
     the first session's explanation of it (``explain_failure``), if any. The DIFFUSION_MODEL wrapper and a
     sequence-parallel worker rank both drive a call through here."""
     run.ensure_installed(diffusion_model)
     for session in run.sessions:
         session.before_call(args, kwargs, options)
+    for session in run.sessions:
+        args, kwargs = session.call_arguments(args, kwargs, options)
     context = call_context(run, options)
     begun: list[FeatureSession] = []
     try:
         for session in run.sessions:
             session.begin_call(context)
             begun.append(session)
-        return forward(*args, **kwargs)
+        output = forward(*args, **kwargs)
+        for session in reversed(run.sessions):
+            output = session.call_output(output)
+        return output
     except Exception as error:
         for session in run.sessions:
             explained = session.explain_failure(error)

@@ -7,15 +7,14 @@ applies the family's sequence plan to the diffusion model, and per model call se
 header they check before any collective), installs the attention exchange in ComfyUI's attention-override seam and
 gives caches the group's ``RankView``. Every rank runs the model's own forward on its shard; the head's output is
 gathered, so rank 0 returns the whole output to the sampler.
-
-Not registered with ComfyUI yet (``nodes/extension.py`` does not list it): caches and offload on the same MODEL are
-not rebuilt on the workers, and faults mid-run, remote join, server e2e and the families other than Wan are still to
-do. Host tests exercise what exists.
 """
 from __future__ import annotations
 
+import logging
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from comfy_api.latest import io
@@ -23,14 +22,18 @@ from comfy_api.latest import io
 from ..omni_hooks.sequence_parallel import SequenceParallelConfig, apply_sequence_parallel, remove_sequence_parallel
 from . import sp_group
 from .families import FAMILIES, ModelFamily, detect
-from .features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, register_feature
+from .features import (FEATURES_KEY, AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature,
+                       register_feature)
 from .sp_protocol import OPTIONS_SLOT, SequenceParallelError, check_picklable, tensor_signature, to_cpu
+
+log = logging.getLogger("OmniHooks")
 
 KIND = "sequence_parallel"
 NODE_ID = "OmniHooks.SequenceParallel"
 NODE_TITLE = "Sequence Parallel"
 AUTO = "auto"
 ATTENTION_OVERRIDE = "optimized_attention_override"
+OPTIONS_NAME = "transformer_options"
 # options rank 0 keeps to itself: its own wrappers and callbacks (they run around the call on rank 0) and our run
 LOCAL_ONLY_OPTIONS = ("wrappers", "callbacks", "omni_hooks.run", "omni_hooks.features")
 
@@ -44,6 +47,7 @@ class SequenceParallelSettings:
     backend: str
     host: str
     port: int
+    cfg_parallel: bool = False
 
 
 def supported_families() -> str:
@@ -64,8 +68,13 @@ def resolve_devices(value: str, world_size: int) -> tuple[str, ...]:
 
 
 def resolve_degrees(settings: SequenceParallelSettings, heads: int) -> SequenceParallelConfig:
-    """'auto': Ulysses when the head count divides the world size's, else ring attention."""
+    """'auto': Ulysses when the head count divides the world size's, else ring attention. With ``cfg_parallel`` the
+    degrees share half the world (two cfg halves)."""
     world = settings.world_size
+    cfg = 2 if settings.cfg_parallel else 1
+    if world % cfg:
+        raise ValueError(f"{NODE_TITLE}: cfg_parallel needs an even world_size (two halves), got {world}")
+    world //= cfg
     u, r = settings.ulysses_degree, settings.ring_degree
     if u is None and r is None:
         u, r = (world, 1) if heads % world == 0 else (1, world)
@@ -74,11 +83,20 @@ def resolve_degrees(settings: SequenceParallelSettings, heads: int) -> SequenceP
     elif r is None:
         r = world // u
     if u * r != world:
-        raise ValueError(f"{NODE_TITLE}: ulysses_degree {u} x ring_degree {r} must equal world_size {world}")
+        what = "world_size / 2 (cfg_parallel)" if cfg > 1 else "world_size"
+        raise ValueError(f"{NODE_TITLE}: ulysses_degree {u} x ring_degree {r} must equal {what} {world}")
     if heads % u:
         raise ValueError(f"{NODE_TITLE}: the model has {heads} attention heads, which ulysses_degree {u} does not "
                          "divide; set ulysses_degree to a divisor or 'auto'")
-    return SequenceParallelConfig(ulysses_degree=u, ring_degree=r)
+    return SequenceParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg)
+
+
+def split_batch(runtime, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
+    """CFG parallel: this rank's part of a model call's batch (``transformer_options`` stays whole). Done by the
+    sessions inside the DIFFUSION_MODEL wrapper, not by a hook on the diffusion model: ComfyUI runs that wrapper inside
+    the model's forward, so a hook there would run before a run's first call installed anything."""
+    names = [OPTIONS_NAME if a is options else "" for a in args]
+    return runtime.split_batch(args, kwargs, names)
 
 
 def _heads(dm: torch.nn.Module, family: ModelFamily) -> int:
@@ -101,30 +119,44 @@ def _comfyui_root() -> Path:
 
 
 class SequenceParallelSession(FeatureSession):
+    """One sampling run on rank 0. After ComfyUI's load (before offload places the weights: ``LOAD_ORDER``) it gets
+    the group and sends the weights if they changed; per call it sends the call, with the run's other features (the
+    workers run the same caches and offload) and the run's id, then installs the attention exchange."""
+
     def __init__(self, patcher, feature: AppliedFeature):
         super().__init__(patcher, feature)
         self.settings: SequenceParallelSettings = feature.settings
+        self.family = detect(patcher).model_family
         self.group: sp_group.SequenceParallelGroup | None = None
         self.runtime = None
         self.plan = None
         self.installed_on: torch.nn.Module | None = None
-        self.family = None
-        self.degrees: tuple[int, int] | None = None
+        self.degrees: tuple[int, int, int] | None = None  # (ulysses, ring, cfg)
+        self.run_id = uuid.uuid4().hex
+        self.calls = 0
 
-    def install(self, diffusion_model: torch.nn.Module) -> None:
-        s = self.settings
-        self.family = detect(self.patcher).model_family
+    def after_load(self, patcher) -> None:
+        self._join(patcher)
+
+    def _join(self, patcher) -> None:
+        """The group of this run's settings, holding the model's current weights."""
         if self.family.sequence_plan is None:
             raise ValueError(f"{self.feature.describe()}: {self.family.display_name} has no sequence plan yet; "
                              f"supported: {supported_families()}")
-        config = resolve_degrees(s, _heads(diffusion_model, self.family))
-        self.group = sp_group.current_group(
-            sp_group.GroupSettings(s.world_size, s.backend, s.devices, s.host, s.port), _comfyui_root())
+        s = self.settings
+        if self.group is None:
+            self.group = sp_group.current_group(
+                sp_group.GroupSettings(s.world_size, s.backend, s.devices, s.host, s.port), _comfyui_root())
+        self.group.sync_weights(patcher, self.family.name)
+
+    def install(self, diffusion_model: torch.nn.Module) -> None:
+        self._join(self.patcher)
+        config = resolve_degrees(self.settings, _heads(diffusion_model, self.family))
         plan = self.family.sequence_plan(diffusion_model)
         mesh = self.group.mesh(config)
-        self.runtime = apply_sequence_parallel(diffusion_model, config, plan, mesh=mesh)
+        self.runtime = apply_sequence_parallel(diffusion_model, config, plan, mesh=mesh, batch_hook=False)
         self.plan, self.installed_on = plan, diffusion_model
-        self.degrees = (config.ulysses_degree, config.ring_degree)
+        self.degrees = (config.ulysses_degree, config.ring_degree, config.cfg_degree)
 
     def remove(self) -> None:
         if self.installed_on is not None:
@@ -137,15 +169,23 @@ class SequenceParallelSession(FeatureSession):
                              f"({transformer_options[ATTENTION_OVERRIDE]!r}); remove it or Sequence Parallel")
         sent = {k: v for k, v in transformer_options.items() if k not in LOCAL_ONLY_OPTIONS}
         check_picklable(sent, self.feature.describe())
-        self.group.sync_weights(self.patcher.model, self.family.name)
+        self.group.sync_weights(self.patcher, self.family.name)
         slot = lambda v: OPTIONS_SLOT if v is transformer_options else v  # noqa: E731
         call_args = tuple(slot(a) for a in args)
         call_kwargs = {k: slot(v) for k, v in kwargs.items()}
+        features = tuple(transformer_options.get(FEATURES_KEY, ()))
         header = {"signature": tensor_signature((call_args, call_kwargs)), "degrees": self.degrees,
-                  "weights": self.group.serial_of_weights}
-        self.group.command("call", header, to_cpu((call_args, call_kwargs, sent)))
+                  "weights": self.group.serial_of_weights, "run": self.run_id}
+        self.group.command("call", header, to_cpu((call_args, call_kwargs, sent, features)))
+        self.calls += 1
         transformer_options[ATTENTION_OVERRIDE] = self.runtime.attention
         self.runtime.reset()
+
+    def call_arguments(self, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
+        return split_batch(self.runtime, args, kwargs, options)
+
+    def call_output(self, output: Any) -> Any:
+        return self.runtime.gather_batch(output)
 
     def begin_call(self, context) -> None:
         context.rank = self.runtime.rank_view()
@@ -154,6 +194,22 @@ class SequenceParallelSession(FeatureSession):
         self.remove()
         if status == "error":  # the group may be out of step (a rank died or raised): start afresh next run
             sp_group.close_group()
+        elif self.calls and self.group is not None:
+            try:  # the workers end the run too (their caches' and offload's close)
+                self.group.command("end", {"run": self.run_id, "status": status})
+            except Exception:
+                log.exception("OmniHooks %s: the workers did not end the run; restarting them next run",
+                              self.feature.describe())
+                sp_group.close_group()
+
+    def summary(self) -> dict[str, Any] | None:
+        if self.degrees is None:
+            return None
+        ulysses, ring, cfg = self.degrees
+        return {"world_size": self.settings.world_size, "ulysses_degree": ulysses, "ring_degree": ring,
+                "cfg_degree": cfg,
+                "backend": self.settings.backend, "local_devices": list(self.settings.devices),
+                "calls": self.calls, "bytes_sent": self.runtime.stats.bytes_sent if self.runtime else 0}
 
 
 register_feature(FeatureSpec(KIND, Category.SEQUENCE_PARALLEL, SequenceParallelSession))
@@ -167,7 +223,7 @@ class SequenceParallel(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
-            node_id=NODE_ID, display_name=NODE_TITLE, category="OmniHooks",
+            node_id=NODE_ID, display_name=f"{NODE_TITLE} (OmniHooks)", category="OmniHooks",
             description=("Samples this MODEL across several GPUs (or CPU processes): each rank computes its share of "
                          "the tokens, attention is exchanged exactly. Place between the loader (and LoRAs) and the "
                          f"sampler. Supported: {supported_families()}."),
@@ -190,13 +246,19 @@ class SequenceParallel(io.ComfyNode):
                                 "address is used."),
                 io.Int.Input("master_port", default=0, min=0, max=65535,
                              tooltip="Rank 0's port; 0 picks a free one (local ranks only)."),
+                io.Boolean.Input("cfg_parallel", default=False,
+                                 tooltip="With cfg > 1: half the ranks compute the cond batch, the other half the "
+                                 "uncond, each half splitting the tokens (ulysses x ring = world_size / 2). Calls "
+                                 "that do not split in two (cfg 1, one cond) run on all ranks. Needs an even "
+                                 "world_size."),
             ],
             outputs=[io.Model.Output()],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
     def execute(cls, model, world_size, ulysses_degree, ring_degree, devices, backend, master_address,
-                master_port) -> io.NodeOutput:
+                master_port, cfg_parallel=False) -> io.NodeOutput:
         family = detect(model).model_family
         if family.sequence_plan is None:
             raise ValueError(f"{NODE_TITLE}: {family.display_name} is not supported yet; supported: "
@@ -210,9 +272,8 @@ class SequenceParallel(io.ComfyNode):
         settings = SequenceParallelSettings(
             world_size=world_size, ulysses_degree=None if ulysses_degree == AUTO else int(ulysses_degree),
             ring_degree=None if ring_degree == AUTO else int(ring_degree), devices=local, backend=backend,
-            host=master_address, port=master_port)
-        node_id = getattr(cls, "hidden", None) and cls.hidden.unique_id
-        feature = AppliedFeature(KIND, Category.SEQUENCE_PARALLEL, NODE_TITLE, node_id, settings)
+            host=master_address, port=master_port, cfg_parallel=bool(cfg_parallel))
+        feature = AppliedFeature(KIND, Category.SEQUENCE_PARALLEL, NODE_TITLE, cls.hidden.unique_id, settings)
         return io.NodeOutput(attach_feature(model, feature))
 
 

@@ -28,7 +28,7 @@ from .sp_protocol import (
     POLL_S,
     Command,
     SequenceParallelError,
-    broadcast_state,
+    broadcast_tensors,
     encode,
     join_group,
     wait_for,
@@ -66,7 +66,7 @@ class SequenceParallelGroup:
         self.serial = 0
         self.weights_key: tuple | None = None
         self.serial_of_weights: int | None = None  # the "load" command whose weights the workers hold
-        self._meshes: dict[tuple[int, int], SequenceParallelMesh] = {}
+        self._meshes: dict[tuple[int, int, int], SequenceParallelMesh] = {}  # (ulysses, ring, cfg)
         self._start(comfyui_root)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
@@ -156,29 +156,47 @@ class SequenceParallelGroup:
 
     def mesh(self, config: SequenceParallelConfig) -> SequenceParallelMesh:
         """The mesh of these degrees, built on every rank at once (the hybrid creates subgroups collectively)."""
-        key = (config.ulysses_degree, config.ring_degree)
+        key = (config.ulysses_degree, config.ring_degree, config.cfg_degree)
         if key not in self._meshes:
-            self.command("mesh", {"ulysses": key[0], "ring": key[1]})
+            self.command("mesh", {"ulysses": key[0], "ring": key[1], "cfg": key[2]})
             self._meshes[key] = SequenceParallelMesh.from_config(config)
         return self._meshes[key]
 
-    def sync_weights(self, base_model: torch.nn.Module, family: str) -> None:
-        """Send the diffusion model's weights as they are now (ComfyUI's patches applied) once per model and patch
-        version; workers build the same model class from its config first."""
-        dm = base_model.diffusion_model
+    def sync_weights(self, patcher, family: str) -> None:
+        """Send the diffusion model's weights as ComfyUI computes with them now (``computed_state``) once per model and
+        patch version; workers build the same model class from its config first."""
+        base_model = patcher.model
         key = (id(base_model), getattr(base_model, "current_weight_patches_uuid", None), family)
         if key == self.weights_key:
             return
         config = base_model.model_config
-        state = dm.state_dict()
+        state = computed_state(base_model.diffusion_model)
         payload = {"config_class": (type(config).__module__, type(config).__qualname__),
-                   "unet_config": dict(config.unet_config), "unet_dtype": config.unet_config.get("dtype", base_model.get_dtype()),
+                   "unet_config": dict(config.unet_config),
+                   "unet_dtype": config.unet_config.get("dtype", base_model.get_dtype()),
                    "manual_cast_dtype": config.manual_cast_dtype, "family": family}
         header = {"names": [(name, tuple(t.shape), str(t.dtype)) for name, t in state.items()]}
         self.weights_key = None
         self.command("load", header, payload)
-        broadcast_state(dm)
+        broadcast_tensors(list(state.values()))
         self.weights_key, self.serial_of_weights = key, self.serial
+
+
+def computed_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict as ComfyUI computes with it. Patches (LoRA) applied in place are in the weights
+    already; a layer ComfyUI loaded in its lowvram mode keeps them in ``weight_function``/``bias_function``, applied
+    at cast time: they are applied here (result in the weight's own dtype)."""
+    state = module.state_dict()
+    for name, layer in module.named_modules():
+        for attr in ("weight", "bias"):
+            functions = getattr(layer, f"{attr}_function", None)
+            key = f"{name}.{attr}" if name else attr
+            if functions and key in state:
+                tensor = state[key].clone()  # the functions may patch in place, as on ComfyUI's cast copy
+                for function in functions:
+                    tensor = function(tensor)
+                state[key] = tensor.to(state[key].dtype)
+    return state
 
 
 _current: SequenceParallelGroup | None = None

@@ -45,13 +45,20 @@ class Command:
     payload: Any = None
 
 
+# This pack's import name in this process: ComfyUI imports it under its folder's name, a worker under another one.
+PACKAGE = __name__.rsplit(".nodes.", 1)[0]
+
+
 def encode(command: Command) -> bytes:
-    """A command as bytes of builtins and tensors only (rank 0 and a worker import this pack under other names)."""
-    return dumps({"op": command.op, "serial": command.serial, "header": command.header, "payload": command.payload})
+    """A command as bytes. Objects of this pack (a feature's settings) are pickled under this process's package name,
+    which travels with them so the receiver maps it to its own (``decode``)."""
+    body = dumps({"op": command.op, "serial": command.serial, "header": command.header, "payload": command.payload})
+    return dumps({"package": PACKAGE, "body": body})
 
 
 def decode(data: bytes) -> Command:
-    return Command(**loads(data))
+    outer = loads(data)
+    return Command(**loads(outer["body"], rename=(outer["package"], PACKAGE)))
 
 
 def wait_for(store: dist.Store, key: str, poll_s: float) -> bool:
@@ -67,13 +74,25 @@ def wait_for(store: dist.Store, key: str, poll_s: float) -> bool:
 
 
 def dumps(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def loads(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+class _RenamingUnpickler(pickle.Unpickler):
+    def __init__(self, file, rename: tuple[str, str]):
+        super().__init__(file)
+        self.sender, self.receiver = rename
+
+    def find_class(self, module: str, name: str):
+        if module == self.sender or module.startswith(self.sender + "."):
+            module = self.receiver + module[len(self.sender):]
+        return super().find_class(module, name)
+
+
+def loads(data: bytes, rename: tuple[str, str] | None = None) -> Any:
+    """``pickle.loads``; ``rename=(sender's package, ours)`` maps the sender's import name of this pack to ours."""
+    if rename is None or rename[0] == rename[1]:
+        return pickle.loads(data)
+    return _RenamingUnpickler(io.BytesIO(data), rename).load()
 
 
 def to_cpu(value: Any) -> Any:
@@ -132,14 +151,19 @@ def connect_store(host: str, port: int) -> dist.Store:
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
 
 
-def broadcast_state(module: torch.nn.Module) -> None:
-    """Every parameter and buffer of ``module`` broadcast from rank 0 in state-dict order (collective)."""
+def broadcast_tensors(tensors: list[torch.Tensor], device: torch.device | None = None) -> None:
+    """Broadcast each tensor from rank 0 into the same-shaped tensor on every other rank, in order (collective).
+
+    ``device``: where the backend exchanges (None: CPU for gloo, the current CUDA device for NCCL); a tensor held
+    elsewhere is staged through it."""
+    if device is None:
+        device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device("cuda", torch.cuda.current_device())
     with torch.no_grad():
-        for tensor in module.state_dict(keep_vars=True).values():
+        for tensor in tensors:
             data = tensor.data
-            if dist.get_backend() == "gloo" and data.device.type != "cpu":
-                staged = data.cpu()
+            if data.device == device:
+                dist.broadcast(data, src=0)
+            else:
+                staged = data.to(device)
                 dist.broadcast(staged, src=0)
                 data.copy_(staged)
-            else:
-                dist.broadcast(data, src=0)

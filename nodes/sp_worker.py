@@ -61,93 +61,6 @@ def _parent_gone(parent_pid: int | None) -> bool:
         return True
 
 
-class Worker:
-    """One worker rank's state: the model, its sequence-parallel runtime and the meshes."""
-
-    def __init__(self, args: argparse.Namespace):
-        import torch
-
-        self.args = args
-        self.device = torch.device(args.device)
-        self.base_model = None
-        self.family = None
-        self.plan = None
-        self.runtime = None
-        self.applied_for = None
-        self.meshes = {}
-        self.weights_serial = None
-
-    # each op: prepare (before the ack: may refuse) then run (collectives)
-
-    def prepare(self, command) -> None:
-        if command.op == "load":
-            self._build(command)
-        elif command.op == "call":
-            args, kwargs, options = command.payload
-            from .sp_protocol import tensor_signature
-
-            if tensor_signature((args, kwargs)) != command.header["signature"]:
-                raise ValueError("Sequence Parallel worker: the call's tensors do not match its header")
-            if self.base_model is None or command.header["weights"] != self.weights_serial:
-                raise ValueError("Sequence Parallel worker: no model loaded for this call")
-
-    def run(self, command) -> None:
-        import torch
-
-        from .sp_protocol import OPTIONS_SLOT
-        from ..omni_hooks.sequence_parallel import (SequenceParallelConfig, SequenceParallelMesh,
-                                                    apply_sequence_parallel, remove_sequence_parallel)
-        from .sp_protocol import broadcast_state, to_device
-
-        if command.op == "mesh":
-            config = SequenceParallelConfig(command.header["ulysses"], command.header["ring"])
-            self.meshes[(config.ulysses_degree, config.ring_degree)] = SequenceParallelMesh.from_config(config)
-        elif command.op == "load":
-            broadcast_state(self.base_model.diffusion_model)
-            self.weights_serial = command.serial
-        elif command.op == "call":
-            degrees = command.header["degrees"]
-            dm = self.base_model.diffusion_model
-            if self.applied_for != degrees:
-                if self.plan is not None:
-                    remove_sequence_parallel(dm, self.plan)
-                    self.plan = None
-                plan = self.family.sequence_plan(dm)
-                config = SequenceParallelConfig(*degrees)
-                self.runtime = apply_sequence_parallel(dm, config, plan, mesh=self.meshes[tuple(degrees)])
-                self.plan, self.applied_for = plan, degrees
-            args, kwargs, options = to_device(command.payload, self.device)
-            options = dict(options, optimized_attention_override=self.runtime.attention)
-            args = tuple(options if a == OPTIONS_SLOT else a for a in args)
-            kwargs = {k: options if v == OPTIONS_SLOT else v for k, v in kwargs.items()}
-            self.runtime.reset()
-            with torch.inference_mode():
-                dm.forward(*args, **kwargs)
-
-    def _build(self, command) -> None:
-        import comfy.model_management  # noqa: F401
-
-        from .families import family_named
-
-        payload = command.payload
-        if self.plan is not None and self.base_model is not None:
-            from ..omni_hooks.sequence_parallel import remove_sequence_parallel
-
-            remove_sequence_parallel(self.base_model.diffusion_model, self.plan)
-        self.plan, self.applied_for, self.base_model = None, None, None
-        module, qualname = payload["config_class"]
-        config = getattr(importlib.import_module(module), qualname)(payload["unet_config"])
-        config.set_inference_dtype(payload["unet_dtype"], payload["manual_cast_dtype"])
-        base_model = config.get_model({}, "", device=self.device)
-        base_model.diffusion_model.to(self.device)
-        names = [(name, tuple(t.shape), str(t.dtype)) for name, t in base_model.diffusion_model.state_dict().items()]
-        if names != command.header["names"]:
-            raise ValueError("Sequence Parallel worker: the model built from the config has other weights than rank "
-                             "0's (the two ComfyUI versions differ?)")
-        self.family = family_named(payload["family"])
-        self.base_model = base_model.eval()
-
-
 def serve(args: argparse.Namespace) -> int:
     """Join the group and run commands until "exit", rank 0's death, or a failed collective."""
     import torch
@@ -160,7 +73,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))
     commands = join_group(connect_store(host, int(port)), args.rank, args.world_size, args.backend)
-    worker = Worker(args)
+    from .sp_rank import Worker
+
+    worker = Worker(args.device)
     serial = 0
     try:
         while True:
@@ -181,7 +96,7 @@ def serve(args: argparse.Namespace) -> int:
             if command.op == "exit":
                 return 0
             try:
-                worker.run(command)
+                worker.execute(command)
             except Exception:
                 commands.set(f"error/{args.rank}", dumps(traceback.format_exc()))
                 traceback.print_exc()

@@ -7,7 +7,7 @@ no untyped scratch space: a new fact that features share gets a field here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -36,12 +36,15 @@ class RankView:
     """This process's place in a sequence-parallel group (world size 1 = no parallelism).
 
     ``agreement`` is how features that decide per call (caches) make the same decision on every rank; a view of
-    more than one rank must carry one.
+    more than one rank must carry one. ``batch_part`` (CFG parallel), asked during the call: ``(index, parts)``, this
+    rank computes part ``index`` of ``parts`` equal parts of the call's batch, so it holds only those of the call's
+    branches; None or ``(0, 1)``: the whole batch.
     """
 
     rank: int = 0
     world_size: int = 1
     agreement: RankAgreement | None = None
+    batch_part: Callable[[], tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

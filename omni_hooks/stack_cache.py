@@ -139,6 +139,7 @@ class StackCacheRun:
         """Decide for the current call; True means compute the blocks."""
         call = self._call
         batch = hidden.shape[0]
+        self._keep_own_part(call)
         if call.chunk == 0 or batch % call.chunk:
             # chunks unknown or inconsistent: treat the whole batch as one branch
             call.keys = ["|".join(call.keys) or "default"]
@@ -165,6 +166,23 @@ class StackCacheRun:
                       for i, d in enumerate(decisions)])
         call.context.blocks_run = compute
         return compute
+
+    @staticmethod
+    def _keep_own_part(call: ActiveCall) -> None:
+        """CFG parallel: keep the branches of the part of the batch this rank computes (``RankView.batch_part``);
+        branches that do not divide into the parts become one."""
+        batch_part = call.context.rank.batch_part
+        index, parts = batch_part() if batch_part is not None else (0, 1)
+        if parts == 1:
+            return
+        if call.chunk == 0 or call.chunk % parts:
+            call.keys, call.labels = ["|".join(call.keys) or "default"], ["+".join(call.labels) or "all"]
+            call.chunk = 1
+            return
+        size = call.chunk // parts
+        call.keys = call.keys[index * size:(index + 1) * size]
+        call.labels = call.labels[index * size:(index + 1) * size]
+        call.chunk = size
 
     @staticmethod
     def measured_floats(call: ActiveCall, values: list[torch.Tensor | None]) -> list[float | None]:

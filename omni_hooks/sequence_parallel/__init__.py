@@ -30,6 +30,7 @@ from .cache_sync import GroupAgreement
 from .comm import CommRecord, CommStats, Communicator
 from .config import SequenceParallelConfig
 from .hooks import (
+    SequenceParallelBatchHook,
     SequenceParallelGatherHook,
     SequenceParallelSelfAttentionHook,
     SequenceParallelSplitHook,
@@ -65,6 +66,7 @@ __all__ = [
     "RankGroup",
     "ReplicatedTokens",
     "SequenceParallelAttention",
+    "SequenceParallelBatchHook",
     "SequenceParallelConfig",
     "SequenceParallelGatherHook",
     "SequenceParallelInput",

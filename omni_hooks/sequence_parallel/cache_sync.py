@@ -18,16 +18,19 @@ KIND = "cache_agreement"
 
 
 class GroupAgreement:
-    """``RankAgreement`` over one group (all-reduces on the group's backend device)."""
+    """``RankAgreement`` over one group (all-reduces on the group's backend device). ``any_comm``: a larger group
+    that ``any`` decides over (CFG parallel: the metric is averaged over the ranks computing the same batch part, but
+    every rank of the world must take the same path); None: ``comm``."""
 
-    def __init__(self, comm: Communicator, device: torch.device):
+    def __init__(self, comm: Communicator, device: torch.device, any_comm: Communicator | None = None):
         self.comm = comm
         self.device = device
+        self.any_comm = any_comm or comm
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
         total = self.comm.all_reduce(values.detach().to(self.device, torch.float64), "sum", KIND)
         return (total / self.comm.size).cpu()
 
     def any(self, flag: bool) -> bool:
-        flags = self.comm.all_reduce(torch.tensor([1.0 if flag else 0.0], device=self.device), "max", KIND)
+        flags = self.any_comm.all_reduce(torch.tensor([1.0 if flag else 0.0], device=self.device), "max", KIND)
         return bool(flags.item() > 0)

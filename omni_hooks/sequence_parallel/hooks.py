@@ -36,6 +36,7 @@ log = logging.getLogger("omni_hooks")
 
 GATHER_KIND = "output_all_gather"
 SPLIT_PREFIX, GATHER_PREFIX, SITE_PREFIX = "sp_input---", "sp_output---", "sp_attention---"
+BATCH_HOOK = "sp_batch---"
 
 
 def _dims_match(hook: ModelHook, x: torch.Tensor, expected: int | None, what: str) -> bool:
@@ -236,6 +237,29 @@ class SequenceParallelSelfAttentionHook(SequenceParallelHook):
         return module
 
 
+class SequenceParallelBatchHook(ModelHook):
+    """CFG parallel, on the plan's root: this rank's part of the call's batch in, every part's output out (see
+    ``SequenceParallelRuntime.split_batch``). Of the observation phase: outside every other hook on the root, so the
+    sequence split and any cache there see the part."""
+
+    phase = HookPhase.OBSERVATION
+
+    def __init__(self, runtime: SequenceParallelRuntime):
+        self.runtime = runtime
+        self.names: list[str] = []
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        metadata = ModuleForwardMetadata(module)
+        self.names = [n for n, i in metadata.cached_parameter_indices.items() if i is not None]  # in position order
+        return module
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        return self.runtime.split_batch(args, kwargs, self.names)
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        return self.runtime.gather_batch(output)
+
+
 def _hooks_for(module_id: str, spec: Any) -> tuple[str, type, Any]:
     if isinstance(spec, dict):
         split_cls = (SequenceParallelSplitOutsideCachesHook if splits_outside_caches(module_id, spec)
@@ -253,17 +277,24 @@ def _hooks_for(module_id: str, spec: Any) -> tuple[str, type, Any]:
 
 
 def apply_sequence_parallel(module: torch.nn.Module, config: SequenceParallelConfig, plan: SequenceParallelModelPlan,
-                            *, mesh: SequenceParallelMesh | None = None) -> SequenceParallelRuntime:
+                            *, mesh: SequenceParallelMesh | None = None,
+                            batch_hook: bool = True) -> SequenceParallelRuntime:
     """Register the plan's hooks on ``module`` and return the runtime that drives them.
 
     ``mesh`` None builds it from torch.distributed (``SequenceParallelMesh.from_config``: collective, call on every
     rank). Errors (plan, unknown parameter names, a missing submodule, a conflicting hook) leave the model as it was.
     The host then installs ``runtime.attention`` in its attention-override seam and passes ``runtime.rank_view()``
-    in each call's ``CallContext``; ``remove_sequence_parallel(module, plan)`` undoes it.
+    in each call's ``CallContext``. With ``config.cfg_degree`` > 1 a batch hook on ``module`` itself splits each
+    call's batch between the cfg halves and gathers the output (``SequenceParallelRuntime.split_batch``), unless
+    ``batch_hook`` is False: a host whose call reaches the module's hooks before it can act (ComfyUI's wrappers run
+    inside the root forward) then calls ``split_batch``/``gather_batch`` itself around the forward.
+    ``remove_sequence_parallel(module, plan)`` undoes it.
     """
     validate_sp_plan(plan)
     runtime = SequenceParallelRuntime(config, mesh)
     planned = []
+    if config.cfg_degree > 1 and batch_hook:
+        planned.append((module, BATCH_HOOK, lambda rt, spec, module_id: SequenceParallelBatchHook(rt), None, ""))
     for module_id, spec in plan.items():
         name, hook_cls, hook_spec = _hooks_for(module_id, spec)
         planned += [(target, name, hook_cls, hook_spec, module_id) for target in resolve_submodules(module,
@@ -295,6 +326,7 @@ def remove_sequence_parallel(module: torch.nn.Module, plan: SequenceParallelMode
     """Remove the hooks ``apply_sequence_parallel(module, config, plan)`` registered; a module left without hooks is
     restored exactly. Modules without a registry are skipped."""
     validate_sp_plan(plan)
+    remove_hook_and_restore(module, BATCH_HOOK)
     for module_id, spec in plan.items():
         name = _hooks_for(module_id, spec)[0]
         for target in resolve_submodules(module, module_id):

@@ -48,6 +48,11 @@ class SequenceParallelMesh:
     ``backend``: the torch.distributed backend ("gloo", "nccl", ...) or "simulated" (no process group: collectives
     only count bytes and return uninitialised tensors, for accounting at sizes no test machine can hold).
     ``device``: where small control tensors (cache agreement) must live for this backend.
+
+    CFG parallel (``cfg_degree`` C > 1): ``sp``/``ulysses``/``ring`` are the groups inside this rank's cfg half (half
+    ``c`` = default-group ranks ``[c·U·R, (c+1)·U·R)``); ``cfg`` holds the ranks at this rank's SP position in every
+    half, in half order (the batch gather); ``whole`` is the mesh of all C·U·R ranks for calls the halves do not split
+    (``SequenceParallelConfig.whole_config``). Both None without CFG parallel.
     """
 
     sp: RankGroup
@@ -55,6 +60,8 @@ class SequenceParallelMesh:
     ring: RankGroup
     backend: str
     device: torch.device
+    cfg: RankGroup | None = None
+    whole: "SequenceParallelMesh | None" = None
 
     @property
     def simulated(self) -> bool:
@@ -67,6 +74,8 @@ class SequenceParallelMesh:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("apply_sequence_parallel: torch.distributed is not initialized; call "
                              "torch.distributed.init_process_group(...) in every rank first")
+        if config.cfg_degree > 1:
+            return cls._with_cfg(config)
         group = config.process_group
         ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
         size = config.sequence_parallel_size
@@ -97,9 +106,36 @@ class SequenceParallelMesh:
         return cls(sp=RankGroup(ranks, me, pg), ulysses=ulysses, ring=ring, backend=backend, device=device)
 
     @classmethod
+    def _with_cfg(cls, config: SequenceParallelConfig) -> "SequenceParallelMesh":
+        """CFG parallel: every rank creates every half's groups, then the cfg groups, then the whole mesh's."""
+        world, size = dist.get_world_size(), config.sequence_parallel_size
+        if world != config.world_size:
+            raise ValueError(f"Configuration mismatch: cfg_degree {config.cfg_degree} x ulysses_degree "
+                             f"{config.ulysses_degree} x ring_degree {config.ring_degree} = {config.world_size}, but "
+                             f"the world size is {world}; make the degrees' product equal the world size")
+        me = dist.get_rank()
+        halves = [tuple(range(c * size, (c + 1) * size)) for c in range(config.cfg_degree)]
+        single = RankGroup((me,), 0)
+        sp = _create_groups(halves) if size > 1 else single
+        u, r = config.ulysses_degree, config.ring_degree
+        if u > 1 and r > 1:
+            layouts = [_layout(half, u, r) for half in halves]
+            ulysses = _create_groups([g for layout in layouts for g in layout[0]])
+            ring = _create_groups([g for layout in layouts for g in layout[1]])
+        else:
+            ulysses = sp if u > 1 else single
+            ring = sp if r > 1 else single
+        cfg = _create_groups([tuple(g + c * size for c in range(config.cfg_degree)) for g in range(size)])
+        whole = cls.from_config(config.whole_config())
+        return cls(sp=sp, ulysses=ulysses, ring=ring, backend=whole.backend, device=whole.device, cfg=cfg, whole=whole)
+
+    @classmethod
     def simulated_for(cls, config: SequenceParallelConfig, rank: int = 0) -> "SequenceParallelMesh":
         """A mesh without processes: rank ``rank`` of U·R, for byte accounting (see ``comm.Communicator``); use it
-        with tensors on the "meta" device to account for sizes no machine here can hold."""
+        with tensors on the "meta" device to account for sizes no machine here can hold. No CFG parallel."""
+        if config.cfg_degree > 1:
+            raise ValueError("SequenceParallelMesh.simulated_for: CFG parallel is not simulated; account for one cfg "
+                             "half (cfg_degree=1)")
         ranks = tuple(range(config.sequence_parallel_size))
         ulysses_groups, ring_groups = _layout(ranks, config.ulysses_degree, config.ring_degree)
         ulysses = next(g for g in ulysses_groups if rank in g)

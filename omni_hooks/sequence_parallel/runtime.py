@@ -8,6 +8,7 @@ import torch
 
 from ..context import RankView
 from .attention import SequenceParallelAttention
+from .batch import call_batch, gather_output, split_call
 from .cache_sync import GroupAgreement
 from .comm import CommStats, Communicator
 from .config import SequenceParallelConfig
@@ -25,6 +26,35 @@ class ActiveSite:
     module: torch.nn.Module
 
 
+CFG_GATHER_KIND = "cfg_batch_all_gather"
+
+
+class _Layout:
+    """The communicators of one mesh (a cfg half's, or the whole world's) and its cache agreement: ``mean`` over the
+    ranks that compute the same part of the batch, ``any`` over ``any_comm`` (every rank of the world)."""
+
+    def __init__(self, mesh: SequenceParallelMesh, stats: CommStats, any_comm: Communicator | None = None):
+        simulated = mesh.simulated
+        self.sp_comm = Communicator(mesh.sp, stats, simulated)
+        self.ulysses_comm = Communicator(mesh.ulysses, stats, simulated)
+        self.ring_comm = Communicator(mesh.ring, stats, simulated)
+        self.agreement = GroupAgreement(self.sp_comm, mesh.device, any_comm)
+
+
+class _CallAgreement:
+    """The runtime's ``RankAgreement``: the agreement of the layout the current call runs on (a cache asks during the
+    call, after the root has chosen it)."""
+
+    def __init__(self, runtime: "SequenceParallelRuntime"):
+        self.runtime = runtime
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        return self.runtime._layout.agreement.mean(values)
+
+    def any(self, flag: bool) -> bool:
+        return self.runtime._layout.agreement.any(flag)
+
+
 class SequenceParallelRuntime:
     """What ``apply_sequence_parallel`` returns: the mesh, the per-call facts the split/gather/attention hooks share,
     the byte accounting, and the two things a host installs:
@@ -34,6 +64,14 @@ class SequenceParallelRuntime:
 
     Per call facts: ``padding`` maps a shard group (None: the default sequence) to the length its last split padded;
     ``active_site`` is the self-attention site whose forward is running. One runtime serves one thread.
+
+    CFG parallel (``config.cfg_degree`` C > 1): the root's batch hook calls ``split_batch`` and ``gather_batch``
+    around the root forward. A call whose batch C divides runs part ``c`` on cfg half ``c`` (``sp_comm``,
+    ``ulysses_comm``, ``ring_comm``, ``rank`` and ``world_size`` are then the half's); any other call runs on the
+    whole world with ``config.whole_config()``'s degrees. ``batch_part()`` says which part this rank computes, and the
+    agreement averages over the ranks of that part but decides ``any`` over the world, so a cache's verdict is the
+    same on every rank. ``whole_call`` is the unsplit arguments of the root call in progress (a host that relays the
+    call to other ranks from inside the root forward sends these).
     """
 
     def __init__(self, config: SequenceParallelConfig, mesh: SequenceParallelMesh | None = None):
@@ -43,26 +81,80 @@ class SequenceParallelRuntime:
             raise ValueError(f"SequenceParallelRuntime: mesh of {self.mesh.sp.size} ranks for a config of "
                              f"{config.sequence_parallel_size}")
         self.stats = CommStats()
-        simulated = self.mesh.simulated
-        self.sp_comm = Communicator(self.mesh.sp, self.stats, simulated)
-        self.ulysses_comm = Communicator(self.mesh.ulysses, self.stats, simulated)
-        self.ring_comm = Communicator(self.mesh.ring, self.stats, simulated)
-        self.agreement = GroupAgreement(self.sp_comm, self.mesh.device)
+        whole = self.mesh.whole
+        if (config.cfg_degree > 1) != (whole is not None):
+            raise ValueError(f"SequenceParallelRuntime: cfg_degree {config.cfg_degree} needs a mesh built for it "
+                             "(SequenceParallelMesh.from_config of the same config)")
+        self._whole = _Layout(whole, self.stats) if whole is not None else None
+        world_comm = self._whole.sp_comm if self._whole is not None else None
+        self._split = _Layout(self.mesh, self.stats, any_comm=world_comm)
+        self.cfg_comm = Communicator(self.mesh.cfg, self.stats) if self.mesh.cfg is not None else None
+        self._layout = self._whole or self._split
+        self.whole_call: tuple[tuple, dict] | None = None
+        self._part_batch: int | None = None
+        self.agreement = _CallAgreement(self)
         self.attention = SequenceParallelAttention(self)
         self.padding: dict[str | None, PaddingRecord] = {}
         self._sites: list[ActiveSite] = []
 
     @property
+    def sp_comm(self) -> Communicator:
+        return self._layout.sp_comm
+
+    @property
+    def ulysses_comm(self) -> Communicator:
+        return self._layout.ulysses_comm
+
+    @property
+    def ring_comm(self) -> Communicator:
+        return self._layout.ring_comm
+
+    @property
     def rank(self) -> int:
-        """This process's sequence shard index (its rank in the SP group)."""
-        return self.mesh.sp.rank
+        """This process's sequence shard index (its rank in the SP group of the current call's layout)."""
+        return self._layout.sp_comm.group.rank
 
     @property
     def world_size(self) -> int:
-        return self.mesh.sp.size
+        """The ranks the current call's sequence is split across."""
+        return self._layout.sp_comm.size
 
     def rank_view(self) -> RankView:
-        return RankView(rank=self.rank, world_size=self.world_size, agreement=self.agreement)
+        """This process among every rank (all cfg halves), for each call's ``CallContext``."""
+        world = (self._whole or self._split).sp_comm.group
+        return RankView(rank=world.rank, world_size=world.size, agreement=self.agreement,
+                        batch_part=self.batch_part)
+
+    # -- CFG parallel ---------------------------------------------------------------------------------------------
+
+    def batch_part(self) -> tuple[int, int]:
+        """``(index, parts)``: this rank computes part ``index`` of ``parts`` equal parts of the current call's batch
+        (``(0, 1)``: the whole batch)."""
+        if self._part_batch is None:
+            return 0, 1
+        return self.mesh.cfg.rank, self.config.cfg_degree
+
+    def split_batch(self, args: tuple, kwargs: dict, names: list[str]) -> tuple[tuple, dict]:
+        """At the root, before its forward: choose the call's layout and return this rank's part of the batch.
+        ``names``: the root forward's positional parameter names."""
+        self.whole_call = (args, kwargs)
+        parts = self.config.cfg_degree
+        batch = call_batch(args, kwargs)
+        if parts == 1:
+            return args, kwargs
+        if batch is None or batch % parts:
+            self._layout, self._part_batch = self._whole, None
+            return args, kwargs
+        self._layout, self._part_batch = self._split, batch // parts
+        return split_call(args, kwargs, names, self.config.batch_unsplit_inputs, batch, parts, self.mesh.cfg.rank)
+
+    def gather_batch(self, output):
+        """At the root, after its forward: the parts' outputs gathered along the batch (every rank gets all)."""
+        part_batch, self._part_batch = self._part_batch, None
+        self._layout, self.whole_call = self._whole or self._split, None
+        if part_batch is None:
+            return output
+        return gather_output(output, part_batch, lambda x: self.cfg_comm.all_gather(x, 0, CFG_GATHER_KIND))
 
     def split_length(self, shard_group: str | None, part: str) -> int:
         """The length of ``shard_group``'s sequence (None: the default one) as its last split saw it: ``part``
@@ -92,3 +184,5 @@ class SequenceParallelRuntime:
         """Forget per-call facts (after a forward that raised, before reusing the model)."""
         self._sites.clear()
         self.padding.clear()
+        self._part_batch, self.whole_call = None, None
+        self._layout = self._whole or self._split

@@ -56,6 +56,8 @@ EXPECTED = {
                                "vae_name": ["wan_2.1_vae.safetensors"]},
     "magcache_calibrate_wan21": WAN21_FILES,
     "offload_teacache_wan21_t2v_14B": {**WAN21_FILES, "unet_name": ["wan2.1_t2v_14B_fp8_scaled.safetensors"]},
+    "sequence_parallel_magcache_wan21_t2v_14B": {**WAN21_FILES,
+                                                 "unet_name": ["wan2.1_t2v_14B_fp8_scaled.safetensors"]},
 }
 
 # the cache node of every sampler (in the order the samplers denoise), with the settings the example shows:
@@ -73,11 +75,19 @@ EXPECTED_CACHES = {
                                (APPLY_MAGCACHE, MAGCACHE_DEFAULTS | {"curve": "wan2.2_t2v_14B (low noise)"})],
     "magcache_calibrate_wan21": [None],
     "offload_teacache_wan21_t2v_14B": [(APPLY, TEACACHE_RECOMMENDED)],
+    "sequence_parallel_magcache_wan21_t2v_14B": [(APPLY_MAGCACHE, MAGCACHE_DEFAULTS | {"curve": "auto"})],
 }
 OFFLOAD = "OmniHooks.CPUOffload"
-# the examples with CPU Offload in a sampler's model chain, and the settings they show (the node's defaults)
-EXPECTED_OFFLOAD = {"offload_teacache_wan21_t2v_14B": {"blocks_to_offload": -1, "prefetch_blocks": 1,
-                                                       "pin_memory": "auto", "vram_budget_gb": 0}}
+SEQUENCE_PARALLEL = "OmniHooks.SequenceParallel"
+# the examples with CPU Offload / Sequence Parallel in a sampler's model chain, with the settings they show (the
+# node's defaults)
+EXPECTED_MODEL_NODES = {
+    OFFLOAD: {"offload_teacache_wan21_t2v_14B": {"blocks_to_offload": -1, "prefetch_blocks": 1, "pin_memory": "auto",
+                                                 "vram_budget_gb": 0}},
+    SEQUENCE_PARALLEL: {"sequence_parallel_magcache_wan21_t2v_14B": {
+        "world_size": 2, "ulysses_degree": "auto", "ring_degree": "auto", "devices": "auto", "backend": "auto",
+        "master_address": "127.0.0.1", "master_port": 0}},
+}
 WAN22_TEMPLATE = "video_wan2_2_14B_t2v"  # ComfyUI's own template the A14B example follows
 
 UI_STEMS = sorted(p.stem for p in EXAMPLES.glob("*.json"))
@@ -183,22 +193,24 @@ def test_each_sampler_gets_one_cache_between_its_loader_and_itself(stem):
         assert {name: sorted(values) for name, values in files.items()} == EXPECTED[stem]
 
 
+@pytest.mark.parametrize("node_type", [OFFLOAD, SEQUENCE_PARALLEL])
 @pytest.mark.parametrize("stem", API_STEMS)
-def test_cpu_offload_sits_between_the_loader_and_the_cache_with_its_defaults(object_info, stem):
+def test_offload_and_sequence_parallel_sit_between_the_loader_and_the_cache_with_their_defaults(object_info, stem,
+                                                                                               node_type):
     prompt = load_api(stem)
     found = {}
     for sampler in samplers_in_order(prompt):
         chain = [prompt[nid] for nid in upstream(prompt, sampler, "model")]
         classes = [n["class_type"] for n in chain]
-        offloads = [n for n in chain if n["class_type"] == OFFLOAD]
-        if offloads:
-            assert len(offloads) == 1, classes
-            assert classes.index(OFFLOAD) > max(i for i, c in enumerate(classes) if c in CACHES), \
-                f"the cache should take the offloaded MODEL (either order works; the example shows one): {classes}"
-            found[stem] = {k: v for k, v in offloads[0]["inputs"].items() if k != "model"}
-    assert found.get(stem) == EXPECTED_OFFLOAD.get(stem)
+        nodes = [n for n in chain if n["class_type"] == node_type]
+        if nodes:
+            assert len(nodes) == 1, classes
+            assert classes.index(node_type) > max(i for i, c in enumerate(classes) if c in CACHES), \
+                f"the cache should take the {node_type} MODEL (either order works; the example shows one): {classes}"
+            found[stem] = {k: v for k, v in nodes[0]["inputs"].items() if k != "model"}
+    assert found.get(stem) == EXPECTED_MODEL_NODES[node_type].get(stem)
     if stem in found:
-        defaults = {w.name: w.options.get("default") for w in widget_layout(object_info[OFFLOAD])}
+        defaults = {w.name: w.options.get("default") for w in widget_layout(object_info[node_type])}
         assert found[stem] == {k: defaults[k] for k in found[stem]}
 
 

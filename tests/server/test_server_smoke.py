@@ -29,7 +29,8 @@ def _check_pack_imported(server) -> None:
 
 
 PACK_NODES = {"OmniHooks.ApplyTeaCache", "OmniHooks.TeaCacheCalibrate", "OmniHooks.ApplyMagCache",
-              "OmniHooks.MagCacheCalibrate", "OmniHooks.CPUOffload"}
+              "OmniHooks.MagCacheCalibrate", "OmniHooks.CPUOffload",
+              "OmniHooks.SequenceParallel"}
 # What ComfyUI 0.3.64's loader logs when a pack loads only partly (nodes.py load_custom_node, comfy_config parsing)
 LOADER_WARNINGS = ("Error while calling comfy_entrypoint", "did not return a ComfyExtension",
                    "did not return a list of nodes", "Unable to parse pyproject.toml", "Skip ", "is not callable",

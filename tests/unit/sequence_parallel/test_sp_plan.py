@@ -38,11 +38,21 @@ def simulated(ulysses=2, ring=1, rank=0) -> tuple[SequenceParallelConfig, Sequen
     ({"ulysses_degree": 0}, "SP degrees must be >= 1"),
     ({"ring_degree": -1}, "SP degrees must be >= 1"),
     ({"ulysses_degree": 1.5}, "SP degrees must be >= 1"),
-    ({}, "At least one SP degree must be > 1"),
+    ({}, "At least one degree must be > 1"),
+    ({"cfg_degree": 0}, "SP degrees must be >= 1"),
+    ({"cfg_degree": 2, "process_group": object()}, "leave process_group None"),
 ])
 def test_config_rejects_degrees_that_split_nothing(kwargs, message):
     with pytest.raises(ValueError, match=f"(?i){message}"):
         SequenceParallelConfig(**kwargs)
+
+
+def test_cfg_parallel_config_counts_both_halves_and_runs_unsplit_calls_over_a_ring_of_all_ranks():
+    config = SequenceParallelConfig(ulysses_degree=2, cfg_degree=2)  # cfg alone (sp 1) is a valid config too
+    assert (config.sequence_parallel_size, config.world_size) == (2, 4)
+    whole = config.whole_config()
+    assert (whole.ulysses_degree, whole.ring_degree, whole.cfg_degree) == (2, 2, 1)
+    assert SequenceParallelConfig(cfg_degree=2).whole_config().ring_degree == 2
 
 
 def test_config_size_and_mode():

@@ -1,0 +1,117 @@
+"""The Sequence Parallel node's run in ComfyUI: time per sampling step at 1 rank vs N ranks, side by side in one run.
+
+ComfyUI in this process (rank 0) samples a Wan 2.1 model built from ComfyUI's own classes (random weights of a chosen
+size) with ComfyUI's KSampler, once without the node and once through the node's session (the pack starts N - 1
+local worker processes, sends them the weights, and every call is split across the ranks). Rounds are interleaved
+and the best is kept; the first run of each (worker start, weight transfer) is a warm-up and not timed.
+
+CPU (default): gloo ranks, one thread each. CUDA (``--devices cuda``, at least N GPUs): NCCL ranks; adds rank 0's peak
+memory (``torch.cuda.max_memory_allocated``) and each GPU's memory in use after the run (device-wide, all processes).
+
+Run: .venv/bin/python benchmarks/bench_sequence_parallel_node.py [--ranks 2] [--devices cpu|cuda]
+(needs a ComfyUI checkout: COMFYUI_PATH or ~/ComfyUI; prints markdown for docs/benchmarks.md)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the workers: one thread per rank
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests")]
+
+import torch  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--devices", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dim", type=int, default=512, help="Wan width (heads = dim / 128)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--frames", type=int, default=5, help="latent frames")
+    parser.add_argument("--size", type=int, default=32, help="latent height = width (tokens = frames * (size/2)^2)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    from omnitest.comfy_path import use_comfyui_in_process
+
+    if use_comfyui_in_process(cpu=args.devices == "cpu") is None:
+        print("no ComfyUI checkout (COMFYUI_PATH or ~/ComfyUI): nothing to measure")
+        return 1
+    torch.set_num_threads(1)
+    import comfy.model_management
+    from omnitest.pack import pack_module, run_node
+    from omnitest.quality import psnr_db
+    from omnitest.tiny_models import build_case, sample
+
+    sp_node = pack_module("nodes.sequence_parallel_node")
+    group = pack_module("nodes.sp_group")
+    heads = args.dim // 128
+    case = build_case("wan21_t2v", unet_overrides={"dim": args.dim, "num_heads": heads, "ffn_dim": 4 * args.dim,
+                                                   "num_layers": args.layers},
+                      latent_shape=(1, 16, args.frames, args.size, args.size))
+    if args.devices == "cuda":
+        case.patcher.load_device = comfy.model_management.get_torch_device()
+    tokens = args.frames * (args.size // 2) ** 2
+    parallel = run_node(sp_node.SequenceParallel, node_id="1", model=case.patcher, world_size=args.ranks,
+                        ulysses_degree="auto", ring_degree="auto", devices="auto", backend="auto",
+                        master_address="127.0.0.1", master_port=0)[0]
+    runs = {"1 rank": case.patcher, f"{args.ranks} ranks": parallel}
+    best: dict[str, float] = {}
+    latents: dict[str, torch.Tensor] = {}
+    peaks: dict[str, int] = {}
+    load_before = os.getloadavg()[0]
+    try:
+        for name, model in runs.items():  # warm-up: worker start, weights, allocator
+            latents[name] = sample(case, model=model, steps=args.steps)
+        for _ in range(args.repeats):
+            for name, model in runs.items():
+                if args.devices == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
+                sample(case, model=model, steps=args.steps)
+                if args.devices == "cuda":
+                    torch.cuda.synchronize()
+                    peaks[name] = torch.cuda.max_memory_allocated()
+                best[name] = min(best.get(name, float("inf")), (time.perf_counter() - start) / args.steps)
+        in_use = []
+        if args.devices == "cuda":
+            for i in range(torch.cuda.device_count()):
+                free, total = torch.cuda.mem_get_info(i)
+                in_use.append((total - free) / 2**30)
+    finally:
+        group.close_group()
+    load_after = os.getloadavg()[0]
+    one = best["1 rank"]
+    device = torch.cuda.get_device_name(0) if args.devices == "cuda" else "CPU, 1 thread per rank, gloo on loopback"
+    print(f"Wan 2.1 (ComfyUI's WanModel, random weights) dim {args.dim}, {heads} heads, {args.layers} blocks, "
+          f"{tokens} video tokens, batch 2 (cond + uncond), {args.steps} euler steps, float32; {device}; best of "
+          f"{args.repeats} interleaved rounds; 1-minute load average {load_before:.1f} before, {load_after:.1f} after\n")
+    header = "| run | seconds per step | speedup | PSNR to 1 rank (dB) |"
+    if peaks:
+        header += " rank 0 peak (GiB) |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for name in runs:
+        quality = psnr_db(latents[name], latents["1 rank"])
+        row = f"| {name} | {best[name]:.3f} | {one / best[name]:.2f}x | {'identical' if name == '1 rank' else f'{quality:.1f}'} |"
+        if peaks:
+            row += f" {peaks[name] / 2**30:.2f} |"
+        print(row)
+    if in_use:
+        print("\nGPU memory in use after the runs (device-wide, GiB): "
+              + ", ".join(f"cuda:{i} {v:.2f}" for i, v in enumerate(in_use)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
