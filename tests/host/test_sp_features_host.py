@@ -181,10 +181,24 @@ def test_cfg_parallel_gives_the_one_process_latent_and_runs_with_a_cache(env, wa
     assert torch.isfinite(cached).all()
 
 
-@pytest.mark.parametrize("case_name", ["flux", "chroma", "qwen_image"])
+@pytest.mark.parametrize("case_name", ["flux", "chroma", "qwen_image", "hunyuan_video", "ltxv"])
 def test_each_family_with_a_plan_runs_through_the_session_with_a_worker_that_builds_it_from_its_config(env,
                                                                                                       case_name):
     case = env.tiny.build_case(case_name)
+    reference = env.tiny.sample(case, steps=3)
+    assert psnr_db(env.tiny.sample(case, model=env.sequence_parallel(case.patcher), steps=3), reference) >= \
+        MIN_PSNR_DB
+
+
+@pytest.mark.parametrize("case_name, variant", [
+    ("hunyuan_video", "text_mask"), ("ltxv", "denoise_mask"), ("ltxv", "keyframes")])
+def test_a_familys_extra_inputs_reach_the_worker(env, case_name, variant):
+    """HunyuanVideo's text attention mask, LTX-Video's per-token timesteps and keyframe indices (passed after
+    transformer_options) through the session."""
+    from omnitest.sp_families import INPUT_VARIANTS
+
+    case = env.tiny.build_case(case_name)
+    INPUT_VARIANTS[variant](case)
     reference = env.tiny.sample(case, steps=3)
     assert psnr_db(env.tiny.sample(case, model=env.sequence_parallel(case.patcher), steps=3), reference) >= \
         MIN_PSNR_DB
