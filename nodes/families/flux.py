@@ -17,6 +17,7 @@ from ...omni_hooks.sequence_parallel import (
     SequenceParallelInput,
     SequenceParallelOutput,
     SequenceParallelPartialInput,
+    SequenceParallelRefusedInput,
     SequenceParallelSelfAttention,
 )
 from ...omni_hooks.teacache import ModulatedInput
@@ -62,6 +63,7 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
 # single blocks attend ``x = cat(txt, img shard)`` (the text length is x minus the shard); double blocks built with
 # ``flipped_img_txt`` (HunyuanVideo) put the text at the rear of all three instead. ``final_layer``'s output
 # [B, L, C·p·p] is gathered before unpatchify. The cached stack (double blocks .. final_layer) sees this rank's shard.
+# A ControlNet's ``control`` residuals (full sequence, added between the blocks) are refused at the call.
 _ROPE_GROUP = "flux_rope"
 
 
@@ -76,6 +78,10 @@ def flux_layout_sequence_plan(dm: torch.nn.Module) -> dict:
                          f"(flipped: {flipped}); the Flux-layout plan needs one text position for every block")
     text = "rear" if flipped else "front"
     return {
+        "": {"control": SequenceParallelRefusedInput(
+            f"Sequence Parallel: {type(dm).__name__} with a ControlNet is not supported (its residuals cover the "
+            "whole image sequence and are added between the blocks); fix: remove Sequence Parallel or the ControlNet "
+            "from this workflow")},
         "img_in": {0: SequenceParallelInput(split_dim=1, expected_dims=3, split_output=True, auto_pad=True)},
         "pe_embedder": {0: SequenceParallelPartialInput(
             split_dim=2, expected_dims=6, split_output=True, auto_pad=True, shard_group=_ROPE_GROUP,

@@ -16,7 +16,7 @@ import comfy.model_base
 import torch
 
 from ...omni_hooks.blockstack import TensorArg
-from ...omni_hooks.sequence_parallel import SequenceParallelPartialInput
+from ...omni_hooks.sequence_parallel import SequenceParallelRefusedInput
 from ...omni_hooks.teacache import ModulatedInput
 from .base import ModelFamily, AutoChoice, Variant, call_arg
 from .flux import flux_img_modulated, flux_layout_attention_sites, flux_layout_sequence_plan, flux_layout_stack
@@ -35,26 +35,23 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
 # Sequence parallelism: the Flux-layout plan, with the text at the rear (``flux_layout_sequence_plan``: the double
 # blocks are flipped_img_txt). As ``img_in``'s output is split, forward_orig measures ``img_len`` on the shard, and
 # the attention mask it builds over ``[image | text]`` (padded text tokens masked) is this rank's key mask, which the
-# attention entry exchanges; the token refiner in ``txt_in`` attends locally over the whole text. Two inputs are
-# refused at the call, by a guard spec on the root whose length source raises (it resolves only when the input is
-# passed, on every rank alike and before any exchange): ``guiding_frame_index`` (I2V "v2 (replace)": per-token
+# attention entry exchanges; the token refiner in ``txt_in`` attends locally over the whole text. Besides a
+# ControlNet's ``control``, two inputs are refused at the call: ``guiding_frame_index`` (I2V "v2 (replace)": per-token
 # modulation ranges over the whole sequence) and ``ref_latent`` (``img_in`` runs twice and the reference tokens are
 # prepended apart).
-def _refused_input(name: str, why: str) -> SequenceParallelPartialInput:
-    def refuse(module: torch.nn.Module, args: tuple, kwargs: dict) -> int:
-        raise ValueError(f"Sequence Parallel: HunyuanVideo called with {name} is not supported ({why}); fix: remove "
-                         f"Sequence Parallel from this workflow, or sample without {name}")
-    return SequenceParallelPartialInput(split_dim=1, text_len_source=refuse)
+def _refused(name: str, why: str) -> SequenceParallelRefusedInput:
+    return SequenceParallelRefusedInput(f"Sequence Parallel: HunyuanVideo called with {name} is not supported ({why}); "
+                                        f"fix: remove Sequence Parallel from this workflow, or sample without {name}")
 
 
 def _sequence_plan(dm: torch.nn.Module) -> dict:
-    return {
-        "": {"guiding_frame_index": _refused_input("guiding_frame_index", "the I2V 'v2 (replace)' conditioning "
-                                                   "modulates token ranges of the whole image sequence"),
-             "ref_latent": _refused_input("ref_latent", "its reference tokens are embedded apart and prepended to "
-                                                        "the image tokens")},
-        **flux_layout_sequence_plan(dm),
-    }
+    plan = flux_layout_sequence_plan(dm)
+    plan[""] = {**plan[""],
+                "guiding_frame_index": _refused("guiding_frame_index", "the I2V 'v2 (replace)' conditioning modulates "
+                                                                       "token ranges of the whole image sequence"),
+                "ref_latent": _refused("ref_latent", "its reference tokens are embedded apart and prepended to the "
+                                                     "image tokens")}
+    return plan
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:

@@ -23,6 +23,7 @@ from .plan import (
     SequenceParallelModelPlan,
     SequenceParallelOutput,
     SequenceParallelPartialInput,
+    SequenceParallelRefusedInput,
     SequenceParallelSelfAttention,
     resolve_length,
     resolve_submodules,
@@ -87,6 +88,10 @@ class SequenceParallelSplitHook(SequenceParallelHook):
         self._call = (args, kwargs)
         self._recorded = {}
         for name, spec in self.spec.items():
+            if isinstance(spec, SequenceParallelRefusedInput):
+                if metadata.lookup(name, args, kwargs) is not None:
+                    raise ValueError(spec.reason)
+                continue
             if isinstance(name, int) or (not isinstance(spec, (list, tuple)) and spec.split_output):
                 continue
             value = metadata.lookup(name, args, kwargs)

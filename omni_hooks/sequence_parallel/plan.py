@@ -144,6 +144,15 @@ class SequenceParallelSelfAttention:
                              f"{self.joint_position!r}")
 
 
+@dataclass(frozen=True)
+class SequenceParallelRefusedInput:
+    """A forward input the plan cannot split (e.g. residuals over the whole sequence added between blocks): a call
+    that passes it (anything but None) fails with ValueError(``reason``) on every rank alike, before the module runs
+    and so before any exchange. ``reason`` should name the input, why, and the fix."""
+
+    reason: str
+
+
 InputSpec = Union[SequenceParallelInput, SequenceParallelPartialInput]
 SequenceParallelModelPlan = dict[str, Any]
 
@@ -156,7 +165,8 @@ def splits_outside_caches(module_id: str, specs: dict) -> bool:
     """Whether a module's input specs split outside cache hooks (``SequenceParallelInput.outside_caches``);
     ValueError when its specs disagree."""
     flags = {getattr(spec, "outside_caches", False)
-             for value in specs.values() for spec in (value if isinstance(value, (list, tuple)) else [value])}
+             for value in specs.values() for spec in (value if isinstance(value, (list, tuple)) else [value])
+             if not isinstance(spec, SequenceParallelRefusedInput)}
     if len(flags) > 1:
         raise ValueError(f"_sp_plan[{module_id!r}]: every input spec of one module must agree on outside_caches")
     return flags == {True}
@@ -173,13 +183,16 @@ def _validate_input_dict(module_id: str, specs: dict, groups: dict[str, str]) ->
                 raise ValueError(f"_sp_plan[{module_id!r}][{key}]: an int key names an output element and needs a "
                                  "single SequenceParallelInput with split_output=True")
             elements = [value]
+        elif isinstance(value, SequenceParallelRefusedInput):
+            elements = []
         elif _is_input(value):
             elements = [value]
         elif isinstance(value, (list, tuple)) and value and all(_is_input(v) for v in value):
             elements = list(value)
         else:
             raise ValueError(f"_sp_plan[{module_id!r}][{key!r}]: expected a SequenceParallelInput, a "
-                             f"SequenceParallelPartialInput or a list/tuple of them, got {value!r}")
+                             f"SequenceParallelPartialInput, a list/tuple of them or a SequenceParallelRefusedInput, "
+                             f"got {value!r}")
         for spec in elements:
             if spec.shard_group is None:
                 continue

@@ -15,6 +15,7 @@ from omni_hooks.sequence_parallel import (
     SequenceParallelMesh,
     SequenceParallelOutput,
     SequenceParallelPartialInput,
+    SequenceParallelRefusedInput,
     SequenceParallelRuntime,
     SequenceParallelSelfAttention,
     apply_sequence_parallel,
@@ -251,6 +252,18 @@ def test_broadcast_length_one_passes_a_per_sample_value_and_splits_a_per_token_o
     assert out is one and runtime.padding == {}
     out, runtime = split_once(spec, torch.arange(5.).reshape(1, 5, 1), rank=1)
     assert out.flatten().tolist() == [3.0, 4.0, 0.0] and runtime.padding[None] == PaddingRecord(5, 6)
+
+
+def test_a_refused_input_fails_the_call_only_when_passed():
+    refused = SequenceParallelRefusedInput("Sequence Parallel: txt is not supported here; fix: leave it out")
+    spec = SequenceParallelInput(split_dim=1, expected_dims=3, outside_caches=True)
+    out, runtime = split_once(spec, torch.arange(4.).reshape(1, 4, 1), extra={"txt": refused})
+    assert out.flatten().tolist() == [0.0, 1.0]  # not passed: the other inputs split as planned
+    with pytest.raises(ValueError, match=r"^Sequence Parallel: txt is not supported here; fix: leave it out$"):
+        split_once(spec, torch.zeros(1, 4, 1), extra={"txt": refused}, txt={"any": "type"})
+    assert runtime.stats.bytes_sent == 0
+    with pytest.raises(ValueError, match="an int key names an output element"):  # a refused input is a parameter
+        validate_sp_plan({"": {0: refused}})
 
 
 def test_strict_mode_names_the_fix():
