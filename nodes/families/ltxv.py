@@ -49,9 +49,9 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
 # tokens get their positions before anything is split), embeds the tokens (``patchify_proj``) and runs the blocks.
 # The tokens are split at ``patchify_proj``'s output; ``pe`` and the timestep projection (one row per sample, or one
 # per token when a denoise mask gives per-token timesteps) are split at every block, before its caches (TeaCache's
-# signal reads the timestep). Self-attention ``attn1`` is exchanged; cross-attention ``attn2`` to the text (with its mask)
-# keeps the replicated text keys and runs locally. ``norm_out``'s output is gathered: the final per-token scale/shift
-# and ``proj_out`` then run on the whole sequence, as unpatchify needs.
+# signal reads the timestep). Self-attention ``attn1`` is exchanged; cross-attention ``attn2`` to the text (with its
+# mask) keeps the replicated text keys and runs locally. ``norm_out``'s output is gathered: the final per-token
+# scale/shift and ``proj_out`` then run on the whole sequence, as unpatchify needs.
 _TOKENS_GROUP = "ltxv_tokens"
 
 
