@@ -24,7 +24,8 @@ from . import sp_group
 from .families import FAMILIES, ModelFamily, detect
 from .features import (FEATURES_KEY, AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature,
                        register_feature)
-from .sp_protocol import OPTIONS_SLOT, SequenceParallelError, check_picklable, tensor_signature, to_cpu
+from .sp_protocol import (OPTIONS_SLOT, SequenceParallelError, check_picklable, is_collective_failure,
+                          tensor_signature, to_cpu)
 
 log = logging.getLogger("OmniHooks")
 
@@ -189,6 +190,19 @@ class SequenceParallelSession(FeatureSession):
 
     def begin_call(self, context) -> None:
         context.rank = self.runtime.rank_view()
+
+    def explain_failure(self, error: Exception) -> Exception | None:
+        """A call that stopped mid-way (a rank failed, rank 0 raised or was interrupted) leaves the workers blocked in
+        its collectives: the group is closed here, at once (local workers killed), and the next run starts a fresh
+        one. A torch.distributed error becomes a ``SequenceParallelError`` naming the ranks that broke the call; any
+        other error (an interrupt, the model's own) stays as it is."""
+        group = self.group
+        if group is None or group is not sp_group.active_group():
+            return None
+        explained = group.explain(error) if is_collective_failure(error) else None
+        sp_group.close_group(broken=True)
+        self.group = None  # gone: the run's close has no workers to end the run with
+        return explained
 
     def close(self, status: str) -> None:
         self.remove()

@@ -4,33 +4,93 @@ Control goes through the rendezvous ``TCPStore`` (never times out while a worker
 command ``n`` under ``cmd/<n>``; every worker checks its header (op, call counter, plan id, tensor shapes) and answers
 ``ack/<n>/<rank>`` ("ok" or its error) BEFORE any collective, so a mismatch is an error on rank 0, never a hang.
 Tensors (weights, forwards) then go through torch.distributed collectives, whose process-group timeout bounds every
-wait. Nothing here imports ComfyUI.
+wait.
+
+How a rank joins: rank 0 publishes the group (``GroupInfo``: world size, backend, timeouts) under ``group`` before any
+worker starts; a worker reads it, checks the world size it was told, claims its rank (``join/<rank>``; a rank
+claimed twice is an error) and starts its heartbeat (``beat/<rank>``, a counter); rank 0 waits until every rank has
+claimed (failing fast when a local worker exits, and after the join timeout naming the ranks missing) and only then
+does everyone call ``init_process_group``. A worker whose command fails mid-collective leaves its traceback under
+``error/<rank>``. With the heartbeats and those errors rank 0 says which rank broke a call (``diagnose``).
+
+Nothing here imports ComfyUI.
 """
 from __future__ import annotations
 
 import datetime
 import io
+import os
 import pickle
-from dataclasses import dataclass
-from typing import Any
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 STORE_PREFIX = "omnihooks_sp/"
-#: a rank that has not joined within this long fails the start (remote ranks are started by hand)
-JOIN_TIMEOUT_S = 120.0
-#: a collective (weights, one forward's exchanges) waiting longer than this raises on every rank still alive
-COLLECTIVE_TIMEOUT_S = 60.0
-#: how long rank 0 waits for every worker to accept a command
-ACK_TIMEOUT_S = 30.0
 POLL_S = 0.5
+#: a worker adds 1 to ``beat/<rank>`` this often, from a thread of its own (a stopped or dead process stops beating)
+BEAT_S = 0.25
+#: ``diagnose`` calls a rank not responding when its heartbeat did not move for this long
+STALL_S = 1.5
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a group waits, in seconds; each can be set by an environment variable of rank 0's process (workers
+    take rank 0's values), e.g. for tests that provoke faults.
+
+    ``join_s`` (``OMNIHOOKS_SP_JOIN_TIMEOUT_S``): every rank has joined within this, or the start fails (remote ranks
+    are started by hand). ``collective_s`` (``OMNIHOOKS_SP_COLLECTIVE_TIMEOUT_S``): a collective (weights, one
+    forward's exchanges) waiting longer than this raises on every rank still alive: it bounds how long a hung rank
+    holds a run. ``ack_s`` (``OMNIHOOKS_SP_ACK_TIMEOUT_S``): every worker accepts a command within this.
+    """
+
+    join_s: float = 120.0
+    collective_s: float = 60.0
+    ack_s: float = 30.0
+
+    ENV = {"join_s": "OMNIHOOKS_SP_JOIN_TIMEOUT_S", "collective_s": "OMNIHOOKS_SP_COLLECTIVE_TIMEOUT_S",
+           "ack_s": "OMNIHOOKS_SP_ACK_TIMEOUT_S"}
+
+    @classmethod
+    def from_env(cls, environ: dict | None = None) -> "Timeouts":
+        environ = os.environ if environ is None else environ
+        values = {}
+        for field_name, variable in cls.ENV.items():
+            text = environ.get(variable)
+            if text is None:
+                continue
+            try:
+                seconds = float(text)
+            except ValueError:
+                seconds = float("nan")
+            if not seconds > 0:
+                raise ValueError(f"Sequence Parallel: environment variable {variable}={text!r} must be a positive "
+                                 "number of seconds")
+            values[field_name] = seconds
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What rank 0 publishes for every joining rank."""
+
+    world_size: int
+    backend: str
+    timeouts: Timeouts
+    group_id: str  # a rank that rejoins waits for a group other than the one it served
+
 #: stands for the call's transformer_options in the arguments sent (the options travel separately, filtered)
 OPTIONS_SLOT = "<omnihooks transformer_options>"
 
 
-class SequenceParallelError(RuntimeError):
-    """A sequence-parallel group failed (a rank died, hung, refused a command or raised)."""
+class SequenceParallelError(Exception):
+    """A sequence-parallel group failed (a rank died, hung, refused a command, raised or never joined).
+
+    Not a RuntimeError: the run lifecycle reads a RuntimeError out of a session's ``install`` as a hook conflict."""
 
 
 @dataclass(frozen=True)
@@ -139,16 +199,131 @@ def check_picklable(options: dict, where: str) -> None:
                 "Sequence Parallel") from None
 
 
-def join_group(store: dist.Store, rank: int, world_size: int, backend: str) -> dist.PrefixStore:
-    """Join the default process group through ``store`` (rank 0 hosts it); returns the command store."""
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+def publish_group(commands: dist.Store, info: GroupInfo) -> None:
+    """Rank 0, before any worker starts: what joining ranks read (``commands``: the prefixed store)."""
+    commands.set("group", dumps({"world_size": info.world_size, "backend": info.backend,
+                                 "timeouts": asdict(info.timeouts), "group_id": info.group_id}))
+
+
+def read_group(commands: dist.Store) -> GroupInfo:
+    """A worker: rank 0's ``GroupInfo`` (waits up to the store's timeout for rank 0 to publish it)."""
+    data = loads(commands.get("group"))
+    return GroupInfo(data["world_size"], data["backend"], Timeouts(**data["timeouts"]), data["group_id"])
+
+
+def claim_rank(commands: dist.Store, rank: int, world_size: int | None, info: GroupInfo) -> None:
+    """A worker takes ``rank`` in the group ``info`` describes; ValueError when the world size it was told differs
+    from rank 0's, the rank is outside the group, or another process already took it."""
+    if world_size is not None and world_size != info.world_size:
+        raise ValueError(f"Sequence Parallel worker: --world-size {world_size} but rank 0's Sequence Parallel node "
+                         f"has world_size {info.world_size}; start the worker with the node's world size")
+    if not 0 < rank < info.world_size:
+        raise ValueError(f"Sequence Parallel worker: rank {rank} is outside 1..{info.world_size - 1} (rank 0 is the "
+                         f"ComfyUI process; world_size {info.world_size})")
+    if commands.add(f"join/{rank}", 1) != 1:
+        raise ValueError(f"Sequence Parallel worker: rank {rank} has already joined from another process; give each "
+                         "worker its own rank (--rank, or --first-rank under torchrun)")
+
+
+def missing_ranks(commands: dist.Store, world_size: int) -> list[int]:
+    """The worker ranks that have not claimed their rank yet."""
+    return [rank for rank in range(1, world_size) if not commands.check([f"join/{rank}"])]
+
+
+def init_group(store: dist.Store, rank: int, info: GroupInfo) -> None:
+    """Join the default process group through ``store`` (every rank has claimed its rank; rank 0 hosts the store)."""
+    dist.init_process_group(info.backend, store=store, rank=rank, world_size=info.world_size,
+                            timeout=datetime.timedelta(seconds=info.timeouts.collective_s))
+
+
+def command_store(store: dist.Store) -> dist.PrefixStore:
+    """The store of this protocol's keys (commands, acks, joins, heartbeats, errors) inside the rendezvous store."""
     return dist.PrefixStore(STORE_PREFIX, store)
 
 
-def connect_store(host: str, port: int) -> dist.Store:
-    """A client of rank 0's rendezvous store (waits up to ``JOIN_TIMEOUT_S`` for it)."""
-    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
+    """A client of rank 0's rendezvous store (waits up to ``timeout_s`` for it)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class Heartbeat:
+    """A worker's heartbeat: a daemon thread adds 1 to ``beat/<rank>`` every ``BEAT_S`` over its own store
+    connection, until ``stop``. A process that is killed, stopped (SIGSTOP) or cut off stops beating: rank 0 reads
+    a stalled counter as "not responding"."""
+
+    def __init__(self, host: str, port: int, rank: int, timeout_s: float):
+        self._store = command_store(connect_store(host, port, timeout_s))
+        self._key = f"beat/{rank}"
+        self._stopped = threading.Event()
+        self._store.add(self._key, 1)
+        self._thread = threading.Thread(target=self._beat, name=f"omnihooks-sp-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(BEAT_S):
+            try:
+                self._store.add(self._key, 1)
+            except Exception:  # rank 0's store is gone: the group is over, the main thread notices on its own
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+
+
+def diagnose(commands: dist.Store, world_size: int,
+             exit_codes: Callable[[], dict[int, int | None]]) -> dict[int, str]:
+    """Why a call failed, per worker rank that is not healthy: exited (``exit_codes()``: the local workers' rank and
+    exit code, None while running; read last, as a killed process may take a moment to end), not responding (heartbeat stalled for ``STALL_S``: hung, stopped or gone) or raised (its
+    ``error/<rank>``, last line). Waits ``STALL_S``. Ranks not listed look healthy."""
+    ranks = range(1, world_size)
+    beats = {}
+    for rank in ranks:
+        try:
+            beats[rank] = commands.add(f"beat/{rank}", 0)
+        except Exception:
+            beats[rank] = None
+    time.sleep(STALL_S)
+    found: dict[int, str] = {}
+    codes = exit_codes()
+    for rank in ranks:
+        code = codes.get(rank)
+        error = _reported_error(commands, rank)
+        if code is not None:
+            found[rank] = f"its process exited ({describe_exit(code)})"
+        elif beats[rank] is None or commands.add(f"beat/{rank}", 0) == beats[rank]:
+            found[rank] = f"it stopped responding (no heartbeat for {STALL_S:.1f} s: hung, stopped or disconnected)"
+        if error is not None:
+            found[rank] = f"{found[rank]}; it raised: {error}" if rank in found else f"it raised: {error}"
+    return found
+
+
+def _reported_error(commands: dist.Store, rank: int) -> str | None:
+    key = f"error/{rank}"
+    if not commands.check([key]):
+        return None
+    lines = [line for line in loads(commands.get(key)).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no message)"
+
+
+def describe_exit(code: int) -> str:
+    """"exit code 2", "killed by SIGKILL" (a Popen return code)."""
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` came out of torch.distributed (a failed or timed-out collective, a closed connection)."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(mark in text for mark in ("gloo", "NCCL", "c10d", "ProcessGroup"))
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], device: torch.device | None = None) -> None:

@@ -352,14 +352,15 @@ def build_case(name: str, seed: int = 0, unet_overrides: Optional[dict] = None,
 
 def sample(case: TinyCase, model: Optional[comfy.model_patcher.ModelPatcher] = None, steps: Optional[int] = None,
            cfg: Optional[float] = None, sampler_name: str = "euler", scheduler: str = "simple",
-           denoise: float = 1.0, seed: int = 0) -> torch.Tensor:
+           denoise: float = 1.0, seed: int = 0, callback=None) -> torch.Tensor:
     """Sample ``case`` with ComfyUI's own KSampler path, as the ``KSampler`` node does.
 
     ``model`` defaults to ``case.patcher`` (pass a clone carrying patches/wrappers), ``steps`` to
     ``case.steps``, ``cfg`` to ``case.cfg``. Noise is ``comfy.sample.prepare_noise(case.latent, seed)``;
     ``case.noise_mask`` is passed as the denoise mask. Runs under ``torch.inference_mode`` like the
     executor. Returns the sampled latent (CPU, same shape as ``case.latent``); deterministic for equal
-    arguments. Never mutates ``case``'s conditioning or latent.
+    arguments. Never mutates ``case``'s conditioning or latent. ``callback(step, x0, x, total_steps)``: called after
+    each step, where the ``KSampler`` node's progress callback runs (and ComfyUI checks for an interrupt).
     """
     import comfy.sample
 
@@ -370,4 +371,4 @@ def sample(case: TinyCase, model: Optional[comfy.model_patcher.ModelPatcher] = N
         noise = comfy.sample.prepare_noise(case.latent, seed)
         return comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, case.positive, case.negative,
                                    case.latent, denoise=denoise, noise_mask=case.noise_mask, disable_pbar=True,
-                                   seed=seed)
+                                   seed=seed, callback=callback)
