@@ -17,6 +17,7 @@ from ...omni_hooks.sequence_parallel import (
     SequenceParallelInput,
     SequenceParallelOutput,
     SequenceParallelPartialInput,
+    SequenceParallelRefusedInput,
     SequenceParallelSelfAttention,
 )
 from ...omni_hooks.teacache import ModulatedInput
@@ -54,32 +55,39 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     return ModulatedInput(compute=compute)
 
 
-# Sequence parallelism (Flux, and Chroma, whose forward has the same modules and names). forward_orig embeds the image
-# tokens (``img_in``) and makes the RoPE table ``pe`` [B, 1, text + image, D/2, 2, 2] from ``cat(txt_ids, img_ids)``
-# (``pe_embedder``) before any block; both are split where they are made: the image tokens (Kontext reference tokens
-# included) into one shard per rank, the table's image part alike with its text part whole. Double blocks attend
-# ``[txt | img shard]`` from two streams (the text length is their ``txt``); single blocks attend ``x = cat(txt, img
-# shard)`` (the text length is x minus the shard). ``final_layer``'s output [B, L, C·p·p] is gathered before
-# unpatchify. The cached stack (double blocks .. final_layer) sees this rank's shard.
+# Sequence parallelism (Flux, Chroma, and HunyuanVideo, whose forward has the same modules and names with the text
+# after the image). forward_orig embeds the image tokens (``img_in``) and makes the RoPE table ``pe`` [B, 1, text +
+# image, D/2, 2, 2] from the text and image ids (``pe_embedder``) before any block; both are split where they are made:
+# the image tokens (Kontext reference tokens included) into one shard per rank, the table's image part alike with its
+# text part whole. Double blocks attend ``[txt | img shard]`` from two streams (the text length is their ``txt``);
+# single blocks attend ``x = cat(txt, img shard)`` (the text length is x minus the shard); double blocks built with
+# ``flipped_img_txt`` (HunyuanVideo) put the text at the rear of all three instead. ``final_layer``'s output
+# [B, L, C·p·p] is gathered before unpatchify. The cached stack (double blocks .. final_layer) sees this rank's shard.
+# A ControlNet's ``control`` residuals (full sequence, added between the blocks) are refused at the call.
 _ROPE_GROUP = "flux_rope"
 
 
 def flux_layout_sequence_plan(dm: torch.nn.Module) -> dict:
-    """The sequence plan of a Flux-layout model whose forward calls ``img_in``, ``pe_embedder``, ``double_blocks``
-    (``block(img=, txt=, pe=, ...)``, attention over ``[txt | img]``), ``single_blocks`` (``block(x, pe=, ...)``,
-    x = ``[txt | img]``) and ``final_layer`` (Flux, Chroma). ValueError for double blocks built with
-    ``flipped_img_txt`` (attention over ``[img | txt]``, with a RoPE table the plan does not describe)."""
+    """The sequence plan of a Flux-layout model whose forward calls ``img_in``, ``pe_embedder`` (ids ``[txt | img]``),
+    ``double_blocks`` (``block(img=, txt=, pe=, ...)``, attention over ``[txt | img]``), ``single_blocks``
+    (``block(x, pe=, ...)``, x = ``[txt | img]``) and ``final_layer`` (Flux, Chroma); with double blocks built with
+    ``flipped_img_txt`` all three are ``[img | txt]`` (HunyuanVideo). ValueError when only some blocks are flipped."""
     flipped = [i for i, block in enumerate(dm.double_blocks) if getattr(block, "flipped_img_txt", False)]
-    if flipped:
-        raise ValueError(f"Sequence Parallel: {type(dm).__name__} has double blocks with flipped_img_txt "
-                         f"({flipped}); the Flux-layout plan supports [text | image] attention only")
+    if flipped and len(flipped) != len(dm.double_blocks):
+        raise ValueError(f"Sequence Parallel: {type(dm).__name__} has double blocks with and without flipped_img_txt "
+                         f"(flipped: {flipped}); the Flux-layout plan needs one text position for every block")
+    text = "rear" if flipped else "front"
     return {
+        "": {"control": SequenceParallelRefusedInput(
+            f"Sequence Parallel: {type(dm).__name__} with a ControlNet is not supported (its residuals cover the "
+            "whole image sequence and are added between the blocks); fix: remove Sequence Parallel or the ControlNet "
+            "from this workflow")},
         "img_in": {0: SequenceParallelInput(split_dim=1, expected_dims=3, split_output=True, auto_pad=True)},
         "pe_embedder": {0: SequenceParallelPartialInput(
             split_dim=2, expected_dims=6, split_output=True, auto_pad=True, shard_group=_ROPE_GROUP,
-            text_len_source=ReplicatedTokens("ids", dim=1, beside="sequence"))},
-        "double_blocks.*": SequenceParallelSelfAttention(joint_tokens="txt"),
-        "single_blocks.*": SequenceParallelSelfAttention(joint_tokens=ReplicatedTokens("x")),
+            text_len_source=ReplicatedTokens("ids", dim=1, beside="sequence"), text_position=text)},
+        "double_blocks.*": SequenceParallelSelfAttention(joint_tokens="txt", joint_position=text),
+        "single_blocks.*": SequenceParallelSelfAttention(joint_tokens=ReplicatedTokens("x"), joint_position=text),
         "final_layer": SequenceParallelOutput(gather_dim=1, expected_dims=3),
     }
 

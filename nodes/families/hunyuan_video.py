@@ -16,9 +16,10 @@ import comfy.model_base
 import torch
 
 from ...omni_hooks.blockstack import TensorArg
+from ...omni_hooks.sequence_parallel import SequenceParallelRefusedInput
 from ...omni_hooks.teacache import ModulatedInput
 from .base import ModelFamily, AutoChoice, Variant, call_arg
-from .flux import flux_img_modulated, flux_layout_stack
+from .flux import flux_img_modulated, flux_layout_attention_sites, flux_layout_sequence_plan, flux_layout_stack
 
 IMG = TensorArg("img", 0)
 
@@ -29,6 +30,28 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
         return flux_img_modulated(block, IMG.get(args, kwargs), call_arg(args, kwargs, "vec", 2),
                                   call_arg(args, kwargs, "modulation_dims_img", 5))
     return ModulatedInput(compute=compute)
+
+
+# Sequence parallelism: the Flux-layout plan, with the text at the rear (``flux_layout_sequence_plan``: the double
+# blocks are flipped_img_txt). As ``img_in``'s output is split, forward_orig measures ``img_len`` on the shard, and
+# the attention mask it builds over ``[image | text]`` (padded text tokens masked) is this rank's key mask, which the
+# attention entry exchanges; the token refiner in ``txt_in`` attends locally over the whole text. Besides a
+# ControlNet's ``control``, two inputs are refused at the call: ``guiding_frame_index`` (I2V "v2 (replace)": per-token
+# modulation ranges over the whole sequence) and ``ref_latent`` (``img_in`` runs twice and the reference tokens are
+# prepended apart).
+def _refused(name: str, why: str) -> SequenceParallelRefusedInput:
+    return SequenceParallelRefusedInput(f"Sequence Parallel: HunyuanVideo called with {name} is not supported ({why}); "
+                                        f"fix: remove Sequence Parallel from this workflow, or sample without {name}")
+
+
+def _sequence_plan(dm: torch.nn.Module) -> dict:
+    plan = flux_layout_sequence_plan(dm)
+    plan[""] = {**plan[""],
+                "guiding_frame_index": _refused("guiding_frame_index", "the I2V 'v2 (replace)' conditioning modulates "
+                                                                       "token ranges of the whole image sequence"),
+                "ref_latent": _refused("ref_latent", "its reference tokens are embedded apart and prepended to the "
+                                                     "image tokens")}
+    return plan
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
@@ -62,4 +85,5 @@ FAMILY = ModelFamily(
     name="hunyuan_video", display_name="HunyuanVideo", matches=_matches, resolve_variant=_variant,
     build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
     resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "byt5_in", "time_r_in", "final_layer"),
+    sequence_plan=_sequence_plan, attention_sites=flux_layout_attention_sites,
     teacache_keys=frozenset({"hunyuan_video"}), magcache_keys=frozenset({"hunyuan_video"}))

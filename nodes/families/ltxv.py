@@ -13,6 +13,7 @@ import comfy.ldm.lightricks.model as ltxv_model
 import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.sequence_parallel import SequenceParallelInput, SequenceParallelOutput, SequenceParallelSelfAttention
 from ...omni_hooks.teacache import ModulatedInput
 from .base import ModelFamily, AutoChoice, Variant, call_arg
 
@@ -43,6 +44,32 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     return ModulatedInput(compute=compute)
 
 
+# Sequence parallelism. _forward patchifies the latent, computes the RoPE table ``pe`` = (cos, sin), each [B, L, inner],
+# from the full pixel coordinates (keyframe indices, when given, are written into those coordinates first, so guide
+# tokens get their positions before anything is split), embeds the tokens (``patchify_proj``) and runs the blocks.
+# The tokens are split at ``patchify_proj``'s output; ``pe`` and the timestep projection (one row per sample, or one
+# per token when a denoise mask gives per-token timesteps) are split at every block, before its caches (TeaCache's
+# signal reads the timestep). Self-attention ``attn1`` is exchanged; cross-attention ``attn2`` to the text (with its
+# mask) keeps the replicated text keys and runs locally. ``norm_out``'s output is gathered: the final per-token
+# scale/shift and ``proj_out`` then run on the whole sequence, as unpatchify needs.
+_TOKENS_GROUP = "ltxv_tokens"
+
+
+def _sequence_plan(dm: torch.nn.Module) -> dict:
+    per_token = SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True, shard_group=_TOKENS_GROUP,
+                                      outside_caches=True, broadcast_length_one=True)
+    return {
+        "patchify_proj": {0: SequenceParallelInput(split_dim=1, expected_dims=3, split_output=True, auto_pad=True)},
+        "transformer_blocks.*": {"pe": [per_token, per_token], "timestep": per_token},
+        "transformer_blocks.*.attn1": SequenceParallelSelfAttention(),
+        "norm_out": SequenceParallelOutput(gather_dim=1, expected_dims=3),
+    }
+
+
+def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
+    return [block.attn1 for block in dm.transformer_blocks]
+
+
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
     return isinstance(dm, ltxv_model.LTXVModel) and len(dm.transformer_blocks) > 0
 
@@ -60,4 +87,5 @@ FAMILY = ModelFamily(
     build_modulated_input=_modulated_input,
     # scale_shift_table is a parameter of the model itself (the final modulation), not of a block
     resident=("patchify_proj", "adaln_single", "caption_projection", "scale_shift_table", "norm_out", "proj_out"),
+    sequence_plan=_sequence_plan, attention_sites=_attention_sites,
     teacache_keys=frozenset({"ltxv"}))

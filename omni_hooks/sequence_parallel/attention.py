@@ -15,6 +15,10 @@ Shapes are written ``[B, L, H, D]`` (batch, tokens, heads, head dim), the canoni
   the heads of their output are all-gathered over the Ulysses group.
 * Padding (``auto_pad``): the padded keys are cut off before attention, so padding needs no attention mask and works
   with mask-blind kernels; padded query rows give values the gather hook drops.
+* Host key masks (e.g. HunyuanVideo's padded text tokens): a mask over the keys the rank holds (its shard and the
+  joint tokens; the same for every query) is all-gathered over the sequence-parallel group, so each rank knows the
+  mask of every key: Ulysses passes the host function the mask of the whole key sequence it attends to, ring adds the
+  slice of the key block held at each hop. A mask that differs between queries is refused.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ RING_SCORE_CHUNK_ELEMENTS = 1 << 25
 ULYSSES_KIND = "ulysses_all_to_all"
 JOINT_KIND = "ulysses_joint_all_gather"
 RING_KIND = "ring_hop"
+MASK_KIND = "key_mask_all_gather"
 
 
 # -- layouts ------------------------------------------------------------------------------------------------------
@@ -90,32 +95,41 @@ def head_divisibility_error(heads: int, ulysses_degree: int) -> ValueError:
 # -- ring -----------------------------------------------------------------------------------------------------------
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                       dtype: torch.dtype, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` over ``k``/``v`` (``[B, H, L, D]``) with its log-sum-exp, in ``dtype``.
 
+    ``bias``: an additive key mask broadcastable to ``[B, H, 1, Lk]`` (finite: see ``additive_key_bias``).
     Returns ``(out [B, H, Lq, D], lse [B, H, Lq])``, both in ``dtype``. Torch's own kernels that return the
     log-sum-exp: on CPU its flash attention computed in ``dtype``; on CUDA its memory-efficient attention on the
     inputs' dtype (accumulating in float32), falling back to the math below for what that kernel refuses (e.g.
     float64); elsewhere ``attention_math_with_lse``.
     """
     if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.to(dtype), k.to(dtype), v.to(dtype),
-                                                                           scale=scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=None if bias is None else bias.to(dtype), scale=scale)
     if q.device.type == "cuda":
+        kernel_bias = None
+        if bias is not None:  # in the inputs' dtype, still finite (float16's range is narrower than the bias's)
+            kernel_bias = bias.clamp(min=torch.finfo(q.dtype).min).to(q.dtype).expand(
+                q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         try:
-            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, scale=scale)[:2]
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, kernel_bias, True,
+                                                                              scale=scale)[:2]
         except RuntimeError:  # a dtype or shape the kernel does not take: exact math instead
             pass
         else:  # the kernel may pad the log-sum-exp's sequence dim (to a multiple of 32)
             return out.to(dtype), lse[..., :q.shape[2]].to(dtype)
-    return attention_math_with_lse(q, k, v, scale, dtype)
+    return attention_math_with_lse(q, k, v, scale, dtype, bias)
 
 
 def attention_math_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                            dtype: torch.dtype, bias: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_with_lse`` by torch's math in ``dtype``, in chunks of query rows whose score matrix holds at most
-    ``RING_SCORE_CHUNK_ELEMENTS`` elements (one chunk for "meta" tensors, which hold no memory)."""
+    ``RING_SCORE_CHUNK_ELEMENTS`` elements (one chunk for "meta" tensors, which hold no memory). ``bias``: a key
+    mask broadcastable to ``[B, H, 1, Lk]``, added to the scores."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
     b, h, lq, _ = q.shape
     rows = max(1, RING_SCORE_CHUNK_ELEMENTS // max(1, b * h * k.shape[2]))
     if q.device.type == "meta":
@@ -123,6 +137,8 @@ def attention_math_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     outs, lses = [], []
     for start in range(0, lq, rows):
         scores = torch.matmul(q[:, :, start:start + rows], k.transpose(-1, -2)) * scale
+        if bias is not None:
+            scores = scores + bias
         lse = torch.logsumexp(scores, dim=-1)
         outs.append(torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v))
         lses.append(lse)
@@ -144,13 +160,16 @@ def merge_attention(out: torch.Tensor | None, lse: torch.Tensor | None, block_ou
 
 def ring_attention(comm: Communicator, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    joint_k: torch.Tensor | None = None, joint_v: torch.Tensor | None = None,
-                   valid_keys: Callable[[int], int] | None = None, scale: float | None = None) -> torch.Tensor:
+                   valid_keys: Callable[[int], int] | None = None, scale: float | None = None,
+                   key_bias: torch.Tensor | None = None, joint_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Ring attention over ``comm``'s group. ``[B, L, H, D]`` tensors; returns ``[B, Lq, H, D]`` in ``q.dtype``.
 
     ``q``: this rank's queries (all of them stay here); ``k``/``v``: this rank's key/value block, which travels
     around the ring (block of member ``j`` = the ``j``-th segment of the sequence). ``joint_k``/``joint_v``: replicated
     keys every query also attends to, added once at step 0. ``valid_keys(j)``: how many leading keys of member ``j``'s
-    block are real (the rest is padding and is left out). Blocks are computed by torch itself (``attention_with_lse``:
+    block are real (the rest is padding and is left out). ``key_bias``: an additive key mask over the blocks of every
+    member in ring order, ``[B|1, H|1, 1, size·block]`` (``additive_key_bias``); ``joint_bias`` the same over the joint
+    keys. Blocks are computed by torch itself (``attention_with_lse``:
     they need the log-sum-exp, which a host's attention function does not return) in float32, or float64 for
     float64 inputs, and merged in that precision; the next block is in flight while one is computed.
     """
@@ -164,19 +183,63 @@ def ring_attention(comm: Communicator, q: torch.Tensor, k: torch.Tensor, v: torc
         pending = comm.start_shift(block, RING_KIND) if step < size - 1 else None
         source = (me - step) % size
         keys, values = block[0], block[1]
-        if valid_keys is not None:
-            keep = valid_keys(source)
-            keys, values = keys[:, :keep], values[:, :keep]
+        keep = keys.shape[1] if valid_keys is None else valid_keys(source)
+        keys, values = keys[:, :keep], values[:, :keep]
+        bias = None
+        if key_bias is not None:
+            bias = key_bias[..., source * block.shape[2]:source * block.shape[2] + keep]
         if step == 0 and joint_k is not None:
             keys, values = torch.cat([joint_k, keys], 1), torch.cat([joint_v, values], 1)
+            if bias is not None or joint_bias is not None:
+                bias = torch.cat([_bias_or_zeros(joint_bias, joint_k.shape[1], bias),
+                                  _bias_or_zeros(bias, keep, joint_bias)], -1)
         if keys.shape[1]:
-            block_out, block_lse = attention_with_lse(qh, keys.transpose(1, 2), values.transpose(1, 2), scale, dtype)
+            block_out, block_lse = attention_with_lse(qh, keys.transpose(1, 2), values.transpose(1, 2), scale, dtype,
+                                                      bias)
             out, lse = merge_attention(out, lse, block_out, block_lse)
         if pending is not None:
             block = pending.wait()
     if out is None:
         raise ValueError("ring_attention: no key is valid on any rank (an empty sequence)")
     return out.transpose(1, 2).to(q.dtype)
+
+
+def _bias_or_zeros(bias: torch.Tensor | None, keys: int, like: torch.Tensor) -> torch.Tensor:
+    """``bias``, or a zero bias over ``keys`` keys shaped like ``like`` (the other part of a concatenated mask)."""
+    if bias is not None:
+        return bias
+    return like.new_zeros(*like.shape[:-1], keys)
+
+
+# -- host masks -----------------------------------------------------------------------------------------------------
+
+def check_key_mask(mask: torch.Tensor, heads: int, keys: int) -> None:
+    """ValueError unless ``mask`` is a key mask the entry can exchange: the host's layouts ``[Lk]``, ``[1, Lk]``,
+    ``[B, 1, Lk]`` or ``[B, H|1, 1, Lk]`` (one row for every query) over the ``keys`` keys of the call."""
+    problem = None
+    if mask.dim() > 4 or mask.shape[-1] != keys:
+        problem = f"expected {keys} keys in its last dim"
+    elif mask.dim() >= 2 and mask.shape[-2] != 1:
+        problem = "it differs between queries (only a mask over keys, the same for every query, can be exchanged)"
+    elif mask.dim() == 4 and mask.shape[1] not in (1, heads):
+        problem = f"its head dim is neither 1 nor the {heads} heads"
+    if problem is not None:
+        raise ValueError(
+            f"SequenceParallelAttention: an attention mask of shape {tuple(mask.shape)} at a sequence-parallel "
+            f"self-attention site is not supported: {problem}; fix: run this model without sequence parallelism, or "
+            "give the attention a key mask ([B, 1, Lk] or [B, H, 1, Lk])")
+
+
+def additive_key_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A host key mask as an additive float bias ``[B|1, H|1, 1, Lk]`` in ``dtype``: boolean True (attend) -> 0,
+    False -> the most negative finite value; float masks as they are, -inf clamped to that value (a block whose keys
+    are all masked then merges with weight 0 instead of giving NaN)."""
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0) if mask.dim() < 2 else mask.unsqueeze(1)
+    lowest = torch.finfo(dtype).min
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, lowest)
+    return mask.to(dtype).clamp(min=lowest)
 
 
 # -- the host-facing entry -------------------------------------------------------------------------------------------
@@ -204,6 +267,9 @@ class SequenceParallelAttention:
     * Inside one (``SequenceParallelSelfAttention``; q, k, v hold this rank's shard plus the site's joint tokens):
       Ulysses-only runs ``func`` itself on the exchanged tensors (``heads / U`` heads); with a ring it computes the
       blocks itself (see ``ring_attention``), since the merge needs the log-sum-exp. The scale is ``D^-1/2``.
+      ``mask`` there must be a key mask over the keys this rank holds, in their layout (``check_key_mask``); Ulysses
+      passes ``func`` the mask of the keys it attends to in the host's mask layout (its heads only, for a per-head
+      mask), ring applies it to each block. Without a mask, ``func`` gets none (mask-blind kernels work).
     """
 
     def __init__(self, runtime: "SequenceParallelRuntime"):
@@ -214,15 +280,10 @@ class SequenceParallelAttention:
         site = self.runtime.active_site
         if site is None:
             return func(q, k, v, heads, mask=mask, **kwargs)
-        if mask is not None:
-            raise ValueError(
-                "SequenceParallelAttention: an attention mask at a sequence-parallel self-attention site is not "
-                "supported (its key positions refer to one rank's shard); fix: run this model without a mask (padding "
-                "from auto_pad needs none: padded keys are cut off), or without sequence parallelism")
-        return self._exchange(func, q, k, v, heads, site, kwargs)
+        return self._exchange(func, q, k, v, heads, site, mask, kwargs)
 
     def _exchange(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  heads: int, site: "ActiveSite", kwargs: dict) -> torch.Tensor:
+                  heads: int, site: "ActiveSite", mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
         rt = self.runtime
         ulysses, ring = rt.ulysses_comm, rt.ring_comm
         heads_first = bool(kwargs.get("skip_reshape", False))
@@ -238,17 +299,19 @@ class SequenceParallelAttention:
         length = qc.shape[1]
         if joint > length:
             raise ValueError(f"SequenceParallelAttention: {joint} joint tokens but the attention has {length}")
+        if mask is not None:
+            check_key_mask(mask, heads, length)
 
-        def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def split(x: torch.Tensor, dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
             """(joint part, sharded part) along the sequence."""
-            cut = joint if front else x.shape[1] - joint
-            first, second = x[:, :cut], x[:, cut:]
+            cut = joint if front else x.shape[dim] - joint
+            first, second = x.narrow(dim, 0, cut), x.narrow(dim, cut, x.shape[dim] - cut)
             return (first, second) if front else (second, first)
 
-        def join(joint_part: torch.Tensor, sharded: torch.Tensor) -> torch.Tensor:
+        def join(joint_part: torch.Tensor, sharded: torch.Tensor, dim: int = 1) -> torch.Tensor:
             if not joint:
                 return sharded
-            return torch.cat([joint_part, sharded] if front else [sharded, joint_part], 1)
+            return torch.cat([joint_part, sharded] if front else [sharded, joint_part], dim)
 
         (qj, qi), (kj, ki), (vj, vi) = split(qc), split(kc), split(vc)
         qi, ki, vi = heads_to_sequence(ulysses, torch.stack([qi, ki, vi])).unbind(0)
@@ -258,20 +321,43 @@ class SequenceParallelAttention:
             qj, kj, vj = (t.narrow(2, first, local_heads) for t in (qj, kj, vj))
         segment = qi.shape[1]  # the tokens of one Ulysses group = one ring block
         valid_keys = self._valid_keys(site, segment, ring.size)
+        mask_joint = mask_split = None
+        if mask is not None:
+            mask_joint, mask_split = self._exchange_mask(mask, heads, local_heads, split)
         if ring.size == 1:
             keep = segment if valid_keys is None else valid_keys(0)
             ki, vi = ki[:, :keep], vi[:, :keep]
+            if mask is not None:
+                kwargs = {**kwargs, "mask": join(mask_joint, mask_split[..., :keep], -1)}
             out = func(*(from_canonical(t, heads_first) for t in (join(qj, qi), join(kj, ki), join(vj, vi))),
                        local_heads, **kwargs)
             out = to_canonical(out, local_heads, out_heads_first)
         else:
-            out = ring_attention(ring, join(qj, qi), ki, vi, joint_k=kj if joint else None,
-                                 joint_v=vj if joint else None, valid_keys=valid_keys)
+            bias_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            out = ring_attention(
+                ring, join(qj, qi), ki, vi, joint_k=kj if joint else None, joint_v=vj if joint else None,
+                valid_keys=valid_keys,
+                key_bias=None if mask is None else additive_key_bias(mask_split, bias_dtype),
+                joint_bias=None if mask is None or not joint else additive_key_bias(mask_joint, bias_dtype))
         out_joint, out_sharded = split(out)
         out_sharded = sequence_to_heads(ulysses, out_sharded)
         if joint:
             out_joint = ulysses.all_gather(out_joint.contiguous(), 2, JOINT_KIND)
         return from_canonical(join(out_joint, out_sharded), out_heads_first)
+
+    def _exchange_mask(self, mask: torch.Tensor, heads: int, local_heads: int,
+                       split: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A checked key mask over this rank's keys -> (its joint part, the mask of every split key in sequence
+        order), both narrowed to this rank's heads when the mask has one row per head. The split part is all-gathered
+        over the whole sequence-parallel group (sequence order is rank order), on every rank alike whatever the mask
+        holds, so no rank waits for another."""
+        mask_joint, mask_split = split(mask, mask.dim() - 1)
+        wire = mask_split.to(torch.uint8) if mask_split.dtype == torch.bool else mask_split  # gloo has no bool
+        mask_split = self.runtime.sp_comm.all_gather(wire.contiguous(), mask.dim() - 1, MASK_KIND).to(mask.dtype)
+        if mask.dim() == 4 and mask.shape[1] == heads and local_heads != heads:  # after the gather: every rank's
+            first = self.runtime.ulysses_comm.group.rank * local_heads             # keys, this rank's heads
+            mask_joint, mask_split = (m.narrow(1, first, local_heads) for m in (mask_joint, mask_split))
+        return mask_joint, mask_split
 
     def _valid_keys(self, site: "ActiveSite", segment: int, ring_size: int) -> Callable[[int], int] | None:
         """Real (unpadded) keys in ring block ``j``, or None when the site's sequence was not padded."""

@@ -23,6 +23,7 @@ from .plan import (
     SequenceParallelModelPlan,
     SequenceParallelOutput,
     SequenceParallelPartialInput,
+    SequenceParallelRefusedInput,
     SequenceParallelSelfAttention,
     resolve_length,
     resolve_submodules,
@@ -87,6 +88,10 @@ class SequenceParallelSplitHook(SequenceParallelHook):
         self._call = (args, kwargs)
         self._recorded = {}
         for name, spec in self.spec.items():
+            if isinstance(spec, SequenceParallelRefusedInput):
+                if metadata.lookup(name, args, kwargs) is not None:
+                    raise ValueError(spec.reason)
+                continue
             if isinstance(name, int) or (not isinstance(spec, (list, tuple)) and spec.split_output):
                 continue
             value = metadata.lookup(name, args, kwargs)
@@ -140,14 +145,22 @@ class SequenceParallelSplitHook(SequenceParallelHook):
         dim = spec.split_dim % x.dim()
         if x.shape[dim] == 0:
             return x
+        if isinstance(spec, SequenceParallelInput) and spec.broadcast_length_one and x.shape[dim] == 1:
+            return x
         text = None
+        text_front = True
         if isinstance(spec, SequenceParallelPartialInput):
             args, kwargs = self._call
             text_len = resolve_length(spec.text_len_source, spec.text_len_dim, self.module_forward_metadata, module,
                                       args, kwargs, "text_len_source", self.runtime.split_length)
             if text_len > x.shape[dim]:
                 raise ValueError(f"{self._where(name)}: text length {text_len} exceeds the tensor's {x.shape[dim]}")
-            text, x = x.narrow(dim, 0, text_len), x.narrow(dim, text_len, x.shape[dim] - text_len)
+            text_front = spec.text_position == "front"
+            image_len = x.shape[dim] - text_len
+            if text_front:
+                text, x = x.narrow(dim, 0, text_len), x.narrow(dim, text_len, image_len)
+            else:
+                text, x = x.narrow(dim, image_len, text_len), x.narrow(dim, 0, image_len)
         world = self.runtime.world_size
         if spec.auto_pad:
             record = PaddingRecord(x.shape[dim], padded_length(x.shape[dim], world))
@@ -160,7 +173,7 @@ class SequenceParallelSplitHook(SequenceParallelHook):
             x = pad_to(x, dim, record.padded_len)
         part = shard(x, dim, world, self.runtime.rank, self._where(name))
         if text is not None:
-            part = torch.cat([text, part], dim)
+            part = torch.cat([text, part] if text_front else [part, text], dim)
         elif isinstance(spec, SequenceParallelInput) and spec.clone_shard:
             part = part.clone(memory_format=torch.contiguous_format)
         return part

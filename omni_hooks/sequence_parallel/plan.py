@@ -71,6 +71,8 @@ class SequenceParallelInput:
       phase). For a model that creates its tokens inside its forward and whose first split point is the first block
       of the cached stack (Wan): the cache must see, store and skip with this rank's shard. Every input spec of one
       module must agree on it.
+    * ``broadcast_length_one``: pass a tensor whose length along ``split_dim`` is 1 unchanged (one value broadcast
+      over the whole sequence, e.g. a per-sample timestep of a model that also takes one per token).
     """
 
     split_dim: int
@@ -80,12 +82,14 @@ class SequenceParallelInput:
     clone_shard: bool = False
     shard_group: str | None = None
     outside_caches: bool = False
+    broadcast_length_one: bool = False
 
 
 @dataclass(frozen=True)
 class SequenceParallelPartialInput:
-    """A tensor laid out ``[text | image]`` along ``split_dim``: the text part is kept whole on every rank, the image
-    part is split (e.g. a RoPE table over text and image positions).
+    """A tensor laid out ``[text | image]`` (``text_position="front"``) or ``[image | text]`` (``"rear"``) along
+    ``split_dim``: the text part is kept whole on every rank, the image part is split, and the shard keeps the layout
+    (e.g. a RoPE table over text and image positions).
 
     ``text_len_source``: the text length, an int, a forward parameter name (tensor: its size along ``text_len_dim``;
     int: the value), a function ``(module, args, kwargs) -> int`` or ``ReplicatedTokens``. ``auto_pad``/``shard_group``
@@ -99,6 +103,12 @@ class SequenceParallelPartialInput:
     auto_pad: bool = False
     shard_group: str | None = None
     text_len_dim: int = 0
+    text_position: str = "front"
+
+    def __post_init__(self) -> None:
+        if self.text_position not in ("front", "rear"):
+            raise ValueError(f"SequenceParallelPartialInput: text_position must be 'front' or 'rear', got "
+                             f"{self.text_position!r}")
 
 
 @dataclass(frozen=True)
@@ -134,6 +144,15 @@ class SequenceParallelSelfAttention:
                              f"{self.joint_position!r}")
 
 
+@dataclass(frozen=True)
+class SequenceParallelRefusedInput:
+    """A forward input the plan cannot split (e.g. residuals over the whole sequence added between blocks): a call
+    that passes it (anything but None) fails with ValueError(``reason``) on every rank alike, before the module runs
+    and so before any exchange. ``reason`` should name the input, why, and the fix."""
+
+    reason: str
+
+
 InputSpec = Union[SequenceParallelInput, SequenceParallelPartialInput]
 SequenceParallelModelPlan = dict[str, Any]
 
@@ -146,7 +165,8 @@ def splits_outside_caches(module_id: str, specs: dict) -> bool:
     """Whether a module's input specs split outside cache hooks (``SequenceParallelInput.outside_caches``);
     ValueError when its specs disagree."""
     flags = {getattr(spec, "outside_caches", False)
-             for value in specs.values() for spec in (value if isinstance(value, (list, tuple)) else [value])}
+             for value in specs.values() for spec in (value if isinstance(value, (list, tuple)) else [value])
+             if not isinstance(spec, SequenceParallelRefusedInput)}
     if len(flags) > 1:
         raise ValueError(f"_sp_plan[{module_id!r}]: every input spec of one module must agree on outside_caches")
     return flags == {True}
@@ -163,13 +183,16 @@ def _validate_input_dict(module_id: str, specs: dict, groups: dict[str, str]) ->
                 raise ValueError(f"_sp_plan[{module_id!r}][{key}]: an int key names an output element and needs a "
                                  "single SequenceParallelInput with split_output=True")
             elements = [value]
+        elif isinstance(value, SequenceParallelRefusedInput):
+            elements = []
         elif _is_input(value):
             elements = [value]
         elif isinstance(value, (list, tuple)) and value and all(_is_input(v) for v in value):
             elements = list(value)
         else:
             raise ValueError(f"_sp_plan[{module_id!r}][{key!r}]: expected a SequenceParallelInput, a "
-                             f"SequenceParallelPartialInput or a list/tuple of them, got {value!r}")
+                             f"SequenceParallelPartialInput, a list/tuple of them or a SequenceParallelRefusedInput, "
+                             f"got {value!r}")
         for spec in elements:
             if spec.shard_group is None:
                 continue

@@ -181,7 +181,7 @@ def test_cfg_parallel_gives_the_one_process_latent_and_runs_with_a_cache(env, wa
     assert torch.isfinite(cached).all()
 
 
-@pytest.mark.parametrize("case_name", ["flux", "chroma", "qwen_image"])
+@pytest.mark.parametrize("case_name", ["flux", "chroma", "qwen_image", "hunyuan_video", "ltxv"])
 def test_each_family_with_a_plan_runs_through_the_session_with_a_worker_that_builds_it_from_its_config(env,
                                                                                                       case_name):
     case = env.tiny.build_case(case_name)
@@ -190,18 +190,40 @@ def test_each_family_with_a_plan_runs_through_the_session_with_a_worker_that_bui
         MIN_PSNR_DB
 
 
-def test_teacache_on_flux_decides_alike_on_every_rank(env, user_dir):
-    from omnitest.pack import pack_module, run_node
+@pytest.mark.parametrize("case_name, variant", [
+    ("hunyuan_video", "text_mask"), ("ltxv", "denoise_mask"), ("ltxv", "keyframes")])
+def test_a_familys_extra_inputs_reach_the_worker(env, case_name, variant):
+    """HunyuanVideo's text attention mask, LTX-Video's per-token timesteps and keyframe indices (passed after
+    transformer_options) through the session."""
+    from omnitest.sp_families import INPUT_VARIANTS
 
-    pack_module("nodes.calibration_files").save("teacache", "sp-flux-identity",
-                                                 {"coefficients": [0, 0, 0, 1, 0], "family": "flux",
+    case = env.tiny.build_case(case_name)
+    INPUT_VARIANTS[variant](case)
+    reference = env.tiny.sample(case, steps=3)
+    assert psnr_db(env.tiny.sample(case, model=env.sequence_parallel(case.patcher), steps=3), reference) >= \
+        MIN_PSNR_DB
+
+
+@pytest.mark.parametrize("case_name, variant", [
+    ("flux", None), ("hunyuan_video", "text_mask"),
+    ("ltxv", "denoise_mask"),  # TeaCache's signal reads the per-token timesteps, split before the cache sees them
+])
+def test_teacache_on_a_joint_attention_family_decides_alike_on_every_rank(env, user_dir, case_name, variant):
+    from omnitest.pack import pack_module, run_node
+    from omnitest.sp_families import INPUT_VARIANTS
+
+    case = env.tiny.build_case(case_name)
+    if variant is not None:
+        INPUT_VARIANTS[variant](case)
+    identity = f"sp-{case.family}-identity"
+    pack_module("nodes.calibration_files").save("teacache", identity,
+                                                 {"coefficients": [0, 0, 0, 1, 0], "family": case.family,
                                                   "signal": "default"})
     teacache = pack_module("nodes.teacache_node").ApplyTeaCache
-    case = env.tiny.build_case("flux")
 
     def cached(model):
         return run_node(teacache, node_id="21", model=model, rel_l1_thresh=2.0, start_percent=0.0, end_percent=1.0,
-                        cache_device="compute device", model_variant="calibration: sp-flux-identity")[0]
+                        cache_device="compute device", model_variant="calibration: " + identity)[0]
 
     alone = env.tiny.sample(case, model=cached(case.patcher), steps=STEPS)
     alone_summary = last_entry(env)["summary"]

@@ -8,38 +8,84 @@ KSampler (CFG batches cond and uncond).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from omnitest.tiny_models import TinyCase
 
 
-def rank_family_plan(case_name: str, unet_overrides: Optional[dict], ulysses: int, ring: int,
-                     latent_shape: Optional[Sequence[int]]):
-    """On every rank: (PSNR of the SP latent against the one-process latent in dB, whether the model gives the
-    reference again after the plan is removed, how many attention sites the family declares, the exchange calls by
-    kind)."""
-    from omnitest.comfy_path import use_comfyui_in_process
+def _text_mask(case: TinyCase) -> None:
+    """The text encoder padded the last 3 tokens (HunyuanVideo's ``attention_mask``: a key mask in attention)."""
+    for cond in (case.positive, case.negative):
+        mask = torch.ones(1, cond[0][0].shape[1], dtype=torch.long)
+        mask[:, -3:] = 0
+        cond[0][1]["attention_mask"] = mask
 
-    use_comfyui_in_process()
+
+def _denoise_mask(case: TinyCase) -> None:
+    """Image-to-video (LTXVImgToVideo): the first latent frame is kept, so the model gets one timestep per token."""
+    case.noise_mask = torch.ones(1, 1, *case.latent.shape[2:])
+    case.noise_mask[:, :, 0] = 0
+
+
+def _keyframes(case: TinyCase) -> None:
+    """LTXVAddGuide: the last latent frame is a guide placed at pixel frame 0 (``keyframe_idxs`` sets its RoPE
+    positions)."""
+    _, _, _, height, width = case.latent.shape
+    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    idxs = torch.stack([torch.zeros(height * width), rows.flatten() * 32.0, cols.flatten() * 32.0])[None]
+    for cond in (case.positive, case.negative):
+        cond[0][1]["keyframe_idxs"] = idxs
+
+
+#: Named changes to a case's inputs (names, not functions, cross to the ranks).
+INPUT_VARIANTS: dict[str, Callable[[TinyCase], None]] = {
+    "text_mask": _text_mask, "denoise_mask": _denoise_mask, "keyframes": _keyframes}
+
+
+@contextlib.contextmanager
+def family_plan_applied(case: TinyCase, ulysses: int, ring: int) -> Iterator[tuple]:
+    """Within: the detected family's plan applied to ``case``'s diffusion model on the default process group, and a
+    clone of its patcher whose attention goes through the runtime; yields ``(clone, runtime, family)``. The plan is
+    removed on exit."""
     from omnitest.pack import pack_module
-    from omnitest.quality import psnr_db
-    from omnitest.tiny_models import build_case, sample
 
     sp = pack_module("omni_hooks.sequence_parallel")
-    families = pack_module("nodes.families")
-    case = build_case(case_name, unet_overrides=unet_overrides,
-                      latent_shape=tuple(latent_shape) if latent_shape else None)
-    reference = sample(case)
+    family = pack_module("nodes.families").detect(case.patcher).model_family
     dm = case.diffusion_model
-    family = families.detect(case.patcher).model_family
     plan = family.sequence_plan(dm)
     runtime = sp.apply_sequence_parallel(dm, sp.SequenceParallelConfig(ulysses_degree=ulysses, ring_degree=ring),
                                          plan)
     clone = case.patcher.clone()
-    options = clone.model_options.setdefault("transformer_options", {})
-    options["optimized_attention_override"] = runtime.attention
+    clone.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = runtime.attention
     try:
-        got = sample(case, clone)
+        yield clone, runtime, family
     finally:
         sp.remove_sequence_parallel(dm, plan)
+
+
+def rank_family_plan(case_name: str, unet_overrides: Optional[dict], ulysses: int, ring: int,
+                     latent_shape: Optional[Sequence[int]], variant: Optional[str] = None):
+    """On every rank: (PSNR of the SP latent against the one-process latent in dB, whether the model gives the
+    reference again after the plan is removed, how many attention sites the family declares, the exchange calls by
+    kind). ``variant``: a key of ``INPUT_VARIANTS`` applied to the case's inputs first."""
+    from omnitest.comfy_path import use_comfyui_in_process
+
+    use_comfyui_in_process()
+    from omnitest.quality import psnr_db
+    from omnitest.tiny_models import build_case, sample
+
+    case = build_case(case_name, unet_overrides=unet_overrides,
+                      latent_shape=tuple(latent_shape) if latent_shape else None)
+    if variant is not None:
+        INPUT_VARIANTS[variant](case)
+    reference = sample(case)
+    with family_plan_applied(case, ulysses, ring) as (clone, runtime, family):
+        got = sample(case, clone)
     restored = sample(case)
     exchanged = {kind: record.calls for kind, record in runtime.stats.snapshot().items()}
-    return psnr_db(got, reference), bool((restored == reference).all()), len(family.attention_sites(dm)), exchanged
+    sites = len(family.attention_sites(case.diffusion_model))
+    return psnr_db(got, reference), bool((restored == reference).all()), sites, exchanged

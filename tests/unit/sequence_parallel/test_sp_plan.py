@@ -15,6 +15,7 @@ from omni_hooks.sequence_parallel import (
     SequenceParallelMesh,
     SequenceParallelOutput,
     SequenceParallelPartialInput,
+    SequenceParallelRefusedInput,
     SequenceParallelRuntime,
     SequenceParallelSelfAttention,
     apply_sequence_parallel,
@@ -229,6 +230,40 @@ def test_partial_input_keeps_text_whole_and_splits_the_image():
     assert out.shape == (12,)
     with pytest.raises(ValueError, match="Failed to resolve text_len_source 'txt'"):
         split_once(spec, x, world=4)  # txt not passed
+
+
+def test_partial_input_with_text_at_the_rear_keeps_the_image_text_layout():
+    x = torch.arange(21.)  # 13 image (padded to 14) + 8 text
+    spec = SequenceParallelPartialInput(split_dim=0, text_len_source="txt", text_len_dim=1, text_position="rear",
+                                        auto_pad=True)
+    first, runtime = split_once(spec, x, world=2, rank=0, txt=torch.zeros(1, 8, 3))
+    last, _ = split_once(spec, x, world=2, rank=1, txt=torch.zeros(1, 8, 3))
+    assert first.tolist() == list(range(7)) + list(range(13, 21))
+    assert last.tolist() == list(range(7, 13)) + [0.0] + list(range(13, 21))
+    assert runtime.padding[None] == PaddingRecord(13, 14)
+    with pytest.raises(ValueError, match="text_position"):
+        SequenceParallelPartialInput(split_dim=0, text_len_source=1, text_position="middle")
+
+
+def test_broadcast_length_one_passes_a_per_sample_value_and_splits_a_per_token_one():
+    spec = SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True, broadcast_length_one=True)
+    one = torch.ones(2, 1, 4)
+    out, runtime = split_once(spec, one, rank=1)
+    assert out is one and runtime.padding == {}
+    out, runtime = split_once(spec, torch.arange(5.).reshape(1, 5, 1), rank=1)
+    assert out.flatten().tolist() == [3.0, 4.0, 0.0] and runtime.padding[None] == PaddingRecord(5, 6)
+
+
+def test_a_refused_input_fails_the_call_only_when_passed():
+    refused = SequenceParallelRefusedInput("Sequence Parallel: txt is not supported here; fix: leave it out")
+    spec = SequenceParallelInput(split_dim=1, expected_dims=3, outside_caches=True)
+    out, runtime = split_once(spec, torch.arange(4.).reshape(1, 4, 1), extra={"txt": refused})
+    assert out.flatten().tolist() == [0.0, 1.0]  # not passed: the other inputs split as planned
+    with pytest.raises(ValueError, match=r"^Sequence Parallel: txt is not supported here; fix: leave it out$"):
+        split_once(spec, torch.zeros(1, 4, 1), extra={"txt": refused}, txt={"any": "type"})
+    assert runtime.stats.bytes_sent == 0
+    with pytest.raises(ValueError, match="an int key names an output element"):  # a refused input is a parameter
+        validate_sp_plan({"": {0: refused}})
 
 
 def test_strict_mode_names_the_fix():
