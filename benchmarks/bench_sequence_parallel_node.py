@@ -1,7 +1,7 @@
 """The Sequence Parallel node's run in ComfyUI: time per sampling step at 1 rank vs N ranks, side by side in one run.
 
 ComfyUI in this process (rank 0) samples a Wan 2.1 model built from ComfyUI's own classes (random weights of a chosen
-size) with ComfyUI's KSampler, once without the node and once through the node's session (the pack starts N - 1
+size) with ComfyUI's KSampler, once without the node and through the node's session (Ulysses, ring, CFG parallel) (the pack starts N - 1
 local worker processes, sends them the weights, and every call is split across the ranks). Rounds are interleaved
 and the best is kept; the first run of each (worker start, weight transfer) is a warm-up and not timed.
 
@@ -61,10 +61,15 @@ def main() -> int:
     if args.devices == "cuda":
         case.patcher.load_device = comfy.model_management.get_torch_device()
     tokens = args.frames * (args.size // 2) ** 2
-    parallel = run_node(sp_node.SequenceParallel, node_id="1", model=case.patcher, world_size=args.ranks,
-                        ulysses_degree="auto", ring_degree="auto", devices="auto", backend="auto",
-                        master_address="127.0.0.1", master_port=0)[0]
-    runs = {"1 rank": case.patcher, f"{args.ranks} ranks": parallel}
+    def parallel(**inputs):
+        settings = dict(world_size=args.ranks, ulysses_degree="auto", ring_degree="auto", devices="auto",
+                        backend="auto", master_address="127.0.0.1", master_port=0, cfg_parallel=False)
+        return run_node(sp_node.SequenceParallel, node_id="1", model=case.patcher, **{**settings, **inputs})[0]
+
+    runs = {"1 rank": case.patcher,
+            f"{args.ranks} ranks, Ulysses": parallel(ulysses_degree=str(args.ranks), ring_degree="1"),
+            f"{args.ranks} ranks, ring": parallel(ulysses_degree="1", ring_degree=str(args.ranks)),
+            f"{args.ranks} ranks, cfg parallel": parallel(cfg_parallel=True)}
     best: dict[str, float] = {}
     latents: dict[str, torch.Tensor] = {}
     peaks: dict[str, int] = {}

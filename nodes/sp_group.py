@@ -57,7 +57,7 @@ class GroupSettings:
     """Everything that identifies a group: changing any of it starts another one.
 
     ``devices``: the device of each LOCAL rank, rank 0 first; ranks ``len(devices)..world_size-1`` are remote and join
-    with ``remote_worker_command`` (README: "Sequence Parallel on several machines"). ``host``/``port``: where rank 0
+    with ``remote_worker_command`` (README, 'Sequence Parallel on several machines'). ``host``/``port``: where rank 0
     listens, and only there (port 0: any free port, local workers only).
     """
 

@@ -2,8 +2,8 @@
 weights and runs every model call on its shard.
 
 The pack starts the workers of the local devices itself. Ranks on other machines (the Sequence Parallel node's ranks
-beyond its ``devices``) are started there, K at a time with torchrun (README, "Sequence Parallel on several
-machines")::
+beyond its ``devices``) are started there, K at a time with torchrun
+(README, 'Sequence Parallel on several machines')::
 
     torchrun --nproc-per-node K <pack>/nodes/sp_worker.py --join <ComfyUI host>:<port> --first-rank R \
         --world-size N --comfyui <ComfyUI folder>
