@@ -14,6 +14,8 @@ import logging
 import pytest
 import torch
 
+from omnitest.cache_nodes import apply_magcache, apply_teacache, save_identity_calibrations, tiny_lora
+
 pytestmark = pytest.mark.host
 
 STEPS = 6
@@ -28,11 +30,7 @@ def env(user_dir):
 
     offload_module = pack_module("nodes.offload_node")
     features = pack_module("nodes.features")
-    files = pack_module("nodes.calibration_files")
-    files.save("teacache", IDENTITY, {"coefficients": [0, 0, 0, 1, 0], "family": "wan", "signal": "default"})
-    files.save("magcache", IDENTITY, {"family": "wan", "mag_ratios": [1.0] + [0.95] * (STEPS - 1)})
-    teacache = pack_module("nodes.teacache_node").ApplyTeaCache
-    magcache = pack_module("nodes.magcache_node").ApplyMagCache
+    save_identity_calibrations(IDENTITY, STEPS)
 
     class Env:
         tiny = tiny_models
@@ -47,15 +45,11 @@ def env(user_dir):
 
         @staticmethod
         def teacache(model, threshold=5.0):
-            return run_node(teacache, node_id="21", model=model, rel_l1_thresh=threshold, start_percent=0.0,
-                            end_percent=1.0, cache_device="compute device",
-                            model_variant="calibration: " + IDENTITY)[0]
+            return apply_teacache(model, IDENTITY, threshold)
 
         @staticmethod
         def magcache(model, threshold=1.0):
-            return run_node(magcache, node_id="22", model=model, threshold=threshold, max_skip_steps=3,
-                            retention_ratio=0.0, start_percent=0.0, end_percent=1.0, cache_device="compute device",
-                            curve=files.option(IDENTITY))[0]
+            return apply_magcache(model, IDENTITY, threshold)
 
     yield Env
 
@@ -140,19 +134,6 @@ def assert_unhooked(dm: torch.nn.Module) -> None:
 def block_bytes(block: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in block.parameters()) + \
         sum(b.numel() * b.element_size() for b in block.buffers())
-
-
-def tiny_lora(dm: torch.nn.Module, rank: int = 2, seed: int = 3) -> dict:
-    """A LoRA state dict (kohya-style up/down/alpha) on every linear layer of the blocks."""
-    g = torch.Generator().manual_seed(seed)
-    lora = {}
-    for name, m in dm.named_modules():
-        if name.startswith("blocks.") and isinstance(m, torch.nn.Linear):
-            key = f"diffusion_model.{name}"
-            lora[f"{key}.lora_up.weight"] = torch.randn(m.out_features, rank, generator=g) * 0.1
-            lora[f"{key}.lora_down.weight"] = torch.randn(rank, m.in_features, generator=g) * 0.1
-            lora[f"{key}.alpha"] = torch.tensor(float(rank))
-    return lora
 
 
 def with_lora(model, lora: dict, strength: float):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omnitest.cache_nodes import apply_magcache, apply_teacache, save_identity_calibrations, tiny_lora
 from omnitest.quality import psnr_db
 
 pytestmark = pytest.mark.host
@@ -21,9 +22,7 @@ def env(user_dir):
     from omnitest import tiny_models
     from omnitest.pack import pack_module, run_node
 
-    files = pack_module("nodes.calibration_files")
-    files.save("teacache", IDENTITY, {"coefficients": [0, 0, 0, 1, 0], "family": "wan", "signal": "default"})
-    files.save("magcache", IDENTITY, {"family": "wan", "mag_ratios": [1.0] + [0.95] * (STEPS - 1)})
+    save_identity_calibrations(IDENTITY, STEPS)
     sp_node = pack_module("nodes.sequence_parallel_node")
     offload_node = pack_module("nodes.offload_node")
     group = pack_module("nodes.sp_group")
@@ -34,22 +33,18 @@ def env(user_dir):
         stats = pack_module("nodes.stats_store")
 
         @staticmethod
-        def sequence_parallel(model):
-            return run_node(sp_node.SequenceParallel, node_id="30", model=model, world_size=2, ulysses_degree="auto",
-                            ring_degree="auto", devices="auto", backend="auto", master_address="127.0.0.1",
-                            master_port=0)[0]
+        def sequence_parallel(model, **inputs):
+            settings = dict(world_size=2, ulysses_degree="auto", ring_degree="auto", devices="auto", backend="auto",
+                            master_address="127.0.0.1", master_port=0, cfg_parallel=False)
+            return run_node(sp_node.SequenceParallel, node_id="30", model=model, **{**settings, **inputs})[0]
 
         @staticmethod
         def teacache(model, threshold=5.0):
-            return run_node(pack_module("nodes.teacache_node").ApplyTeaCache, node_id="21", model=model,
-                            rel_l1_thresh=threshold, start_percent=0.0, end_percent=1.0,
-                            cache_device="compute device", model_variant="calibration: " + IDENTITY)[0]
+            return apply_teacache(model, IDENTITY, threshold)
 
         @staticmethod
         def magcache(model, threshold=1.0):
-            return run_node(pack_module("nodes.magcache_node").ApplyMagCache, node_id="22", model=model,
-                            threshold=threshold, max_skip_steps=3, retention_ratio=0.0, start_percent=0.0,
-                            end_percent=1.0, cache_device="compute device", curve=files.option(IDENTITY))[0]
+            return apply_magcache(model, IDENTITY, threshold)
 
         @staticmethod
         def offload(model):
@@ -107,18 +102,6 @@ def test_with_offload_and_a_cache_the_weights_reach_the_workers_before_offload_p
     assert (env.tiny.sample(wan, steps=STEPS) == env.tiny.sample(wan, steps=STEPS)).all()
 
 
-def tiny_lora(dm: torch.nn.Module, rank: int = 2, seed: int = 3) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    lora = {}
-    for name, m in dm.named_modules():
-        if name.startswith("blocks.") and isinstance(m, torch.nn.Linear):
-            key = f"diffusion_model.{name}"
-            lora[f"{key}.lora_up.weight"] = torch.randn(m.out_features, rank, generator=g) * 0.1
-            lora[f"{key}.lora_down.weight"] = torch.randn(rank, m.in_features, generator=g) * 0.1
-            lora[f"{key}.alpha"] = torch.tensor(float(rank))
-    return lora
-
-
 def test_a_lora_strength_change_reaches_the_workers(env, wan):
     import comfy.sd
 
@@ -161,14 +144,8 @@ def test_lora_on_layers_comfyui_loaded_in_lowvram_mode_reaches_the_workers(env, 
 
 def test_cfg_parallel_gives_the_one_process_latent_and_runs_with_a_cache(env, wan):
     """cfg 5: ComfyUI batches cond and uncond; with cfg_parallel rank 0 computes one, the worker the other."""
-    from omnitest.pack import pack_module, run_node
-
-    node = pack_module("nodes.sequence_parallel_node")
-
     def cfg_parallel(model):
-        return run_node(node.SequenceParallel, node_id="31", model=model, world_size=2, ulysses_degree="auto",
-                        ring_degree="auto", devices="auto", backend="auto", master_address="127.0.0.1",
-                        master_port=0, cfg_parallel=True)[0]
+        return env.sequence_parallel(model, cfg_parallel=True)
 
     reference = env.tiny.sample(wan, steps=STEPS, cfg=5.0)
     assert psnr_db(env.tiny.sample(wan, model=cfg_parallel(wan.patcher), steps=STEPS, cfg=5.0), reference) >= \
@@ -209,21 +186,16 @@ def test_a_familys_extra_inputs_reach_the_worker(env, case_name, variant):
     ("ltxv", "denoise_mask"),  # TeaCache's signal reads the per-token timesteps, split before the cache sees them
 ])
 def test_teacache_on_a_joint_attention_family_decides_alike_on_every_rank(env, user_dir, case_name, variant):
-    from omnitest.pack import pack_module, run_node
     from omnitest.sp_families import INPUT_VARIANTS
 
     case = env.tiny.build_case(case_name)
     if variant is not None:
         INPUT_VARIANTS[variant](case)
     identity = f"sp-{case.family}-identity"
-    pack_module("nodes.calibration_files").save("teacache", identity,
-                                                 {"coefficients": [0, 0, 0, 1, 0], "family": case.family,
-                                                  "signal": "default"})
-    teacache = pack_module("nodes.teacache_node").ApplyTeaCache
+    save_identity_calibrations(identity, STEPS, family=case.family)
 
     def cached(model):
-        return run_node(teacache, node_id="21", model=model, rel_l1_thresh=2.0, start_percent=0.0, end_percent=1.0,
-                        cache_device="compute device", model_variant="calibration: " + identity)[0]
+        return apply_teacache(model, identity, threshold=2.0)
 
     alone = env.tiny.sample(case, model=cached(case.patcher), steps=STEPS)
     alone_summary = last_entry(env)["summary"]

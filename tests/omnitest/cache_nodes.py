@@ -1,0 +1,44 @@
+"""Host-test helpers shared by the composition tests: identity calibrations (TeaCache's rescale is the identity,
+MagCache's curve a constant ratio) and the two Apply nodes run on them, and a tiny LoRA on a model's block linears."""
+from __future__ import annotations
+
+import torch
+
+
+def save_identity_calibrations(name: str, steps: int, family: str = "wan") -> None:
+    """Calibration files ``name`` for TeaCache and MagCache in ComfyUI's user directory."""
+    from omnitest.pack import pack_module
+
+    files = pack_module("nodes.calibration_files")
+    files.save("teacache", name, {"coefficients": [0, 0, 0, 1, 0], "family": family, "signal": "default"})
+    files.save("magcache", name, {"family": family, "mag_ratios": [1.0] + [0.95] * (steps - 1)})
+
+
+def apply_teacache(model, calibration: str, threshold: float = 5.0, node_id: str = "21"):
+    from omnitest.pack import pack_module, run_node
+
+    return run_node(pack_module("nodes.teacache_node").ApplyTeaCache, node_id=node_id, model=model,
+                    rel_l1_thresh=threshold, start_percent=0.0, end_percent=1.0, cache_device="compute device",
+                    model_variant="calibration: " + calibration)[0]
+
+
+def apply_magcache(model, calibration: str, threshold: float = 1.0, node_id: str = "22"):
+    from omnitest.pack import pack_module, run_node
+
+    files = pack_module("nodes.calibration_files")
+    return run_node(pack_module("nodes.magcache_node").ApplyMagCache, node_id=node_id, model=model,
+                    threshold=threshold, max_skip_steps=3, retention_ratio=0.0, start_percent=0.0, end_percent=1.0,
+                    cache_device="compute device", curve=files.option(calibration))[0]
+
+
+def tiny_lora(dm: torch.nn.Module, rank: int = 2, seed: int = 3) -> dict:
+    """A LoRA state dict (kohya-style up/down/alpha) on every linear layer of the blocks."""
+    g = torch.Generator().manual_seed(seed)
+    lora = {}
+    for name, m in dm.named_modules():
+        if name.startswith("blocks.") and isinstance(m, torch.nn.Linear):
+            key = f"diffusion_model.{name}"
+            lora[f"{key}.lora_up.weight"] = torch.randn(m.out_features, rank, generator=g) * 0.1
+            lora[f"{key}.lora_down.weight"] = torch.randn(rank, m.in_features, generator=g) * 0.1
+            lora[f"{key}.alpha"] = torch.tensor(float(rank))
+    return lora
