@@ -2,11 +2,14 @@
 gloo), every other node of the workflow unchanged.
 
 Rank 0 is the ComfyUI process. Per run, the session (``SequenceParallelSession``) gets the process's group
-(``sp_group``: local workers started once and kept), sends the patched weights when the model or its patches changed,
-applies the family's sequence plan to the diffusion model, and per model call sends the call to every worker (a
-header they check before any collective), installs the attention exchange in ComfyUI's attention-override seam and
-gives caches the group's ``RankView``. Every rank runs the model's own forward on its shard; the head's output is
-gathered, so rank 0 returns the whole output to the sampler.
+(``sp_group``: local workers started once and kept, remote ranks joining with ``sp_worker.py``), sends the weights as
+ComfyUI computes with them when the model or its patches changed (after ComfyUI's load, before CPU Offload places
+them), applies the family's sequence plan to the diffusion model, and per model call sends the call, with the run's
+other features, to every worker (a header they check before any collective), installs the attention exchange in
+ComfyUI's attention-override seam and gives caches the group's ``RankView``. The workers mirror the run (``sp_rank``):
+the same caches and offload, so every rank decides alike. Every rank runs the model's own forward on its shard (with
+``cfg_parallel``, on its half's part of the batch); the output is gathered, so rank 0 returns the whole output to the
+sampler. A call that breaks mid-way closes the group (``explain_failure``); the next run starts a fresh one.
 """
 from __future__ import annotations
 

@@ -4,13 +4,17 @@ process being rank 0 and the pack starting rank 1.
 * the tiny Wan with 2 heads (Ulysses) and with 1 head (ring) gives the one-process latent within float32 tolerance,
   while the original MODEL sampled in the same prompt is untouched;
 * with Apply TeaCache the skip count equals the one-process run's, and the run's entry says 2 devices;
-* a worker killed mid-run is a clear execution error, and the next prompt passes.
+* a worker killed mid-run is a clear execution error, and the next prompt passes;
+* a remote rank started with torchrun (the README's command, on loopback) joins and completes a prompt;
+* no worker outlives the server.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +24,7 @@ import torch
 
 from omnitest.graphs import fresh_nonce, tiny_wan_graph
 from omnitest.quality import psnr_db
+from omnitest.server import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.server
 
@@ -124,6 +129,29 @@ def test_a_worker_killed_mid_run_is_a_clear_error_and_the_next_prompt_passes(com
     assert psnr_db(again.latent(), baseline) >= MIN_PSNR_DB
     (respawned,) = worker_pids(comfy_server)
     assert respawned != worker
+
+
+def test_a_remote_rank_started_with_torchrun_joins_and_completes_a_prompt(comfy, comfy_server, models):
+    baseline = comfy.run(tiny_wan_graph(steps=STEPS, nonce=fresh_nonce()).prompt()).latent()
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               str(REPO_ROOT / "nodes" / "sp_worker.py"), "--join", f"127.0.0.1:{port}", "--first-rank", "1",
+               "--world-size", "2", "--comfyui", str(comfy_server.comfy_root), "--once"]
+    torchrun = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,  # killable as a group
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "OMNIHOOKS_SP_JOIN_TIMEOUT_S": "120"})
+    try:
+        remote = tiny_wan_graph([sequence_parallel(devices="cpu", master_port=port)], steps=STEPS,
+                                nonce=fresh_nonce())
+        result = comfy.run(remote.prompt(), timeout=240)
+        assert psnr_db(result.latent(), baseline) >= MIN_PSNR_DB
+        assert worker_pids(comfy_server) == []  # rank 1 is the torchrun process, not one the pack started
+        # another setting of the node closes that group: the remote rank (--once) ends, and torchrun with it
+        comfy.run(tiny_wan_graph([sequence_parallel()], steps=2, nonce=fresh_nonce()).prompt(), timeout=240)
+        assert torchrun.wait(timeout=60) == 0
+    finally:
+        if torchrun.poll() is None:
+            os.killpg(torchrun.pid, signal.SIGKILL)  # torchrun and the rank it started
+            torchrun.wait(timeout=10)
 
 
 def test_no_worker_outlives_the_server(comfy, comfy_server, models):
