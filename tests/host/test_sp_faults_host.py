@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from omnitest.processes import LOOPBACK, assert_nothing_left, deadline, free_port, listening_ports
+from omnitest.processes import LOOPBACK, Snapshot, assert_nothing_left, deadline, free_port, listening_ports
 from omnitest.quality import psnr_db
 
 pytestmark = pytest.mark.host
@@ -55,11 +55,12 @@ def wan():
 
 @pytest.fixture
 def ports_before(sp):
-    """The ports this process listened on before the test, with no group running; checked after the test."""
+    """The ports this process listened on before the test, with no group running; checked after the test (with the
+    child processes: those of a session-wide rank pool are not the test's)."""
     _, group, _ = sp
     group.close_group()
-    before = listening_ports()
-    yield before
+    before = Snapshot.now()
+    yield before.ports
     group.close_group()
     assert_nothing_left(before)
 

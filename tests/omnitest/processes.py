@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import psutil
@@ -62,16 +63,37 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
                         f"{time.monotonic() - start:.0f} s)")
 
 
-def assert_nothing_left(ports_before: set[int], wait_s: float = 10.0) -> None:
-    """No child process and no listening port beyond ``ports_before`` (waits up to ``wait_s`` for exits). Collects
-    garbage first: a torch.distributed store or process group closes its sockets when its last reference goes."""
+@dataclass(frozen=True)
+class Snapshot:
+    """The child processes and listening ports this process had at one moment (e.g. a session-wide rank pool's)."""
+
+    children: frozenset[int]
+    ports: frozenset[int]
+
+    @classmethod
+    def now(cls) -> "Snapshot":
+        return cls(frozenset(p.pid for p in child_processes()), frozenset(listening_ports()))
+
+
+def assert_nothing_left(before: Snapshot, wait_s: float = 10.0) -> None:
+    """No child process and no listening port beyond those of ``before`` (waits up to ``wait_s`` for exits; kills
+    the new children it finds). Collects garbage first: a torch.distributed store or process group closes its sockets
+    when its last reference goes."""
     gc.collect()
+
+    def new_children() -> list[psutil.Process]:
+        return [p for p in child_processes() if p.pid not in before.children]
+
     end = time.monotonic() + wait_s
-    while (child_processes() or listening_ports() - ports_before) and time.monotonic() < end:
+    while (new_children() or listening_ports() - before.ports) and time.monotonic() < end:
         time.sleep(0.1)
-    left = [f"{p.pid} {' '.join(p.cmdline()[:6])}" for p in child_processes()]
-    ports = listening_ports() - ports_before
-    if left:
-        kill_children()
+    stray = new_children()
+    left = [f"{p.pid} {' '.join(p.cmdline()[:6])}" for p in stray]
+    ports = listening_ports() - before.ports
+    for p in stray:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
     assert not left, f"processes left: {left}"
     assert not ports, f"ports still listened on: {sorted(ports)}"
