@@ -16,6 +16,7 @@ import importlib.util
 import os
 import queue
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -48,7 +49,19 @@ def _load(path: str, qualname: str) -> Callable:
     return target
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results) -> None:
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this rank when the pool's process is gone (killed, so its fixtures never closed the pool): an orphaned
+    rank would otherwise wait on its task queue forever."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results, parent_pid: int) -> None:
+    _exit_with_parent(parent_pid)
     os.environ["MASTER_ADDR"] = HOST
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -98,7 +111,7 @@ class RankPool:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._processes = [ctx.Process(target=_worker, daemon=True,
                                        args=(r, self.world_size, self._store.port, self.backend, self._tasks[r],
-                                             self._results))
+                                             self._results, os.getpid()))
                            for r in range(self.world_size)]
         for p in self._processes:
             p.start()
