@@ -14,6 +14,7 @@ sampler. A call that breaks mid-way closes the group (``explain_failure``); the 
 from __future__ import annotations
 
 import logging
+import pickle
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,7 +173,6 @@ class SequenceParallelSession(FeatureSession):
             raise ValueError(f"{self.feature.describe()}: another node already overrides attention on this model "
                              f"({transformer_options[ATTENTION_OVERRIDE]!r}); remove it or Sequence Parallel")
         sent = {k: v for k, v in transformer_options.items() if k not in LOCAL_ONLY_OPTIONS}
-        check_picklable(sent, self.feature.describe())
         self.group.sync_weights(self.patcher, self.family.name)
         slot = lambda v: OPTIONS_SLOT if v is transformer_options else v  # noqa: E731
         call_args = tuple(slot(a) for a in args)
@@ -180,7 +180,11 @@ class SequenceParallelSession(FeatureSession):
         features = tuple(transformer_options.get(FEATURES_KEY, ()))
         header = {"signature": tensor_signature((call_args, call_kwargs)), "degrees": self.degrees,
                   "weights": self.group.serial_of_weights, "run": self.run_id}
-        self.group.command("call", header, to_cpu((call_args, call_kwargs, sent, features)))
+        try:
+            self.group.command("call", header, to_cpu((call_args, call_kwargs, sent, features)))
+        except (pickle.PicklingError, TypeError, AttributeError):
+            check_picklable(sent, self.feature.describe())  # names the option that cannot be sent
+            raise
         self.calls += 1
         transformer_options[ATTENTION_OVERRIDE] = self.runtime.attention
         self.runtime.reset()

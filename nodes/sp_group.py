@@ -258,9 +258,10 @@ class SequenceParallelGroup:
     # -- commands -------------------------------------------------------------------------------------------------
 
     def _post(self, op: str, header: dict, payload=None) -> None:
-        self.serial += 1
-        command = Command(op, self.serial, dict(header, op=op, serial=self.serial), payload)
-        self.commands.set(f"cmd/{self.serial}", encode(command))
+        serial = self.serial + 1
+        data = encode(Command(op, serial, dict(header, op=op, serial=serial), payload))  # may raise: nothing sent
+        self.serial = serial
+        self.commands.set(f"cmd/{self.serial}", data)
         if self.serial > 1:
             self.commands.delete_key(f"cmd/{self.serial - 1}")
 
