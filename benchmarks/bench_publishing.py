@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     opts = parser.parse_args()
     store = pack_module("nodes.stats_store")
-    node = pack_module("nodes.teacache_node").ApplyTeaCache
+    node = pack_module("nodes.caches.teacache").ApplyTeaCache
     case = tiny_models.build_case("wan21_t2v", unet_overrides={"dim": 256, "ffn_dim": 1024, "num_heads": 2,
                                                                "num_layers": 4},
                                   latent_shape=(1, 16, 2, 16, 16))

@@ -52,8 +52,8 @@ def main() -> int:
     from omnitest.quality import psnr_db
     from omnitest.tiny_models import build_case, sample
 
-    sp_node = pack_module("nodes.sequence_parallel_node")
-    group = pack_module("nodes.sp_group")
+    sp_node = pack_module("nodes.sequence_parallel.node")
+    group = pack_module("nodes.sequence_parallel.group")
     heads = args.dim // 128
     case = build_case("wan21_t2v", unet_overrides={"dim": args.dim, "num_heads": heads, "ffn_dim": 4 * args.dim,
                                                    "num_layers": args.layers},

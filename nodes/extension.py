@@ -4,10 +4,10 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from . import stats_store
-from .magcache_node import ApplyMagCache, MagCacheCalibrate
-from .offload_node import CPUOffload
-from .sequence_parallel_node import SequenceParallel
-from .teacache_node import ApplyTeaCache, TeaCacheCalibrate
+from .caches.magcache import ApplyMagCache, MagCacheCalibrate
+from .offload.node import CPUOffload
+from .sequence_parallel.node import SequenceParallel
+from .caches.teacache import ApplyTeaCache, TeaCacheCalibrate
 
 
 class OmniHooksExtension(ComfyExtension):

@@ -165,6 +165,12 @@ class FeatureSpec:
 _SPECS: dict[str, FeatureSpec] = {}
 
 
+def named(title: str, error: ValueError) -> ValueError:
+    """``error`` as a ValueError whose message starts with the node's title (once)."""
+    message = str(error)
+    return ValueError(message if message.startswith(title) else f"{title}: {message}")
+
+
 def register_feature(spec: FeatureSpec) -> FeatureSpec:
     """Make a feature kind known to the lifecycle (once per kind, at import)."""
     existing = _SPECS.get(spec.kind)

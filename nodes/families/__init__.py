@@ -12,6 +12,7 @@ import pkgutil
 from typing import Iterable
 
 import torch
+from comfy_api.latest import io
 
 from .base import AutoChoice, DetectedModel, ModelFamily, UnsupportedModelError, Variant
 
@@ -95,6 +96,20 @@ def detect(patcher) -> DetectedModel:
         f"Supported families: {supported_families()}.")
 
 
+def detect_for_node(node_title: str, model) -> DetectedModel:
+    """``detect(model)`` for a node's execute: an unsupported model is a ValueError whose message starts with the
+    node's title."""
+    try:
+        return detect(model)
+    except UnsupportedModelError as e:
+        raise ValueError(f"{node_title}: {e}") from None
+
+
+def model_input(extra: str = "") -> io.Model.Input:
+    """The ``model`` input of a node that patches a diffusion-transformer MODEL, with the supported families."""
+    return io.Model.Input("model", tooltip=f"A diffusion-transformer MODEL ({supported_families()}).{extra}")
+
+
 def _detected(family: ModelFamily, variant: Variant) -> DetectedModel:
     for cache, recommendation, declared in (("TeaCache", variant.teacache, family.teacache_keys),
                                             ("MagCache", variant.magcache, family.magcache_keys)):
@@ -106,4 +121,4 @@ def _detected(family: ModelFamily, variant: Variant) -> DetectedModel:
 
 
 __all__ = ["FAMILIES", "AutoChoice", "DetectedModel", "ModelFamily", "UnsupportedModelError", "Variant", "detect",
-           "family_named", "order_by_precedence", "supported_families"]
+           "detect_for_node", "family_named", "model_input", "order_by_precedence", "supported_families"]

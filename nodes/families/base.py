@@ -4,7 +4,7 @@ Each family file in this package defines one ``FAMILY = ModelFamily(...)``: how 
 diffusion model itself (its class and config, never a file name), how its block stack is called, the TeaCache signal
 it measures, the weights that live outside the block stack, the slots the Sequence Parallel issue fills, and ONE
 decision tree (``resolve_variant``) that names the detected variant together with what TeaCache's and MagCache's
-'auto' use for it. The recommendation tables (``nodes/coefficients.py``, ``nodes/magcache_curves.py``) stay separate
+'auto' use for it. The recommendation tables (``nodes/caches/teacache_coefficients.py``, ``nodes/caches/magcache_curves.py``) stay separate
 data keyed by those recommendations. ``nodes/families/__init__.py`` registers every family file and detects.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, SkipFn
 from ...omni_hooks.teacache import ModulatedInput
-from ..coefficients import PUBLISHED, TeaCacheCoefficients
+from ..caches.teacache_coefficients import PUBLISHED, TeaCacheCoefficients
 
 
 class UnsupportedModelError(ValueError):

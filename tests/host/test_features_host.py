@@ -20,9 +20,9 @@ def env(user_dir):
     from omnitest.pack import pack_module, run_node
 
     features = pack_module("nodes.features")
-    files = pack_module("nodes.calibration_files")
+    files = pack_module("nodes.caches.calibration_files")
     files.save("teacache", "features-identity", {"coefficients": [0, 0, 0, 1, 0], "family": "wan"})
-    teacache = pack_module("nodes.teacache_node").ApplyTeaCache
+    teacache = pack_module("nodes.caches.teacache").ApplyTeaCache
     omni = pack_module("omni_hooks")
 
     @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ def test_failing_publisher_does_not_break_sampling(monkeypatch, caplog):
     from omnitest.pack import pack_module, run_node
 
     store = pack_module("nodes.stats_store")
-    node = pack_module("nodes.teacache_node").ApplyTeaCache
+    node = pack_module("nodes.caches.teacache").ApplyTeaCache
 
     class BrokenServer:
         client_id = "someone"

@@ -9,7 +9,7 @@ def save_identity_calibrations(name: str, steps: int, family: str = "wan") -> No
     """Calibration files ``name`` for TeaCache and MagCache in ComfyUI's user directory."""
     from omnitest.pack import pack_module
 
-    files = pack_module("nodes.calibration_files")
+    files = pack_module("nodes.caches.calibration_files")
     files.save("teacache", name, {"coefficients": [0, 0, 0, 1, 0], "family": family, "signal": "default"})
     files.save("magcache", name, {"family": family, "mag_ratios": [1.0] + [0.95] * (steps - 1)})
 
@@ -17,7 +17,7 @@ def save_identity_calibrations(name: str, steps: int, family: str = "wan") -> No
 def apply_teacache(model, calibration: str, threshold: float = 5.0, node_id: str = "21"):
     from omnitest.pack import pack_module, run_node
 
-    return run_node(pack_module("nodes.teacache_node").ApplyTeaCache, node_id=node_id, model=model,
+    return run_node(pack_module("nodes.caches.teacache").ApplyTeaCache, node_id=node_id, model=model,
                     rel_l1_thresh=threshold, start_percent=0.0, end_percent=1.0, cache_device="compute device",
                     model_variant="calibration: " + calibration)[0]
 
@@ -25,8 +25,8 @@ def apply_teacache(model, calibration: str, threshold: float = 5.0, node_id: str
 def apply_magcache(model, calibration: str, threshold: float = 1.0, node_id: str = "22"):
     from omnitest.pack import pack_module, run_node
 
-    files = pack_module("nodes.calibration_files")
-    return run_node(pack_module("nodes.magcache_node").ApplyMagCache, node_id=node_id, model=model,
+    files = pack_module("nodes.caches.calibration_files")
+    return run_node(pack_module("nodes.caches.magcache").ApplyMagCache, node_id=node_id, model=model,
                     threshold=threshold, max_skip_steps=3, retention_ratio=0.0, start_percent=0.0, end_percent=1.0,
                     cache_device="compute device", curve=files.option(calibration))[0]
 

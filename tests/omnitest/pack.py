@@ -25,7 +25,7 @@ def load_pack() -> ModuleType:
 
 
 def pack_module(name: str) -> ModuleType:
-    """A submodule of the pack, e.g. ``pack_module("nodes.teacache_node")``."""
+    """A submodule of the pack, e.g. ``pack_module("nodes.caches.teacache")``."""
     load_pack()
     return importlib.import_module(f"{PACKAGE}.{name}")
 

@@ -24,7 +24,7 @@ def tracked_files() -> set[str]:
 
 
 def node_ids() -> set[str]:
-    return {m for path in (ROOT / "nodes").glob("*.py") for m in re.findall(r'NODE_ID = "([^"]+)"', path.read_text())}
+    return {m for path in (ROOT / "nodes").rglob("*.py") for m in re.findall(r'NODE_ID = "([^"]+)"', path.read_text())}
 
 
 def test_readme_links_and_paths_are_files_of_this_repository():
@@ -45,7 +45,7 @@ def test_readme_links_and_paths_are_files_of_this_repository():
 
 def test_every_pointer_to_a_readme_section_names_one_that_exists():
     headings = {h.strip() for h in re.findall(r"^#+ (.+)$", README, re.M)}
-    sources = [*(ROOT / "tools").glob("*.py"), *(ROOT / "nodes").glob("*.py"), ROOT / "run", ROOT / ".ci" / "run"]
+    sources = [*(ROOT / "tools").glob("*.py"), *(ROOT / "nodes").rglob("*.py"), ROOT / "run", ROOT / ".ci" / "run"]
     pointers = [(p.name, s) for p in sources for s in re.findall(r"README, '([^']+)'", p.read_text())]
     assert pointers, "expected the demo to point to a README section"
     for where, section in pointers:

@@ -1,0 +1,436 @@
+"""CPU Offload (issue 9): the node, its settings, and its sampling run as a feature of the lifecycle (``nodes.features``).
+
+ComfyUI loads the model as it always does (fully, or in part with its lowvram mode when it does not fit). Then, for
+the run only (``OffloadSession.after_load``, undone by ``close``):
+  * the last N blocks of the block stack are offloaded with ``omni_hooks.offload.apply_layerwise_offload``: one CPU
+    master copy per block (pinned within a budget on CUDA), ``1 + prefetch_blocks`` device slots, a look-ahead on a
+    copy stream. Layers ComfyUI runs in its cast mode (``comfy_cast_weights``, LoRA as ``LowVramPatch`` weight
+    functions) keep running that way: the weight they cast is the slot view, already on the device, so ComfyUI's
+    ``cast_to`` copies nothing across the bus and its weight functions still apply the LoRA;
+  * the kept blocks that ComfyUI loaded only in part are completed on the device while VRAM allows (``Promotion``);
+  * ComfyUI's accounting (``model_loaded_weight_memory``) is told the weight bytes the model holds on the device
+    during the run, and given back its own number at the end.
+Nothing changes where there is nothing to offload to (ComfyUI on the CPU, ``--highvram``), where newer ComfyUI's
+dynamic VRAM places the weights itself, or where ComfyUI weight hooks patch weights during the run: the run says why
+in its log line and its statistics (``OffloadSession.summary()``, which a cache run on the same MODEL publishes in its
+run-history entry).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import comfy.model_management
+import comfy.model_patcher
+import comfy.sampler_helpers
+import torch
+from comfy_api.latest import io
+
+from ...omni_hooks.base import HookPhase, HookRegistry, ModelHook, remove_hook_and_restore
+from ...omni_hooks.context import CallContext
+from ...omni_hooks.offload import LayerwiseOffloadHandle, OffloadStats, apply_layerwise_offload, unpackable_reason
+from .. import families
+from ..families import detect_for_node, model_input
+from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, LoadRequest, attach_feature, \
+    register_feature
+from .placement import BlockFootprint, OffloadPlan, Promotion, block_tensors, gib, plan_offload
+
+log = logging.getLogger("OmniHooks")
+
+KIND = "offload"
+NODE_ID = "OmniHooks.CPUOffload"
+NODE_TITLE = "CPU Offload"
+AUTO = -1
+MAX_BLOCKS = 256
+MAX_PREFETCH = 8
+PIN_OPTIONS: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+HOST_STREAMS_HOOK = "offload_host_streams"  # sorts after the library's "layerwise_offload" within the placement phase
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """What the CPU Offload node resolved at execute time (deepcopy-safe; travels with the MODEL clone)."""
+
+    blocks_to_offload: int | None      # None = auto
+    prefetch_blocks: int
+    pin_memory: bool | None            # None = auto (pin on CUDA within the library's budget)
+    vram_budget_bytes: int | None      # None = what ComfyUI reports free
+    model_label: str
+    block_count: int
+
+
+def settings_for(model, blocks_to_offload: int, prefetch_blocks: int, pin_memory: str,
+                 vram_budget_gb: float) -> OffloadSettings:
+    """The node's inputs resolved for ``model``; ValueError naming the node for a value it cannot use."""
+    if pin_memory not in PIN_OPTIONS:  # ComfyUI 0.3.64 does not validate V3 combo values at /prompt
+        raise ValueError(f"{NODE_TITLE}: unknown pin_memory {pin_memory!r}; choose one of {list(PIN_OPTIONS)}")
+    if not AUTO <= blocks_to_offload <= MAX_BLOCKS:
+        raise ValueError(f"{NODE_TITLE}: blocks_to_offload must be -1 (auto) or 0..{MAX_BLOCKS}, got "
+                         f"{blocks_to_offload}")
+    if not 0 <= prefetch_blocks <= MAX_PREFETCH:
+        raise ValueError(f"{NODE_TITLE}: prefetch_blocks must be 0..{MAX_PREFETCH}, got {prefetch_blocks}")
+    if not (math.isfinite(vram_budget_gb) and vram_budget_gb >= 0):
+        raise ValueError(f"{NODE_TITLE}: vram_budget_gb must be 0 (what ComfyUI reports free) or more, got "
+                         f"{vram_budget_gb}")
+    detected = detect_for_node(NODE_TITLE, model)
+    blocks = detected.build_stack(model.model.diffusion_model).blocks
+    return OffloadSettings(blocks_to_offload=None if blocks_to_offload == AUTO else blocks_to_offload,
+                           prefetch_blocks=prefetch_blocks, pin_memory=PIN_OPTIONS[pin_memory],
+                           vram_budget_bytes=int(vram_budget_gb * 1024 ** 3) if vram_budget_gb > 0 else None,
+                           model_label=detected.variant, block_count=len(blocks))
+
+
+# -- what the host offers -------------------------------------------------------------------------------------------
+
+def dynamic_vram_reason(patcher) -> str | None:
+    """Why ComfyUI's dynamic VRAM (newer versions: ``ModelPatcherDynamic``, comfy-aimdo) manages this model, else
+    None (ComfyUI 0.3.64 has neither)."""
+    dynamic = getattr(comfy.model_patcher, "ModelPatcherDynamic", None)
+    if dynamic is not None and isinstance(patcher, dynamic):
+        return f"this MODEL is a {dynamic.__name__} (ComfyUI's dynamic VRAM)"
+    memory_management = sys.modules.get("comfy.memory_management")
+    enabled = getattr(memory_management, "aimdo_enabled", False)
+    if callable(enabled):
+        enabled = enabled()
+    if enabled:
+        return "ComfyUI's dynamic VRAM (comfy-aimdo) is enabled"
+    return None
+
+
+def offload_target(patcher) -> torch.device | None:
+    """The device the blocks run on when it is not where ComfyUI offloads to (None: nothing to offload to)."""
+    load = torch.device(patcher.load_device)
+    if load.type == "cpu" or load == torch.device(patcher.offload_device):
+        return None
+    if load.type == "cuda" and load.index is None:
+        load = torch.device("cuda", torch.cuda.current_device())
+    return load
+
+
+def no_target_reason(patcher) -> str:
+    load, offload = torch.device(patcher.load_device), torch.device(patcher.offload_device)
+    if load.type == "cpu":
+        return f"ComfyUI runs this model on the CPU (offload device {offload})"
+    return f"ComfyUI keeps this model on {load}, its offload device too (--highvram or --gpu-only)"
+
+
+def activation_reserve(patcher, request: LoadRequest | None) -> tuple[int, str]:
+    """The device bytes to leave free for the run's activations, as ComfyUI's loader reserves them, and how."""
+    mm = comfy.model_management
+    minimum = int(mm.minimum_inference_memory())
+    if request is None or request.noise_shape is None:
+        return minimum, "ComfyUI's minimum inference memory"
+    try:
+        required, _ = comfy.sampler_helpers.estimate_memory(patcher, request.noise_shape, request.conds or {})
+    except Exception as e:  # an estimate is advice; a model whose conds the estimate cannot read still runs
+        return minimum, f"ComfyUI's minimum inference memory (its estimate for this run failed: {e})"
+    return int(max(minimum, required + mm.extra_reserved_memory())), "ComfyUI's estimate for this run"
+
+
+class HostStreamsHook(ModelHook):
+    """Before an offloaded block runs: order ComfyUI's own offload streams (``--async-offload``) after the compute
+    stream, which has waited for the block's copy.
+
+    ComfyUI 0.3.64's ``get_offload_stream`` makes each of its streams wait for the compute stream one layer ahead, so
+    the first cast layer of a block could otherwise read its slot on one of those streams before the copy landed
+    (a dtype cast or a LoRA weight function runs there)."""
+
+    phase = HookPhase.PLACEMENT
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.order_streams = torch.compiler.disable(self._order_streams)
+
+    def _order_streams(self) -> None:
+        streams = getattr(comfy.model_management, "STREAMS", {}).get(self.device, ())
+        if streams:
+            compute = torch.cuda.current_stream(self.device)
+            for stream in streams:
+                stream.wait_stream(compute)
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        self.order_streams()
+        return args, kwargs
+
+
+def _unmovable(name: str, tensor: torch.Tensor) -> bool:
+    """Tensors offload cannot pack as bytes (e.g. GGUF's tensor subclass) stay where ComfyUI placed them."""
+    return unpackable_reason(tensor) is not None
+
+
+# -- one run ----------------------------------------------------------------------------------------------------------
+
+class OffloadSession(FeatureSession):
+    """One sampling run of CPU Offload on one MODEL. Everything ``after_load`` does, ``close`` undoes."""
+
+    def __init__(self, patcher, feature: AppliedFeature):
+        super().__init__(patcher, feature)
+        self.settings: OffloadSettings = feature.settings
+        self.notes: list[str] = []
+        self.status: str | None = None
+        self.target: torch.device | None = None
+        self.plan: OffloadPlan | None = None
+        self.handle: LayerwiseOffloadHandle | None = None
+        self.promotion = Promotion()
+        self.promoted_bytes = 0  # kept for the statistics after ``close`` undid the promotion
+        self.freed_device_bytes = 0
+        self.accounted: tuple[Any, int, int] | None = None  # (BaseModel, ComfyUI's own number, the one we set)
+        self.hooked: list[torch.nn.Module] = []
+        self.calls_computed = 0
+        self.calls_skipped = 0
+        self.bytes_moved_on_skipped_calls = 0
+        self._moved_at_call_start = 0
+        self._loaded = False
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def after_load(self, patcher) -> None:
+        if self._loaded:  # one placement per run
+            return
+        self._loaded = True
+        target = offload_target(patcher)
+        reason = self._reason_to_change_nothing(patcher, target)
+        if reason is not None:
+            self.notes.append(reason)  # logged with the run's line at close
+            return
+        self.target = target
+        if target.type != "cuda":
+            self.notes.append(f"copies to {target} are synchronous: look-ahead copies need CUDA streams")
+        blocks = list(families.detect(patcher).build_stack(patcher.model.diffusion_model).blocks)
+        footprints = [BlockFootprint.of(block, target) for block in blocks]
+        available = self._available_for_blocks(patcher, target, footprints)
+        self.plan = plan = plan_offload(footprints, self.settings.blocks_to_offload, self.settings.prefetch_blocks,
+                                        available)
+        self.notes.extend(plan.notes)
+        try:
+            for index in plan.promoted:
+                self.promoted_bytes += self.promotion.promote(blocks[index], target)
+            if plan.offloaded:
+                self.handle = apply_layerwise_offload(
+                    [blocks[i] for i in plan.offloaded], target, prefetch_blocks=self.settings.prefetch_blocks,
+                    pin_memory=self._pin_memory(target), keep_resident=_unmovable)
+                self.freed_device_bytes = sum(footprints[i].device_bytes for i in plan.offloaded)
+                self._order_host_streams([blocks[i] for i in plan.offloaded], target)
+            self._account(patcher)
+            if target.type == "cuda":  # promotions and the head's copies are done before any stream reads them
+                torch.cuda.synchronize(target)
+        except ValueError as e:
+            self._undo()
+            raise ValueError(f"{self.feature.describe()}: {e}") from e
+        except BaseException:
+            self._undo()
+            raise
+
+    def begin_call(self, context: CallContext) -> None:
+        self._moved_at_call_start = self._bytes_moved()
+
+    def end_call(self, context: CallContext) -> None:
+        moved = self._bytes_moved() - self._moved_at_call_start
+        if context.blocks_run is False:
+            self.calls_skipped += 1
+            self.bytes_moved_on_skipped_calls += moved
+        else:
+            self.calls_computed += 1
+
+    def close(self, status: str) -> None:
+        self.status = status
+        try:
+            self._undo()
+        finally:
+            log.info("OmniHooks %s", self.log_line())
+
+    # -- statistics -----------------------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-safe: the offload handle's ``OffloadStats.summary()`` (zeros when nothing was offloaded) plus what
+        the run decided and saw: ``active``, ``status``, block counts, promoted and freed bytes, computed and skipped
+        calls and the bytes moved during skipped calls (0 by design), and ``notes`` (the library's and the run's)."""
+        stats = self.handle.stats if self.handle is not None else self._idle_stats()
+        summary = stats.summary()
+        plan = self.plan
+        summary.update({
+            "model": self.settings.model_label,
+            "status": self.status,
+            "active": self.handle is not None or self.promoted_bytes > 0,
+            "blocks_total": self.settings.block_count,
+            "blocks_offloaded": len(plan.offloaded) if plan else 0,
+            "blocks_promoted": len(plan.promoted) if plan else 0,
+            "blocks_partly_streamed": len(plan.partly_streamed) if plan else 0,
+            "promoted_bytes": self.promoted_bytes,
+            "freed_device_bytes": self.freed_device_bytes,
+            "calls_computed": self.calls_computed,
+            "calls_skipped": self.calls_skipped,
+            "bytes_moved_on_skipped_calls": self.bytes_moved_on_skipped_calls,
+            "notes": [*summary["notes"], *self.notes],
+        })
+        return summary
+
+    def log_line(self) -> str:
+        node = f"node #{self.feature.node_id}, " if self.feature.node_id else ""
+        head = f"{NODE_TITLE} ({node}{self.settings.model_label}, {self.status or 'running'})"
+        if self.handle is None and not self.promoted_bytes:
+            return f"{head}: " + ("; ".join(self.notes) or "nothing offloaded")
+        parts = [self.handle.stats.log_line() if self.handle is not None else "no block offloaded"]
+        if self.promoted_bytes:
+            parts.append(f"{len(self.plan.promoted)} resident blocks completed on the device "
+                         f"({gib(self.promoted_bytes)})")
+        parts.append(f"{self.calls_computed} computed and {self.calls_skipped} skipped model calls, "
+                     f"{self.bytes_moved_on_skipped_calls} bytes moved during skipped ones")
+        parts.extend(self.notes)
+        return f"{head}: " + "; ".join(parts)
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+
+    def _reason_to_change_nothing(self, patcher, target: torch.device | None) -> str | None:
+        dynamic = dynamic_vram_reason(patcher)
+        if dynamic is not None:
+            return (f"{dynamic}: ComfyUI loads and offloads this model's weights itself there, so CPU Offload leaves "
+                    "them to it and changes nothing")
+        if target is None:
+            return f"nothing to offload to: {no_target_reason(patcher)}, so CPU Offload changes nothing"
+        if getattr(patcher, "hook_patches", None) or getattr(patcher, "forced_hooks", None) is not None:
+            return ("this MODEL has ComfyUI weight hooks (Create Hook LoRA and the like), which patch weights in the "
+                    "middle of sampling; CPU Offload does not move weights ComfyUI may patch during the run, so it "
+                    "changes nothing")
+        if self.settings.blocks_to_offload == 0:
+            return "blocks_to_offload is 0: nothing offloaded"
+        return None
+
+    def _available_for_blocks(self, patcher, target: torch.device, footprints: list[BlockFootprint]) -> int:
+        """Device bytes the blocks may hold during the run, and a note saying how that was decided."""
+        reserve, how = activation_reserve(patcher, self.load_request)
+        free = int(comfy.model_management.get_free_memory(target))
+        on_device = sum(f.device_bytes for f in footprints)
+        available = free + on_device - reserve
+        why = (f"{gib(free)} free after ComfyUI loaded the model, {gib(on_device)} held by its blocks, "
+               f"{gib(reserve)} left for activations ({how})")
+        budget = self.settings.vram_budget_bytes
+        if budget is not None:
+            other = sum(t.numel() * t.element_size() for t in block_tensors(patcher.model.diffusion_model)
+                        if t.device == target) - on_device
+            if budget - other < available:
+                available = budget - other
+                why = f"vram_budget_gb {gib(budget)} less {gib(other)} of weights outside the blocks"
+        self.notes.append(f"VRAM for the blocks: {gib(available)} ({why})")
+        return available
+
+    def _pin_memory(self, target: torch.device) -> bool | None:
+        pin = self.settings.pin_memory
+        if pin and target.type != "cuda":
+            self.notes.append(f"pin_memory is on, but pinned memory needs a CUDA device, not {target.type}: "
+                              "nothing pinned")
+            return False
+        return pin
+
+    def _order_host_streams(self, blocks: list[torch.nn.Module], target: torch.device) -> None:
+        if target.type != "cuda" or getattr(comfy.model_management, "NUM_STREAMS", 1) <= 1:
+            return
+        comfy.model_management.get_offload_stream(target)  # creates ComfyUI's streams now, not inside a block
+        for block in blocks:
+            HookRegistry.get_or_create(block).register_hook(HOST_STREAMS_HOOK, HostStreamsHook(target))
+            self.hooked.append(block)
+
+    def _account(self, patcher) -> None:
+        """Tell ComfyUI's model management the weight bytes this model holds on the device during the run."""
+        model = patcher.model
+        delta = (self.handle.device_bytes if self.handle is not None else 0) + self.promotion.nbytes \
+            - self.freed_device_bytes
+        own = model.model_loaded_weight_memory
+        model.model_loaded_weight_memory = max(0, own + delta)
+        self.accounted = (model, own, model.model_loaded_weight_memory)
+
+    def _bytes_moved(self) -> int:
+        return self.handle.stats.bytes_moved if self.handle is not None else 0
+
+    def _idle_stats(self) -> OffloadStats:
+        device = str(self.target if self.target is not None else self.patcher.load_device)
+        return OffloadStats(device=device, blocks=0, prefetch_blocks=self.settings.prefetch_blocks, slots=0,
+                            slot_bytes=0, device_bytes=0, offloaded_bytes=0, pinned_bytes=0, pinned_blocks=0,
+                            kept_resident_bytes=0, uses_streams=False)
+
+    def _undo(self) -> None:
+        """Undo everything ``after_load`` did, each part whatever the others did; re-raise the first failure."""
+        failure: BaseException | None = None
+        for step in (self._unhook_host_streams, self._remove_handle, self.promotion.undo, self._undo_account):
+            try:
+                step()
+            except Exception as e:
+                log.exception("OmniHooks %s: undoing the offload failed", self.feature.describe())
+                failure = failure or e
+        if failure is not None:
+            raise failure
+
+    def _unhook_host_streams(self) -> None:
+        hooked, self.hooked = self.hooked, []
+        for block in hooked:
+            remove_hook_and_restore(block, HOST_STREAMS_HOOK)
+
+    def _remove_handle(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()  # keeps the handle: its stats are final now
+
+    def _undo_account(self) -> None:
+        accounted, self.accounted = self.accounted, None
+        if accounted is None:
+            return
+        model, own, ours = accounted
+        if model.model_loaded_weight_memory != ours:
+            log.warning("OmniHooks %s: ComfyUI changed this model's loaded-weight count during the run (%d, set to "
+                        "%d); restoring its own number %d", self.feature.describe(),
+                        model.model_loaded_weight_memory, ours, own)
+        model.model_loaded_weight_memory = own
+
+
+register_feature(FeatureSpec(kind=KIND, category=Category.OFFLOAD, session_factory=OffloadSession))
+
+
+# -- the node ---------------------------------------------------------------------------------------------------------
+
+class CPUOffload(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        inputs = [
+            model_input(" Combine with Apply TeaCache or Apply MagCache in either order."),
+            io.Int.Input("blocks_to_offload", default=AUTO, min=AUTO, max=MAX_BLOCKS,
+                         tooltip="How many transformer blocks to stream from system RAM during sampling (the last "
+                         "ones of the stack). -1 = auto: as few as needed so that the other blocks, whole, plus the "
+                         "streaming slots fit in the VRAM ComfyUI reports free after loading, less its estimate of "
+                         "this run's activations (or vram_budget_gb). 0 = none. More than the model has = all."),
+            io.Int.Input("prefetch_blocks", default=1, min=0, max=MAX_PREFETCH,
+                         tooltip="How many blocks to copy ahead while a block computes. The GPU holds 1 + this many "
+                         "offloaded blocks at once. 1 hides the copies when a block computes longer than it copies "
+                         "(video models); raise it for short blocks, 0 copies each block when it runs."),
+            io.Combo.Input("pin_memory", options=list(PIN_OPTIONS), default="auto",
+                           tooltip="Page-lock the system-RAM copies of the offloaded blocks so they copy at full "
+                           "speed and in the background. auto = on with CUDA, up to half the machine's RAM; off "
+                           "saves locked RAM on a machine short of memory."),
+            io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.1,
+                           tooltip="The most VRAM this model's weights may take while sampling (weights outside the "
+                           "blocks + resident blocks + slots). 0 = the VRAM ComfyUI reports free after loading, less "
+                           "its estimate of this run's activations. Decides auto, and how many partly loaded blocks "
+                           "are completed on the GPU."),
+        ]
+        return io.Schema(
+            node_id=NODE_ID, display_name=f"{NODE_TITLE} (OmniHooks)", category="OmniHooks",
+            description=("Runs a diffusion transformer bigger than the GPU's free memory: the last blocks of its stack "
+                         "stay in system RAM and are copied to the GPU one block ahead of the computation (pinned "
+                         "memory, a copy stream), the others stay resident. Outputs are identical to sampling "
+                         "without the node; LoRAs apply as usual. With Apply TeaCache / Apply MagCache a skipped "
+                         "step copies nothing. On a CPU-only ComfyUI it changes nothing."),
+            inputs=inputs,
+            outputs=[io.Model.Output(tooltip="The same MODEL, with its blocks streamed during its sampling runs.")],
+            hidden=[io.Hidden.unique_id])
+
+    @classmethod
+    def execute(cls, model, blocks_to_offload: int, prefetch_blocks: int, pin_memory: str,
+                vram_budget_gb: float) -> io.NodeOutput:
+        settings = settings_for(model, blocks_to_offload, prefetch_blocks, pin_memory, vram_budget_gb)
+        feature = AppliedFeature(kind=KIND, category=Category.OFFLOAD, node_title=NODE_TITLE,
+                                 node_id=cls.hidden.unique_id, settings=settings)
+        return io.NodeOutput(attach_feature(model, feature))
+
+
+__all__ = ["CPUOffload", "OffloadSession", "OffloadSettings", "dynamic_vram_reason", "offload_target"]

@@ -1,0 +1,361 @@
+"""Rank 0's side of a sequence-parallel group: the ComfyUI process hosts the rendezvous, starts its local worker
+processes (one per extra local device, kept alive between prompts), waits for remote ranks, and sends commands.
+
+One group lives per process (``current_group``); a run asking for other settings (world size, backend, devices,
+address) closes it and starts another, so no server restart is needed. A failure closes the group (local workers
+killed, the process group destroyed, the rendezvous port released) and the next run starts a fresh one. ``atexit``
+closes it when ComfyUI exits. Every wait is bounded (``Timeouts``, configurable by environment variables).
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import errno
+import gc
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequenceParallelMesh
+from .protocol import (
+    POLL_S,
+    Command,
+    GroupInfo,
+    SequenceParallelError,
+    Timeouts,
+    broadcast_tensors,
+    command_store,
+    describe_exit,
+    diagnose,
+    encode,
+    init_group,
+    missing_ranks,
+    publish_group,
+    wait_for,
+)
+
+log = logging.getLogger("OmniHooks")
+
+WORKER_SCRIPT = Path(__file__).with_name("worker.py")
+#: how long idle workers get to leave after the "exit" command before they are killed
+EXIT_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """Everything that identifies a group: changing any of it starts another one.
+
+    ``devices``: the device of each LOCAL rank, rank 0 first; ranks ``len(devices)..world_size-1`` are remote and join
+    with ``remote_worker_command`` (README, 'Sequence Parallel on several machines'). ``host``/``port``: where rank 0
+    listens, and only there (port 0: any free port, local workers only).
+    """
+
+    world_size: int
+    backend: str
+    devices: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    @property
+    def remote_ranks(self) -> int:
+        return self.world_size - len(self.devices)
+
+
+def remote_worker_command(settings: GroupSettings, port: int, comfyui: str = "<ComfyUI folder>") -> str:
+    """The command that starts this group's remote ranks on one other machine (all of them there; with several
+    machines, each starts its share with its own ``--first-rank``). They rejoin rank 0's later groups by themselves."""
+    first = len(settings.devices)
+    return (f"torchrun --nproc-per-node {settings.remote_ranks} <ComfyUI-OmniHooks folder>/nodes/sequence_parallel/worker.py "
+            f"--join {settings.host}:{port} --first-rank {first} --world-size {settings.world_size} "
+            f"--comfyui {comfyui}")
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host``:``port`` only (TCPStore alone would listen on every interface).
+
+    A closed group's store keeps its port until its last reference goes (a failed call's traceback holds the process
+    groups, which hold the store): when the port is taken, garbage is collected and the bind tried once more."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    try:
+        try:
+            return _listen(family, kind, proto, address)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or not port:
+                raise
+            gc.collect()
+            return _listen(family, kind, proto, address)
+    except OSError as exc:
+        raise SequenceParallelError(f"Sequence Parallel: cannot listen on {host}:{port} ({exc}); choose another "
+                                    "master_port, or 0 when every rank is local") from exc
+
+
+def _listen(family: int, kind: int, proto: int, address: tuple) -> socket.socket:
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _destroy_process_group(backend: str, broken: bool, timeout_s: float) -> None:
+    """Destroy the default process group without hanging on a peer that is gone: an aborted NCCL communicator
+    when the group is broken, and in any case at most ``timeout_s`` of waiting (then an error in the log)."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    target = abort if (broken and backend == "nccl" and abort is not None) else dist.destroy_process_group
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            target()
+        except BaseException as exc:  # reported below, in the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="omnihooks-sp-destroy", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.error("OmniHooks Sequence Parallel: destroying the process group did not finish within %.0f s; restart "
+                  "ComfyUI if the next run says torch.distributed is already initialised", timeout_s)
+    elif failure:
+        log.error("OmniHooks Sequence Parallel: destroying the process group failed: %r", failure[0])
+
+
+class SequenceParallelGroup:
+    def __init__(self, settings: GroupSettings, comfyui_root: Path):
+        self.settings = settings
+        self.timeouts = Timeouts.from_env()
+        self.processes: list[subprocess.Popen] = []
+        self.commands: dist.PrefixStore | None = None
+        self.serial = 0
+        self.weights_key: tuple | None = None
+        self.serial_of_weights: int | None = None  # the "load" command whose weights the workers hold
+        self._meshes: dict[tuple[int, int, int], SequenceParallelMesh] = {}  # (ulysses, ring, cfg)
+        self._start(comfyui_root)
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def _start(self, comfyui_root: Path) -> None:
+        s = self.settings
+        if dist.is_initialized():
+            raise SequenceParallelError("Sequence Parallel: torch.distributed is already initialised in this process "
+                                        "by something else; run ComfyUI without it")
+        # rank 0 hosts the store; its port must be known before the workers start
+        listener = _listening_socket(s.host, s.port)
+        self.port = listener.getsockname()[1]
+        self._store = dist.TCPStore(s.host, self.port, world_size=None, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=self.timeouts.join_s),
+                                    master_listen_fd=listener.detach())  # the store owns (and closes) it
+        self.commands = command_store(self._store)
+        info = GroupInfo(s.world_size, s.backend, self.timeouts, uuid.uuid4().hex)
+        publish_group(self.commands, info)
+        for rank in range(1, len(s.devices)):
+            command = [sys.executable, str(WORKER_SCRIPT), "--join", f"{s.host}:{self.port}", "--rank", str(rank),
+                       "--world-size", str(s.world_size), "--device", s.devices[rank],
+                       "--comfyui", str(comfyui_root), "--parent-pid", str(os.getpid())]
+            self.processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL))
+        try:
+            self._wait_for_ranks(comfyui_root)
+            init_group(self._store, 0, info)
+        except BaseException:
+            self.close(broken=True)
+            raise
+
+    def _wait_for_ranks(self, comfyui_root: Path) -> None:
+        """Until every worker rank claimed its rank: a local worker that exits first, or the join timeout, fails."""
+        s = self.settings
+        if s.remote_ranks:
+            log.warning("OmniHooks Sequence Parallel: waiting %.0f s for %d remote rank(s) at %s:%d; start them with\n"
+                        "  %s", self.timeouts.join_s, s.remote_ranks, s.host, self.port,
+                        remote_worker_command(s, self.port, str(comfyui_root)))
+        deadline = time.monotonic() + self.timeouts.join_s
+        while missing := missing_ranks(self.commands, s.world_size):
+            exited = {rank: code for rank, code in self.exit_codes().items() if code is not None}
+            if exited:
+                raise SequenceParallelError(
+                    "Sequence Parallel: local worker " + ", ".join(
+                        f"rank {rank} exited before joining ({describe_exit(code)})" for rank, code in exited.items())
+                    + "; its error is in ComfyUI's console")
+            if time.monotonic() > deadline:
+                remote = [rank for rank in missing if rank >= len(s.devices)]
+                hint = (f" Start the remote rank(s) {remote} on their machine with:\n  "
+                        f"{remote_worker_command(s, self.port, str(comfyui_root))}" if remote else "")
+                raise SequenceParallelError(
+                    f"Sequence Parallel: rank(s) {missing} did not join rank 0 at {s.host}:{self.port} within "
+                    f"{self.timeouts.join_s:.0f} s.{hint}")
+            time.sleep(0.05)
+
+    def close(self, broken: bool = False) -> None:
+        """Stop the workers and destroy the process group, bounded whatever they do; the port is released.
+
+        Idle workers get the "exit" command (remote ones leave on it) and ``EXIT_GRACE_S`` before they are killed.
+        ``broken``: a call stopped mid-way, so workers may be blocked in a collective or hung: local ones are killed
+        at once; remote ones fail their collective when the process group goes and exit."""
+        if self.commands is not None:
+            try:
+                self._post("exit", {})
+            except Exception as exc:  # the store may be unusable: killing below still ends the local workers
+                log.warning("OmniHooks Sequence Parallel: could not send exit to the workers: %r", exc)
+        deadline = time.monotonic() + (0.0 if broken else EXIT_GRACE_S)
+        for p in self.processes:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()  # also ends a stopped (SIGSTOP) process
+                p.wait(timeout=10)
+        self.processes = []
+        _destroy_process_group(self.settings.backend, broken, self.timeouts.collective_s)
+        self._meshes.clear()
+        self.commands = None
+        self._store = None
+        self.weights_key = None
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.processes)
+
+    def exit_codes(self) -> dict[int, int | None]:
+        """Each local worker's rank and exit code (None: running)."""
+        return {rank: p.poll() for rank, p in enumerate(self.processes, start=1)}
+
+    def _exit_codes(self) -> str:
+        return ", ".join(f"rank {rank}: {'running' if code is None else describe_exit(code)}"
+                         for rank, code in self.exit_codes().items()) or "none"
+
+    def explain(self, error: BaseException) -> SequenceParallelError:
+        """A clear error for a model call that failed in a collective: which ranks broke it and how (waits
+        ``STALL_S`` to tell hung ranks from busy ones)."""
+        try:
+            found = diagnose(self.commands, self.settings.world_size, self.exit_codes) if self.commands else {}
+        except Exception as exc:  # the diagnosis is a courtesy; the original error stays the cause
+            found = {}
+            log.warning("OmniHooks Sequence Parallel: could not tell which rank failed: %r", exc)
+        if found:
+            what = "; ".join(f"rank {rank}: {why}" for rank, why in sorted(found.items()))
+        else:
+            what = "the exchange between the ranks failed (every worker still looks alive)"
+        remote = ("" if not self.settings.remote_ranks else
+                  " (remote ranks rejoin it by themselves)")
+        return SequenceParallelError(
+            f"Sequence Parallel: a model call failed across the {self.settings.world_size} ranks: {what}. The group is "
+            f"closed; the next run restarts the workers{remote}. torch.distributed said: {error}")
+
+    # -- commands -------------------------------------------------------------------------------------------------
+
+    def _post(self, op: str, header: dict, payload=None) -> None:
+        serial = self.serial + 1
+        data = encode(Command(op, serial, dict(header, op=op, serial=serial), payload))  # may raise: nothing sent
+        self.serial = serial
+        self.commands.set(f"cmd/{self.serial}", data)
+        if self.serial > 1:
+            self.commands.delete_key(f"cmd/{self.serial - 1}")
+
+    def command(self, op: str, header: dict, payload=None) -> None:
+        """Send command ``op`` to every worker and wait until each accepted it (header checked, data prepared)."""
+        if not self.alive():
+            raise SequenceParallelError(f"Sequence Parallel: a worker process died ({self._exit_codes()}); it is "
+                                        "restarted on the next run")
+        self._post(op, header, payload)
+        deadline = time.monotonic() + self.timeouts.ack_s
+        for rank in range(1, self.settings.world_size):
+            key = f"ack/{self.serial}/{rank}"
+            while not wait_for(self.commands, key, POLL_S):
+                if not self.alive() or time.monotonic() > deadline:
+                    raise SequenceParallelError(
+                        f"Sequence Parallel: rank {rank} did not accept command {op!r} within "
+                        f"{self.timeouts.ack_s:.0f} s (local workers: {self._exit_codes()})")
+            answer = self.commands.get(key).decode()
+            self.commands.delete_key(key)
+            if answer != "ok":
+                raise SequenceParallelError(f"Sequence Parallel: rank {rank} refused {op!r}:\n{answer}")
+
+    def mesh(self, config: SequenceParallelConfig) -> SequenceParallelMesh:
+        """The mesh of these degrees, built on every rank at once (the hybrid creates subgroups collectively)."""
+        key = (config.ulysses_degree, config.ring_degree, config.cfg_degree)
+        if key not in self._meshes:
+            self.command("mesh", {"ulysses": key[0], "ring": key[1], "cfg": key[2]})
+            self._meshes[key] = SequenceParallelMesh.from_config(config)
+        return self._meshes[key]
+
+    def sync_weights(self, patcher, family: str) -> None:
+        """Send the diffusion model's weights as ComfyUI computes with them now (``computed_state``) once per model and
+        patch version; workers build the same model class from its config first."""
+        base_model = patcher.model
+        key = (id(base_model), getattr(base_model, "current_weight_patches_uuid", None), family)
+        if key == self.weights_key:
+            return
+        config = base_model.model_config
+        state = computed_state(base_model.diffusion_model)
+        payload = {"config_class": (type(config).__module__, type(config).__qualname__),
+                   "unet_config": dict(config.unet_config),
+                   "unet_dtype": config.unet_config.get("dtype", base_model.get_dtype()),
+                   "manual_cast_dtype": config.manual_cast_dtype, "family": family}
+        header = {"names": [(name, tuple(t.shape), str(t.dtype)) for name, t in state.items()]}
+        self.weights_key = None
+        self.command("load", header, payload)
+        broadcast_tensors(list(state.values()))
+        self.weights_key, self.serial_of_weights = key, self.serial
+
+
+def computed_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict as ComfyUI computes with it. Patches (LoRA) applied in place are in the weights
+    already; a layer ComfyUI loaded in its lowvram mode keeps them in ``weight_function``/``bias_function``, applied
+    at cast time: they are applied here (result in the weight's own dtype)."""
+    state = module.state_dict()
+    for name, layer in module.named_modules():
+        for attr in ("weight", "bias"):
+            functions = getattr(layer, f"{attr}_function", None)
+            key = f"{name}.{attr}" if name else attr
+            if functions and key in state:
+                tensor = state[key].clone()  # the functions may patch in place, as on ComfyUI's cast copy
+                for function in functions:
+                    tensor = function(tensor)
+                state[key] = tensor.to(state[key].dtype)
+    return state
+
+
+_current: SequenceParallelGroup | None = None
+
+
+def current_group(settings: GroupSettings, comfyui_root: Path) -> SequenceParallelGroup:
+    """The process's group for ``settings``, started (or restarted after a failure or a change) as needed."""
+    global _current
+    if _current is not None and (_current.settings != settings or not _current.alive()):
+        close_group()
+    if _current is None:
+        _current = SequenceParallelGroup(settings, comfyui_root)
+    return _current
+
+
+def active_group() -> SequenceParallelGroup | None:
+    """The process's group, if one is started."""
+    return _current
+
+
+def close_group(broken: bool = False) -> None:
+    """Close the process's group, if any (``broken``: a call stopped mid-way; see ``SequenceParallelGroup.close``)."""
+    global _current
+    group, _current = _current, None
+    if group is not None:
+        try:
+            group.close(broken)
+        except Exception:
+            log.error("OmniHooks Sequence Parallel: closing the group failed:\n%s", traceback.format_exc())
+
+
+atexit.register(close_group)

@@ -1,0 +1,301 @@
+"""The Sequence Parallel node: the MODEL's token sequence split across several processes (GPUs, or CPU ranks over
+gloo), every other node of the workflow unchanged.
+
+Rank 0 is the ComfyUI process. Per run, the session (``SequenceParallelSession``) gets the process's group
+(``group``: local workers started once and kept, remote ranks joining with ``worker.py``), sends the weights as
+ComfyUI computes with them when the model or its patches changed (after ComfyUI's load, before CPU Offload places
+them), applies the family's sequence plan to the diffusion model, and per model call sends the call, with the run's
+other features, to every worker (a header they check before any collective), installs the attention exchange in
+ComfyUI's attention-override seam and gives caches the group's ``RankView``. The workers mirror the run (``sp_rank``):
+the same caches and offload, so every rank decides alike. Every rank runs the model's own forward on its shard (with
+``cfg_parallel``, on its half's part of the batch); the output is gathered, so rank 0 returns the whole output to the
+sampler. A call that breaks mid-way closes the group (``explain_failure``); the next run starts a fresh one.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from comfy_api.latest import io
+
+from ...omni_hooks.sequence_parallel import SequenceParallelConfig, apply_sequence_parallel, remove_sequence_parallel
+from . import group as sp_group
+from ..families import FAMILIES, ModelFamily, detect
+from ..features import (FEATURES_KEY, AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature,
+                       register_feature)
+from .protocol import (OPTIONS_SLOT, SequenceParallelError, check_picklable, is_collective_failure,
+                          tensor_signature, to_cpu)
+
+log = logging.getLogger("OmniHooks")
+
+KIND = "sequence_parallel"
+NODE_ID = "OmniHooks.SequenceParallel"
+NODE_TITLE = "Sequence Parallel"
+AUTO = "auto"
+ATTENTION_OVERRIDE = "optimized_attention_override"
+OPTIONS_NAME = "transformer_options"
+# options rank 0 keeps to itself: its own wrappers and callbacks (they run around the call on rank 0) and our run
+LOCAL_ONLY_OPTIONS = ("wrappers", "callbacks", "omni_hooks.run", "omni_hooks.features")
+
+
+@dataclass(frozen=True)
+class SequenceParallelSettings:
+    world_size: int
+    ulysses_degree: int | None  # None: auto
+    ring_degree: int | None
+    devices: tuple[str, ...]
+    backend: str
+    host: str
+    port: int
+    cfg_parallel: bool = False
+
+
+def supported_families() -> str:
+    return ", ".join(f.display_name for f in FAMILIES if f.sequence_plan is not None)
+
+
+def resolve_devices(value: str, world_size: int) -> tuple[str, ...]:
+    """The local ranks' devices: "auto" = the visible GPUs (at most ``world_size``), else ``world_size`` CPU ranks;
+    or a comma-separated list ("cuda:0,cuda:1"); ranks beyond the list are remote."""
+    if value.strip() == AUTO:
+        if torch.cuda.is_available():
+            return tuple(f"cuda:{i}" for i in range(min(world_size, torch.cuda.device_count())))
+        return ("cpu",) * world_size
+    devices = tuple(d.strip() for d in value.split(",") if d.strip())
+    if not devices or len(devices) > world_size:
+        raise ValueError(f"{NODE_TITLE}: devices {value!r}: give 1 to {world_size} devices (rank 0 first), or 'auto'")
+    return devices
+
+
+def resolve_degrees(settings: SequenceParallelSettings, heads: int) -> SequenceParallelConfig:
+    """'auto': Ulysses when the head count divides the world size's, else ring attention. With ``cfg_parallel`` the
+    degrees share half the world (two cfg halves)."""
+    world = settings.world_size
+    cfg = 2 if settings.cfg_parallel else 1
+    if world % cfg:
+        raise ValueError(f"{NODE_TITLE}: cfg_parallel needs an even world_size (two halves), got {world}")
+    world //= cfg
+    u, r = settings.ulysses_degree, settings.ring_degree
+    if u is None and r is None:
+        u, r = (world, 1) if heads % world == 0 else (1, world)
+    elif u is None:
+        u = world // r
+    elif r is None:
+        r = world // u
+    if u * r != world:
+        what = "world_size / 2 (cfg_parallel)" if cfg > 1 else "world_size"
+        raise ValueError(f"{NODE_TITLE}: ulysses_degree {u} x ring_degree {r} must equal {what} {world}")
+    if heads % u:
+        raise ValueError(f"{NODE_TITLE}: the model has {heads} attention heads, which ulysses_degree {u} does not "
+                         "divide; set ulysses_degree to a divisor or 'auto'")
+    return SequenceParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg)
+
+
+def split_batch(runtime, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
+    """CFG parallel: this rank's part of a model call's batch (``transformer_options`` stays whole). Done by the
+    sessions inside the DIFFUSION_MODEL wrapper, not by a hook on the diffusion model: ComfyUI runs that wrapper inside
+    the model's forward, so a hook there would run before a run's first call installed anything."""
+    names = [OPTIONS_NAME if a is options else "" for a in args]
+    return runtime.split_batch(args, kwargs, names)
+
+
+def _heads(dm: torch.nn.Module, family: ModelFamily) -> int:
+    """The attention head count: ``num_heads`` of the model or of its ``params`` (Wan, Flux), else of its first
+    attention site (``num_heads`` or ``heads``, e.g. Qwen-Image's ``attn``)."""
+    heads = getattr(dm, "num_heads", None) or getattr(getattr(dm, "params", None), "num_heads", None)
+    sites = family.attention_sites(dm) if heads is None and family.attention_sites is not None else []
+    if sites:
+        heads = getattr(sites[0], "num_heads", None) or getattr(sites[0], "heads", None)
+    if not isinstance(heads, int):
+        raise ValueError(f"{NODE_TITLE}: cannot read the head count of {type(dm).__name__}; set ulysses_degree and "
+                         "ring_degree instead of 'auto'")
+    return heads
+
+
+def _comfyui_root() -> Path:
+    import comfy.model_management
+
+    return Path(comfy.model_management.__file__).resolve().parents[1]
+
+
+class SequenceParallelSession(FeatureSession):
+    """One sampling run on rank 0. After ComfyUI's load (before offload places the weights: ``LOAD_ORDER``) it gets
+    the group and sends the weights if they changed; per call it sends the call, with the run's other features (the
+    workers run the same caches and offload) and the run's id, then installs the attention exchange."""
+
+    def __init__(self, patcher, feature: AppliedFeature):
+        super().__init__(patcher, feature)
+        self.settings: SequenceParallelSettings = feature.settings
+        self.family = detect(patcher).model_family
+        self.group: sp_group.SequenceParallelGroup | None = None
+        self.runtime = None
+        self.plan = None
+        self.installed_on: torch.nn.Module | None = None
+        self.degrees: tuple[int, int, int] | None = None  # (ulysses, ring, cfg)
+        self.run_id = uuid.uuid4().hex
+        self.calls = 0
+
+    def after_load(self, patcher) -> None:
+        self._join(patcher)
+
+    def _join(self, patcher) -> None:
+        """The group of this run's settings, holding the model's current weights."""
+        if self.family.sequence_plan is None:
+            raise ValueError(f"{self.feature.describe()}: {self.family.display_name} has no sequence plan yet; "
+                             f"supported: {supported_families()}")
+        s = self.settings
+        if self.group is None:
+            self.group = sp_group.current_group(
+                sp_group.GroupSettings(s.world_size, s.backend, s.devices, s.host, s.port), _comfyui_root())
+        self.group.sync_weights(patcher, self.family.name)
+
+    def install(self, diffusion_model: torch.nn.Module) -> None:
+        self._join(self.patcher)
+        config = resolve_degrees(self.settings, _heads(diffusion_model, self.family))
+        plan = self.family.sequence_plan(diffusion_model)
+        mesh = self.group.mesh(config)
+        self.runtime = apply_sequence_parallel(diffusion_model, config, plan, mesh=mesh, batch_hook=False)
+        self.plan, self.installed_on = plan, diffusion_model
+        self.degrees = (config.ulysses_degree, config.ring_degree, config.cfg_degree)
+
+    def remove(self) -> None:
+        if self.installed_on is not None:
+            remove_sequence_parallel(self.installed_on, self.plan)
+        self.installed_on, self.plan = None, None
+
+    def before_call(self, args: tuple, kwargs: dict, transformer_options: dict) -> None:
+        if ATTENTION_OVERRIDE in transformer_options:
+            raise ValueError(f"{self.feature.describe()}: another node already overrides attention on this model "
+                             f"({transformer_options[ATTENTION_OVERRIDE]!r}); remove it or Sequence Parallel")
+        sent = {k: v for k, v in transformer_options.items() if k not in LOCAL_ONLY_OPTIONS}
+        self.group.sync_weights(self.patcher, self.family.name)
+        slot = lambda v: OPTIONS_SLOT if v is transformer_options else v  # noqa: E731
+        call_args = tuple(slot(a) for a in args)
+        call_kwargs = {k: slot(v) for k, v in kwargs.items()}
+        features = tuple(transformer_options.get(FEATURES_KEY, ()))
+        header = {"signature": tensor_signature((call_args, call_kwargs)), "degrees": self.degrees,
+                  "weights": self.group.serial_of_weights, "run": self.run_id}
+        try:
+            self.group.command("call", header, to_cpu((call_args, call_kwargs, sent, features)))
+        except (pickle.PicklingError, TypeError, AttributeError):
+            check_picklable(sent, self.feature.describe())  # names the option that cannot be sent
+            raise
+        self.calls += 1
+        transformer_options[ATTENTION_OVERRIDE] = self.runtime.attention
+        self.runtime.reset()
+
+    def call_arguments(self, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
+        return split_batch(self.runtime, args, kwargs, options)
+
+    def call_output(self, output: Any) -> Any:
+        return self.runtime.gather_batch(output)
+
+    def begin_call(self, context) -> None:
+        context.rank = self.runtime.rank_view()
+
+    def explain_failure(self, error: Exception) -> Exception | None:
+        """A call that stopped mid-way (a rank failed, rank 0 raised or was interrupted) leaves the workers blocked in
+        its collectives: the group is closed here, at once (local workers killed), and the next run starts a fresh
+        one. A torch.distributed error becomes a ``SequenceParallelError`` naming the ranks that broke the call; any
+        other error (an interrupt, the model's own) stays as it is."""
+        group = self.group
+        if group is None or group is not sp_group.active_group():
+            return None
+        explained = group.explain(error) if is_collective_failure(error) else None
+        sp_group.close_group(broken=True)
+        self.group = None  # gone: the run's close has no workers to end the run with
+        return explained
+
+    def close(self, status: str) -> None:
+        self.remove()
+        if status == "error":  # the group may be out of step (a rank died or raised): start afresh next run
+            sp_group.close_group()
+        elif self.calls and self.group is not None:
+            try:  # the workers end the run too (their caches' and offload's close)
+                self.group.command("end", {"run": self.run_id, "status": status})
+            except Exception:
+                log.exception("OmniHooks %s: the workers did not end the run; restarting them next run",
+                              self.feature.describe())
+                sp_group.close_group()
+
+    def summary(self) -> dict[str, Any] | None:
+        if self.degrees is None:
+            return None
+        ulysses, ring, cfg = self.degrees
+        return {"world_size": self.settings.world_size, "ulysses_degree": ulysses, "ring_degree": ring,
+                "cfg_degree": cfg,
+                "backend": self.settings.backend, "local_devices": list(self.settings.devices),
+                "calls": self.calls, "bytes_sent": self.runtime.stats.bytes_sent if self.runtime else 0}
+
+
+register_feature(FeatureSpec(KIND, Category.SEQUENCE_PARALLEL, SequenceParallelSession))
+
+
+def _degree_input(name: str, tooltip: str) -> io.Combo.Input:
+    return io.Combo.Input(name, options=[AUTO, "1", "2", "4", "8"], default=AUTO, tooltip=tooltip)
+
+
+class SequenceParallel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID, display_name=f"{NODE_TITLE} (OmniHooks)", category="OmniHooks",
+            description=("Samples this MODEL across several GPUs (or CPU processes): each rank computes its share of "
+                         "the tokens, attention is exchanged exactly. Place between the loader (and LoRAs) and the "
+                         f"sampler. Supported: {supported_families()}."),
+            inputs=[
+                io.Model.Input("model"),
+                io.Int.Input("world_size", default=2, min=2, max=64,
+                             tooltip="How many ranks share each model call (this ComfyUI process is rank 0)."),
+                _degree_input("ulysses_degree", "Ranks exchanging attention heads (all-to-all); must divide the "
+                              "head count. 'auto': all ranks when the heads allow, else ring."),
+                _degree_input("ring_degree", "Ranks passing keys/values around a ring (any head count). "
+                              "ulysses x ring = world_size."),
+                io.String.Input("devices", default=AUTO,
+                                tooltip="Devices of the ranks on this machine, rank 0 first (\"cuda:0,cuda:1\"). "
+                                "'auto': the visible GPUs, or CPU ranks without one. Ranks beyond them are remote "
+                                "and join with the worker command (README)."),
+                io.Combo.Input("backend", options=[AUTO, "nccl", "gloo"], default=AUTO,
+                               tooltip="torch.distributed backend. 'auto': NCCL on CUDA, gloo on CPU."),
+                io.String.Input("master_address", default="127.0.0.1",
+                                tooltip="Where rank 0 listens. Keep 127.0.0.1 unless remote ranks join; only this "
+                                "address is used."),
+                io.Int.Input("master_port", default=0, min=0, max=65535,
+                             tooltip="Rank 0's port; 0 picks a free one (local ranks only)."),
+                io.Boolean.Input("cfg_parallel", default=False,
+                                 tooltip="With cfg > 1: half the ranks compute the cond batch, the other half the "
+                                 "uncond, each half splitting the tokens (ulysses x ring = world_size / 2). Calls "
+                                 "that do not split in two (cfg 1, one cond) run on all ranks. Needs an even "
+                                 "world_size."),
+            ],
+            outputs=[io.Model.Output()],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, world_size, ulysses_degree, ring_degree, devices, backend, master_address,
+                master_port, cfg_parallel=False) -> io.NodeOutput:
+        family = detect(model).model_family
+        if family.sequence_plan is None:
+            raise ValueError(f"{NODE_TITLE}: {family.display_name} is not supported yet; supported: "
+                             f"{supported_families()}")
+        local = resolve_devices(devices, world_size)
+        if backend == AUTO:
+            backend = "nccl" if local[0].startswith("cuda") else "gloo"
+        if world_size > len(local) and master_port == 0:
+            raise ValueError(f"{NODE_TITLE}: {world_size - len(local)} rank(s) are remote: set master_port so they "
+                             "know where to join")
+        settings = SequenceParallelSettings(
+            world_size=world_size, ulysses_degree=None if ulysses_degree == AUTO else int(ulysses_degree),
+            ring_degree=None if ring_degree == AUTO else int(ring_degree), devices=local, backend=backend,
+            host=master_address, port=master_port, cfg_parallel=bool(cfg_parallel))
+        feature = AppliedFeature(KIND, Category.SEQUENCE_PARALLEL, NODE_TITLE, cls.hidden.unique_id, settings)
+        return io.NodeOutput(attach_feature(model, feature))
+
+
+__all__ = ["SequenceParallel", "SequenceParallelSession", "SequenceParallelSettings"]

@@ -1,0 +1,138 @@
+"""A sequence-parallel worker rank's state and what it does with each command of rank 0 (``worker.py`` is the
+process around it: joining, the command loop, exit).
+
+The worker builds the model class from rank 0's config into a ComfyUI ``ModelPatcher`` of its own (loaded the way
+ComfyUI loads it on rank 0, lowvram included) and mirrors rank 0's run: a ``RunSession`` with the same caches and
+offload, where rank 0 has its Sequence Parallel session a ``WorkerShardSession``, and every call through
+``features.run_call``, so the caches decide on the same ``CallContext`` (step, branches, the group's ``RankView``).
+"""
+from __future__ import annotations
+
+import importlib
+
+import comfy.model_management
+import comfy.model_patcher
+import torch
+
+from ...omni_hooks.context import CallContext
+from ...omni_hooks.sequence_parallel import (SequenceParallelConfig, SequenceParallelMesh, apply_sequence_parallel,
+                                            remove_sequence_parallel)
+from ..families import family_named
+from ..features import AppliedFeature, FeatureSession, RunSession, run_call
+from .node import KIND, split_batch
+from .protocol import OPTIONS_SLOT, Command, broadcast_tensors, tensor_signature, to_device
+
+
+class WorkerRank:
+    """One worker rank. Each command is ``prepare``d (checks; may refuse, before the ack) then ``execute``d (its
+    collectives, in step with every other rank)."""
+
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+        self.patcher: comfy.model_patcher.ModelPatcher | None = None
+        self.family = None
+        self.meshes: dict[tuple[int, int, int], SequenceParallelMesh] = {}  # (ulysses, ring, cfg)
+        self.weights_serial: int | None = None
+        self.degrees: tuple[int, int, int] | None = None  # of the call being run
+        self.run: RunSession | None = None
+        self.run_id: str | None = None
+
+    def prepare(self, command: Command) -> None:
+        if command.op == "load":
+            self.end_run("success")
+            self._build(command)
+        elif command.op == "call":
+            args, kwargs, _, applied = command.payload
+            if tensor_signature((args, kwargs)) != command.header["signature"]:
+                raise ValueError("Sequence Parallel worker: the call's tensors do not match its header")
+            if self.patcher is None or command.header["weights"] != self.weights_serial:
+                raise ValueError("Sequence Parallel worker: no model loaded for this call")
+            if tuple(command.header["degrees"]) not in self.meshes:
+                raise ValueError(f"Sequence Parallel worker: no mesh for degrees {command.header['degrees']}")
+            if command.header["run"] != self.run_id:
+                self._open_run(command.header["run"], applied)
+
+    def execute(self, command: Command) -> None:
+        if command.op == "mesh":
+            key = (command.header["ulysses"], command.header["ring"], command.header["cfg"])
+            self.meshes[key] = SequenceParallelMesh.from_config(SequenceParallelConfig(*key))
+        elif command.op == "load":
+            broadcast_tensors(list(self.patcher.model.diffusion_model.state_dict().values()))
+            self.weights_serial = command.serial
+        elif command.op == "call":
+            self.degrees = tuple(command.header["degrees"])
+            args, kwargs, options, _ = to_device(command.payload, self.device)
+            args = tuple(options if a == OPTIONS_SLOT else a for a in args)
+            kwargs = {k: options if v == OPTIONS_SLOT else v for k, v in kwargs.items()}
+            dm = self.patcher.model.diffusion_model
+            with torch.inference_mode():
+                run_call(self.run, dm, dm.forward, args, kwargs, options)
+        elif command.op == "end":
+            if command.header["run"] == self.run_id:
+                self.end_run(command.header["status"])
+
+    def _open_run(self, run_id: str, applied: tuple[AppliedFeature, ...]) -> None:
+        self.end_run("success")
+        comfy.model_management.load_models_gpu([self.patcher])
+        run = RunSession(patcher=self.patcher)
+        self.run, self.run_id = run, run_id
+        run.open(applied, factories={KIND: lambda patcher, feature: WorkerShardSession(self, patcher, feature)})
+        run.after_load(self.patcher, None)
+
+    def end_run(self, status: str) -> None:
+        """Close the current run's sessions (hooks removed, offload restored)."""
+        run, self.run, self.run_id = self.run, None, None
+        if run is not None:
+            run.close(status)
+
+    def _build(self, command: Command) -> None:
+        payload = command.payload
+        self.patcher = None
+        module, qualname = payload["config_class"]
+        config = getattr(importlib.import_module(module), qualname)(payload["unet_config"])
+        config.set_inference_dtype(payload["unet_dtype"], payload["manual_cast_dtype"])
+        base_model = config.get_model({}, "", device=torch.device("cpu")).eval()
+        names = [(name, tuple(t.shape), str(t.dtype)) for name, t in base_model.diffusion_model.state_dict().items()]
+        if names != command.header["names"]:
+            raise ValueError("Sequence Parallel worker: the model built from the config has other weights than rank "
+                             "0's (the two ComfyUI versions differ?)")
+        self.family = family_named(payload["family"])
+        self.patcher = comfy.model_patcher.ModelPatcher(base_model, load_device=self.device,
+                                                        offload_device=torch.device("cpu"))
+
+
+class WorkerShardSession(FeatureSession):
+    """A worker's side of the Sequence Parallel feature in a run: the family's plan on the model, the attention
+    exchange in each call's options, and this rank's ``RankView`` for the caches, as rank 0's session does."""
+
+    def __init__(self, worker: WorkerRank, patcher, feature: AppliedFeature):
+        super().__init__(patcher, feature)
+        self.worker = worker
+        self.runtime = None
+        self.plan = None
+        self.installed_on: torch.nn.Module | None = None
+
+    def install(self, diffusion_model: torch.nn.Module) -> None:
+        degrees = self.worker.degrees
+        plan = self.worker.family.sequence_plan(diffusion_model)
+        self.runtime = apply_sequence_parallel(diffusion_model, SequenceParallelConfig(*degrees), plan,
+                                               mesh=self.worker.meshes[degrees], batch_hook=False)
+        self.plan, self.installed_on = plan, diffusion_model
+
+    def remove(self) -> None:
+        if self.installed_on is not None:
+            remove_sequence_parallel(self.installed_on, self.plan)
+        self.installed_on, self.plan = None, None
+
+    def before_call(self, args: tuple, kwargs: dict, transformer_options: dict) -> None:
+        transformer_options["optimized_attention_override"] = self.runtime.attention
+        self.runtime.reset()
+
+    def call_arguments(self, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
+        return split_batch(self.runtime, args, kwargs, options)
+
+    def call_output(self, output):
+        return self.runtime.gather_batch(output)
+
+    def begin_call(self, context: CallContext) -> None:
+        context.rank = self.runtime.rank_view()

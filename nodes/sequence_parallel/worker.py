@@ -1,0 +1,210 @@
+"""A sequence-parallel worker rank: joins rank 0's group, builds the diffusion model from its config, receives its
+weights and runs every model call on its shard.
+
+The pack starts the workers of the local devices itself. Ranks on other machines (the Sequence Parallel node's ranks
+beyond its ``devices``) are started there, K at a time with torchrun
+(README, 'Sequence Parallel on several machines')::
+
+    torchrun --nproc-per-node K <pack>/nodes/sequence_parallel/worker.py --join <ComfyUI host>:<port> --first-rank R \
+        --world-size N --comfyui <ComfyUI folder>
+
+starts ranks R..R+K-1 (rank R + torchrun's RANK, so ``--nnodes`` works too) on cuda:LOCAL_RANK (cpu without CUDA).
+torchrun's own rendezvous (its MASTER_ADDR, RANK, WORLD_SIZE) only places these processes; ComfyUI's group is the one
+at ``--join``. One rank without torchrun::
+
+    python <pack>/nodes/sequence_parallel/worker.py --join <ComfyUI host>:<port> --rank R --world-size N --comfyui <ComfyUI folder>
+
+The backend and the timeouts come from rank 0. When rank 0 closes its group (a failure, another setting of the node)
+the worker joins the next group at the same address by itself, and exits when none starts within the join timeout
+(``OMNIHOOKS_SP_JOIN_TIMEOUT_S`` of the worker's environment, default 120 s) or with ``--once``. The worker needs
+ComfyUI's code, never the checkpoint file.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+from pathlib import Path
+
+PACKAGE = "omnihooks_sp_worker_pack"
+AUTO = "auto"
+
+
+def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> argparse.Namespace:
+    """The worker's options; ``rank`` and ``device`` resolved (torchrun's RANK and LOCAL_RANK read from ``environ``)."""
+    env = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # not "--master": torchrun's parser reads it, even after the script, as an ambiguous --master-addr/--master-port
+    parser.add_argument("--join", required=True, metavar="HOST:PORT", help="rank 0's address and port (the Sequence "
+                        "Parallel node's master_address and master_port)")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--rank", type=int, help="this process's rank (plain python, one rank)")
+    which.add_argument("--first-rank", type=int, help="under torchrun: the rank of torchrun's rank 0; each process "
+                       "is rank FIRST_RANK + RANK")
+    parser.add_argument("--world-size", type=int, required=True, help="the Sequence Parallel node's world_size "
+                        "(checked against rank 0's)")
+    parser.add_argument("--device", default=AUTO, help="this rank's device: cpu, cuda:0, ...; auto: cuda:LOCAL_RANK, "
+                        "or cpu without CUDA")
+    parser.add_argument("--comfyui", default=env.get("COMFYUI_PATH", "."), help="the ComfyUI folder (its code)")
+    parser.add_argument("--once", action="store_true", help="serve one group and exit (default: after rank 0 closes "
+                        "a group, wait for its next one at --join, up to the join timeout)")
+    parser.add_argument("--parent-pid", type=int, default=None, help="(local workers) exit when this process is gone; "
+                        "implies --once")
+    args = parser.parse_args(argv)
+    if args.rank is None:
+        args.rank = args.first_rank + int(env.get("RANK", "0"))
+    elif int(env.get("WORLD_SIZE", "1")) > 1:
+        parser.error("torchrun starts several processes here: give --first-rank, not --rank")
+    if args.device == AUTO:
+        import torch
+
+        args.device = f"cuda:{int(env.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+    return args
+
+
+def _load_pack():
+    """Import this pack as a package from its folder (as ComfyUI does), after ComfyUI is importable."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(PACKAGE, root / "__init__.py", submodule_search_locations=[str(root)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[PACKAGE] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _parent_gone(parent_pid: int | None) -> bool:
+    if parent_pid is None:
+        return False
+    try:
+        os.kill(parent_pid, 0)
+        return False
+    except OSError:
+        return True
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Serve one group: join it and run commands until "exit" (0), rank 0's or its store's end (1), or a failed
+    command (2)."""
+    from .protocol import Timeouts, connect_store
+
+    store = connect_store(*_address(args), Timeouts.from_env().join_s)
+    return _serve_group(args, store)[0]
+
+
+def serve_groups(args: argparse.Namespace) -> int:
+    """A rank started by hand: serve rank 0's groups one after another (rank 0 closes a group on a failure, another
+    setting or its exit) until no new group starts at ``--join`` within the join timeout (this process's
+    ``OMNIHOOKS_SP_JOIN_TIMEOUT_S``); then 0."""
+    import time
+
+    import torch.distributed as dist
+
+    from .protocol import Timeouts, command_store, connect_store, read_group
+
+    served: str | None = None
+    join_s = Timeouts.from_env().join_s
+    deadline = time.monotonic() + join_s
+    while time.monotonic() < deadline:
+        try:
+            store = connect_store(*_address(args), max(1.0, deadline - time.monotonic()))
+            info = read_group(command_store(store))
+        except dist.DistError:  # no rank 0 there (yet, or any more)
+            time.sleep(0.5)
+            continue
+        if info.group_id == served:  # the closed group's store, until rank 0 lets it go
+            del store
+            time.sleep(0.5)
+            continue
+        code, served = _serve_group(args, store)
+        print(f"Sequence Parallel worker rank {args.rank}: group {served} ended ({code}); waiting up to {join_s:.0f} s "
+              "for rank 0's next group", file=sys.stderr)
+        deadline = time.monotonic() + join_s
+    return 0
+
+
+def _address(args: argparse.Namespace) -> tuple[str, int]:
+    host, port = args.join.rsplit(":", 1)
+    return host.strip("[]"), int(port)  # [::1]:port
+
+
+def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
+    """Serve the group whose rendezvous ``store`` is: its exit code (as ``serve``) and its id."""
+    import torch
+    import torch.distributed as dist
+
+    from .protocol import (POLL_S, Heartbeat, claim_rank, command_store, decode, dumps, init_group, read_group,
+                           wait_for)
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    commands = command_store(store)
+    info = read_group(commands)
+    args.backend = info.backend
+    if info.backend == "nccl" and not args.device.startswith("cuda"):
+        raise SystemExit(f"Sequence Parallel worker rank {args.rank}: rank 0 uses NCCL, which needs a CUDA device; "
+                         f"this rank has {args.device}")
+    claim_rank(commands, args.rank, args.world_size, info)
+    heartbeat = Heartbeat(*_address(args), args.rank, info.timeouts.join_s)
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(args.device))
+    from .rank import WorkerRank
+
+    worker = WorkerRank(args.device)
+    serial = 0
+    try:
+        init_group(store, args.rank, info)
+        while True:
+            serial += 1
+            key = f"cmd/{serial}"
+            while not wait_for(commands, key, POLL_S):
+                if _parent_gone(args.parent_pid):
+                    return 1, info.group_id
+            command = decode(commands.get(key))
+            try:
+                if command.serial != serial or command.header.get("serial") != serial:
+                    raise ValueError(f"expected command {serial}, got {command.serial}")
+                worker.prepare(command)
+            except Exception:
+                commands.set(f"ack/{serial}/{args.rank}", traceback.format_exc())
+                continue
+            commands.set(f"ack/{serial}/{args.rank}", "ok")
+            if command.op == "exit":
+                return 0, info.group_id
+            try:
+                worker.execute(command)
+            except Exception:
+                commands.set(f"error/{args.rank}", dumps(traceback.format_exc()))
+                traceback.print_exc()
+                return 2, info.group_id  # a collective failed: the group is broken, rank 0 closes it
+    except dist.DistError as exc:  # rank 0's store went away (ComfyUI exited or closed the group)
+        print(f"Sequence Parallel worker rank {args.rank}: rank 0 is gone ({exc})", file=sys.stderr)
+        return 1, info.group_id
+    finally:
+        heartbeat.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    root = str(Path(args.comfyui).resolve())
+    if root in sys.path:
+        sys.path.remove(root)
+    sys.path.insert(0, root)
+    from comfy.cli_args import args as comfy_args
+
+    comfy_args.cpu = not args.device.startswith("cuda")
+    import comfy.model_management  # noqa: F401  (picks its device at import)
+
+    pack = _load_pack()
+    worker_module = importlib.import_module(f"{pack.__name__}.nodes.sequence_parallel.worker")
+    if args.parent_pid is not None or args.once:  # the pack's own workers: one group, started again by rank 0
+        return worker_module.serve(args)
+    return worker_module.serve_groups(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""The registered model families (``nodes/families/``) against ComfyUI's own model classes.
+
+Registration: every family file is registered, precedence is declared (Chroma before Flux) rather than left to file
+order, and every family has a tiny model. Detection: each tiny model matches exactly its own family. Variants: on
+models at the sizes of released checkpoints (built on the meta device), each family's decision tree names the variant
+and the TeaCache / MagCache recommendations; the keys a family declares are exactly the ones its tree recommends, and
+each exists in its table under that family. Weights: the block stack and the declared resident modules hold every
+weight of the model, once. The supported-families text of errors, tooltips and the README names every family.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from omnitest.comfy_path import PACK_ROOT
+from omnitest.tiny_models import CASE_FAMILY, CASES
+
+pytestmark = pytest.mark.host
+
+
+def _wan(**over) -> dict:
+    config = {"image_model": "wan2.1", "model_type": "t2v", "patch_size": (1, 2, 2), "in_dim": 16, "out_dim": 16,
+              "dim": 5120, "ffn_dim": 13824, "freq_dim": 256, "text_dim": 4096, "num_heads": 40, "num_layers": 40,
+              "window_size": (-1, -1), "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6}
+    return {**config, **over}
+
+
+_WAN_1_3B = dict(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30)
+_OFF_SIZE = dict(dim=2048, num_heads=16, num_layers=2)  # a dim no released Wan has
+
+
+def _flux(**over) -> dict:
+    config = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "patch_size": 2, "vec_in_dim": 768,
+              "context_in_dim": 4096, "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 19,
+              "depth_single_blocks": 38, "axes_dim": [16, 56, 56], "theta": 10000, "qkv_bias": True,
+              "guidance_embed": True}
+    return {**config, **over}
+
+
+def _hunyuan(**over) -> dict:
+    config = {"image_model": "hunyuan_video", "in_channels": 16, "out_channels": 16, "patch_size": [1, 2, 2],
+              "vec_in_dim": 768, "context_in_dim": 4096, "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24,
+              "depth": 20, "depth_single_blocks": 40, "axes_dim": [16, 56, 56], "theta": 256, "qkv_bias": True,
+              "guidance_embed": True, "byt5": False, "meanflow": False}
+    return {**config, **over}
+
+
+def _ltxv(head_dim: int, layers: int) -> dict:
+    return {"image_model": "ltxv", "num_layers": layers, "attention_head_dim": head_dim,
+            "cross_attention_dim": 32 * head_dim}
+
+
+_CHROMA = {"image_model": "chroma", "in_channels": 64, "out_channels": 64, "patch_size": 2, "context_in_dim": 4096,
+           "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 19, "depth_single_blocks": 38,
+           "axes_dim": [16, 56, 56], "theta": 10000, "qkv_bias": True, "in_dim": 64, "out_dim": 3072,
+           "hidden_dim": 5120, "n_layers": 5}
+
+# unet_config (as comfy.model_detection reads it from the checkpoint; sizes of the released models unless named
+# otherwise) -> (family, variant, TeaCache 'auto' key, MagCache 'auto' key). Every branch of every decision tree.
+VARIANTS = {
+    "wan2.1 t2v 1.3B": (_wan(**_WAN_1_3B), ("wan", "Wan T2V 1.3B", "wan2.1_t2v_1.3B", "wan2.1_t2v_1.3B")),
+    "wan2.1 t2v 14B": (_wan(), ("wan", "Wan T2V 14B", "wan2.1_t2v_14B", "wan2.1_t2v_14B")),
+    "wan t2v off-size": (_wan(**_OFF_SIZE), ("wan", "Wan T2V dim 2048", None, None)),
+    "wan2.1 i2v 14B": (_wan(model_type="i2v", in_dim=36),
+                       ("wan", "Wan 2.1 I2V 14B", "wan2.1_i2v_480p_14B", "wan2.1_i2v_480p_14B")),
+    "wan i2v 1.3B": (_wan(model_type="i2v", in_dim=36, **_WAN_1_3B), ("wan", "Wan 2.1 I2V 1.3B", None, None)),
+    "wan2.1 vace 1.3B": (_wan(model_type="vace", vace_layers=15, vace_in_dim=96, **_WAN_1_3B),
+                         ("wan", "Wan 2.1 VACE 1.3B", "wan2.1_t2v_1.3B", "wan2.1_vace_1.3B")),
+    "wan2.1 vace 14B": (_wan(model_type="vace", vace_layers=8, vace_in_dim=96),
+                        ("wan", "Wan 2.1 VACE 14B", "wan2.1_t2v_14B", "wan2.1_vace_14B")),
+    "wan vace off-size": (_wan(model_type="vace", vace_layers=2, vace_in_dim=96, **_OFF_SIZE),
+                          ("wan", "Wan 2.1 VACE dim 2048", None, None)),
+    "wan2.2 ti2v 5B": (_wan(in_dim=48, out_dim=48, dim=3072, ffn_dim=14336, num_heads=24, num_layers=30),
+                       ("wan", "Wan 2.2 TI2V (dim 3072)", None, "wan2.2_ti2v_5B")),
+    "wan2.2 ti2v off-size": (_wan(in_dim=48, out_dim=48, **_OFF_SIZE), ("wan", "Wan 2.2 TI2V (dim 2048)", None, None)),
+    "wan2.2 i2v A14B expert": (_wan(in_dim=36), ("wan", "Wan T2V 14B", "wan2.1_t2v_14B", None)),
+    "flux dev": (_flux(), ("flux", "Flux dev", "flux", "flux")),
+    "flux fill": (_flux(in_channels=96), ("flux", "Flux dev (in_channels 96: Fill/Depth/Canny)", "flux", "flux")),
+    "flux schnell": (_flux(guidance_embed=False), ("flux", "Flux schnell (no guidance embedding)", None, None)),
+    "chroma": (_CHROMA, ("chroma", "Chroma", None, "chroma")),
+    "hunyuan video t2v": (_hunyuan(), ("hunyuan_video", "HunyuanVideo T2V", "hunyuan_video", "hunyuan_video")),
+    "hunyuan video i2v": (_hunyuan(in_channels=33),
+                          ("hunyuan_video", "HunyuanVideo I2V", "hunyuan_video", "hunyuan_video")),
+    "hunyuan video skyreels i2v": (_hunyuan(in_channels=32), ("hunyuan_video", "HunyuanVideo SkyReels I2V",
+                                                              "hunyuan_video", "hunyuan_video")),
+    "hunyuan image 2.1": (_hunyuan(in_channels=64, out_channels=64, patch_size=[1, 1], vec_in_dim=None,
+                                   axes_dim=[64, 64], hidden_size=3584, num_heads=28, byt5=True, guidance_embed=False),
+                          ("hunyuan_video", "HunyuanImage 2.1", None, None)),
+    "hunyuan image 2.1 refiner": (_hunyuan(in_channels=128, out_channels=64, patch_size=[1, 1, 1], vec_in_dim=None),
+                                  ("hunyuan_video", "HunyuanImage 2.1 refiner", None, None)),
+    "ltxv 2B": (_ltxv(64, 28), ("ltxv", "LTX-Video 2B", "ltxv", None)),
+    "ltxv 13B": (_ltxv(128, 48), ("ltxv", "LTX-Video 13B", "ltxv", None)),
+    "ltxv off-size": (_ltxv(32, 2), ("ltxv", "LTX-Video inner_dim 1024", "ltxv", None)),
+    "qwen image": ({"image_model": "qwen_image", "patch_size": 2, "in_channels": 64, "out_channels": 16,
+                    "num_layers": 60, "attention_head_dim": 128, "num_attention_heads": 24,
+                    "joint_attention_dim": 3584, "axes_dims_rope": (16, 56, 56)},
+                   ("qwen_image", "Qwen-Image", "qwen_image", "qwen_image")),
+    "lumina2": ({"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 2304, "n_layers": 26,
+                 "n_refiner_layers": 2, "n_heads": 24, "n_kv_heads": 8, "multiple_of": 256, "qk_norm": True,
+                 "cap_feat_dim": 2304, "axes_dims": [32, 32, 32], "axes_lens": [300, 512, 512]},
+                ("lumina2", "Lumina Image 2.0 (dim 2304)", "lumina_2", None)),
+    "hidream": ({"image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 16,
+                 "num_single_layers": 32, "attention_head_dim": 128, "num_attention_heads": 20,
+                 "caption_channels": [4096, 4096], "text_emb_dim": 2048, "num_routed_experts": 4,
+                 "num_activated_experts": 2, "axes_dims_rope": [64, 32, 32], "max_resolution": [128, 128],
+                 "llama_layers": list(range(48))},
+                ("hidream", "HiDream-I1", "hidream_i1_full", None)),
+}
+# Models of a family whose variants need no other recommendation, but whose weights live in other modules.
+OTHER_LAYOUTS = {
+    "wan2.1 camera": _wan(model_type="camera", in_dim=32),
+    "wan2.2 camera": _wan(model_type="camera_2.2", in_dim=36),
+    "wan2.1 fun control": _wan(model_type="i2v", in_dim=48),
+    "wan humo": _wan(model_type="humo"),
+    "wan2.2 animate": _wan(model_type="animate", in_dim=36),
+    "hunyuan video meanflow": _hunyuan(meanflow=True),
+}
+UNSUPPORTED = {
+    "chroma radiance": {**_CHROMA, "image_model": "chroma_radiance", "in_channels": 3, "out_channels": 3,
+                        "patch_size": 16, "nerf_hidden_size": 64, "nerf_mlp_ratio": 4, "nerf_depth": 4,
+                        "nerf_max_freqs": 8, "nerf_tile_size": 32, "nerf_final_head_type": "linear",
+                        "nerf_embedder_dtype": None},
+}
+
+
+@pytest.fixture(scope="module")
+def families():
+    from omnitest.pack import pack_module
+
+    return pack_module("nodes.families")
+
+
+def real_size(name: str):
+    from omnitest.meta_models import build_on_meta
+
+    config = VARIANTS[name][0] if name in VARIANTS else OTHER_LAYOUTS.get(name) or UNSUPPORTED[name]
+    return build_on_meta(config)
+
+
+# -- registration ------------------------------------------------------------------------------------------------------
+
+def test_every_family_file_is_registered(families):
+    folder = PACK_ROOT / "nodes" / "families"
+    files = sorted(p.stem for p in folder.glob("*.py") if p.stem not in {"__init__", "base"})
+    registered = sorted(f.resolve_variant.__module__.rsplit(".", 1)[1] for f in families.FAMILIES)
+    assert registered == files
+    names = [f.name for f in families.FAMILIES]
+    assert len(set(names)) == len(names)
+    assert all(f.display_name and f.resident for f in families.FAMILIES)
+
+
+def test_precedence_is_declared_not_file_order(families):
+    ordered = families.FAMILIES
+    names = [f.name for f in ordered]
+    assert names.index("chroma") < names.index("flux")
+    for family in ordered:
+        for later in family.detect_before:
+            assert names.index(family.name) < names.index(later), (family.name, later)
+    # whatever order the files come in, the declared precedence holds
+    for given in (ordered, tuple(reversed(ordered))):
+        again = [f.name for f in families.order_by_precedence(given)]
+        assert again.index("chroma") < again.index("flux")
+        assert sorted(again) == sorted(names)
+    chroma = families.family_named("chroma")
+    with pytest.raises(ValueError, match="'nope', which is not a registered family"):
+        families.order_by_precedence([dataclasses.replace(chroma, detect_before=("nope",))])
+    flux = dataclasses.replace(families.family_named("flux"), detect_before=("chroma",))
+    with pytest.raises(ValueError, match="cycle"):
+        families.order_by_precedence([chroma, flux])
+    with pytest.raises(ValueError, match="two model families are named 'chroma'"):
+        families.order_by_precedence([chroma, chroma])
+
+
+def test_every_registered_family_has_a_tiny_model(families):
+    assert set(CASE_FAMILY.values()) == {f.name for f in families.FAMILIES}
+
+
+# -- detection on the tiny models ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_tiny_model_matches_exactly_its_family(families, name):
+    from omnitest import tiny_models
+
+    case = tiny_models.build_case(name)
+    base_model = case.patcher.model
+    assert [f.name for f in families.FAMILIES if f.matches(base_model, base_model.diffusion_model)] == [case.family]
+    detected = families.detect(case.patcher)
+    assert detected.family == case.family and detected.model_family is families.family_named(case.family)
+    assert detected.teacache_key is None or detected.teacache_key in detected.model_family.teacache_keys
+    assert detected.magcache_key is None or detected.magcache_key in detected.model_family.magcache_keys
+    if detected.teacache_key is None:
+        assert detected.notes, "a model without TeaCache coefficients must say what to do"
+
+
+# -- variants on models of the released sizes ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_the_decision_tree_names_the_variant_and_both_recommendations(families, name):
+    family, variant, teacache_key, magcache_key = VARIANTS[name][1]
+    detected = families.detect(real_size(name))
+    assert (detected.family, detected.variant, detected.teacache_key, detected.magcache_key) == \
+        (family, variant, teacache_key, magcache_key)
+    if teacache_key is None:
+        assert detected.notes
+    assert detected.describe() == f"{family} ({variant})"
+
+
+def test_declared_keys_are_the_keys_the_variants_recommend(families):
+    for family in families.FAMILIES:
+        outcomes = [expected for _, expected in VARIANTS.values() if expected[0] == family.name]
+        assert outcomes, f"no real-size model of {family.name} in VARIANTS"
+        assert {o[2] for o in outcomes} - {None} == family.teacache_keys, family.name
+        assert {o[3] for o in outcomes} - {None} == family.magcache_keys, family.name
+
+
+def test_recommendation_keys_exist_in_the_tables_under_their_family(families):
+    from omnitest.pack import pack_module
+
+    coefficients = pack_module("nodes.caches.teacache_coefficients").PUBLISHED
+    curves = pack_module("nodes.caches.magcache_curves").PUBLISHED
+    registered = {f.name for f in families.FAMILIES}
+    for family in families.FAMILIES:
+        for key in family.teacache_keys:
+            assert coefficients[key].family == family.name, (family.name, key)
+        for key in family.magcache_keys:
+            assert curves[key].family == family.name, (family.name, key)
+    assert {c.family for c in coefficients.values()} <= registered
+    assert {c.family for c in curves.values()} <= registered
+
+
+def test_a_key_the_family_does_not_declare_is_refused(families):
+    from omnitest import tiny_models
+
+    flux = families.family_named("flux")
+    stale = dataclasses.replace(flux, teacache_keys=frozenset())
+    base_model = tiny_models.build_case("flux").patcher.model
+    with pytest.raises(RuntimeError, match="recommends the TeaCache key 'flux', which the family's teacache_keys"):
+        families._detected(stale, flux.resolve_variant(base_model, base_model.diffusion_model))
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
+def test_an_unsupported_model_names_every_registered_family(families, name):
+    with pytest.raises(families.UnsupportedModelError, match="is not a diffusion transformer") as error:
+        families.detect(real_size(name))
+    assert all(f.display_name in str(error.value) for f in families.FAMILIES)
+
+
+# -- weights: block stack + resident modules --------------------------------------------------------------------------
+
+def _weights(module):
+    return {id(t): n for n, t in [*module.named_parameters(), *module.named_buffers()]}
+
+
+@pytest.mark.parametrize("source", [*(f"tiny {n}" for n in CASES), *(f"real {n}" for n in VARIANTS),
+                                    *(f"real {n}" for n in OTHER_LAYOUTS)])
+def test_the_stack_and_the_resident_modules_hold_every_weight_once(families, source):
+    import torch
+
+    from omnitest import tiny_models
+
+    kind, name = source.split(" ", 1)
+    patcher = tiny_models.build_case(name).patcher if kind == "tiny" else real_size(name)
+    detected = families.detect(patcher)
+    dm = patcher.model.diffusion_model
+    in_stack = {}
+    for block in detected.build_stack(dm).blocks:
+        in_stack.update(_weights(block))
+    resident = {}
+    for attribute, value in detected.resident_modules(dm).items():
+        resident.update({id(value): attribute} if isinstance(value, torch.Tensor) else _weights(value))
+    everything = _weights(dm)
+    assert not in_stack.keys() & resident.keys(), sorted(everything[i] for i in in_stack.keys() & resident.keys())
+    missing = sorted(everything[i] for i in everything.keys() - in_stack.keys() - resident.keys())
+    assert not missing, f"{detected.family}: weights neither in the block stack nor resident: {missing[:8]}"
+
+
+# -- the supported-families text -------------------------------------------------------------------------------------
+
+def test_tooltips_errors_and_the_readme_name_every_family(families):
+    from omnitest.pack import pack_module
+
+    text = families.supported_families()
+    assert text == ", ".join(f.display_name for f in families.FAMILIES)
+    for node in (pack_module("nodes.caches.teacache").ApplyTeaCache, pack_module("nodes.caches.magcache").ApplyMagCache):
+        model_input = next(i for i in node.define_schema().inputs if i.id == "model")
+        assert text in model_input.tooltip
+    readme = (PACK_ROOT / "README.md").read_text(encoding="utf-8")
+    assert [f.display_name for f in families.FAMILIES if f.display_name not in readme] == []
+    assert (PACK_ROOT / "docs" / "adding-a-model-family.md").is_file()
+    assert "docs/adding-a-model-family.md" in readme

@@ -1,0 +1,576 @@
+"""CPU Offload inside a real ComfyUI (in-process, issue 9 items 2, 3 and 5).
+
+This ComfyUI runs on the CPU, so the node has nothing to offload to and must change nothing (first test). Every other
+test forces the offload target to the CPU (``offload_target`` monkeypatched), so that the real path runs with
+ComfyUI's loaded, patched weights: CPU master copies, 0-element placeholders, slots the blocks run from, ComfyUI's
+lowvram cast path reading slot views, LoRA patches, ComfyUI's loaded-weight accounting. Outputs are compared bit for
+bit with the same run without the node.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+
+from omnitest.cache_nodes import apply_magcache, apply_teacache, save_identity_calibrations, tiny_lora
+
+pytestmark = pytest.mark.host
+
+STEPS = 6
+LAYERS = 4
+IDENTITY = "offload-identity"
+
+
+@pytest.fixture(scope="module")
+def env(user_dir):
+    from omnitest import tiny_models
+    from omnitest.pack import pack_module, run_node
+
+    offload_module = pack_module("nodes.offload.node")
+    features = pack_module("nodes.features")
+    save_identity_calibrations(IDENTITY, STEPS)
+
+    class Env:
+        tiny = tiny_models
+        node = offload_module
+        placement = pack_module("nodes.offload.placement")
+        lifecycle = features
+
+        @staticmethod
+        def offload(model, blocks=-1, prefetch=1, pin="auto", budget_gb=0.0, node_id="20"):
+            return run_node(offload_module.CPUOffload, node_id=node_id, model=model, blocks_to_offload=blocks,
+                            prefetch_blocks=prefetch, pin_memory=pin, vram_budget_gb=budget_gb)[0]
+
+        @staticmethod
+        def teacache(model, threshold=5.0):
+            return apply_teacache(model, IDENTITY, threshold)
+
+        @staticmethod
+        def magcache(model, threshold=1.0):
+            return apply_magcache(model, IDENTITY, threshold)
+
+    yield Env
+
+
+@pytest.fixture(scope="module")
+def wan(env):
+    return env.tiny.build_case("wan21_t2v", unet_overrides={"num_layers": LAYERS})
+
+
+@pytest.fixture
+def forced(env, monkeypatch):
+    """Offload to the CPU as if it were a GPU: the real path, every byte really copied."""
+    monkeypatch.setattr(env.node, "offload_target", lambda patcher: torch.device("cpu"))
+
+
+class Probe:
+    """Test-only wrappers on a MODEL clone: keep the run's sessions, look at the model inside its calls, and
+    optionally fail or emulate ComfyUI's partial (lowvram) load, all inside our lifecycle's wrappers."""
+
+    def __init__(self, env, model, interrupt_at_call=None, lowvram_bytes=None):
+        import comfy.model_management
+        import comfy.patcher_extension as pe
+
+        self.sessions = []
+        self.calls = 0
+        self.loaded_weight_memory = []   # ComfyUI's number, seen inside each call
+        self.cast_mode_in_offloaded = []  # per call: a layer of the last block in ComfyUI's cast mode with a LoRA
+        self.model = model.clone()
+
+        def keep_sessions(executor, *args, **kwargs):
+            run = executor.class_obj.model_options["transformer_options"].get(env.lifecycle.RUN_KEY)
+            self.sessions = list(run.sessions) if run is not None else []
+            return executor(*args, **kwargs)
+
+        def partial_load(executor, patcher, *args, **kwargs):
+            loaded = executor(patcher, *args, **kwargs)
+            patcher.partially_unload(patcher.offload_device, memory_to_free=lowvram_bytes)
+            return loaded
+
+        def look(executor, *args, **kwargs):
+            dm = executor.class_obj
+            self.loaded_weight_memory.append(self.model.model.model_loaded_weight_memory)
+            self.cast_mode_in_offloaded.append(any(
+                getattr(m, "comfy_cast_weights", False) and len(getattr(m, "weight_function", [])) > 0
+                for m in dm.blocks[-1].modules()))
+            self.calls += 1
+            if interrupt_at_call is not None and self.calls > interrupt_at_call:
+                raise comfy.model_management.InterruptProcessingException()
+            return executor(*args, **kwargs)
+
+        self.model.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, "test.keep", keep_sessions)
+        if lowvram_bytes is not None:
+            self.model.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, "test.partial", partial_load)
+        self.model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "test.look", look)
+
+    def session(self, env):
+        (session,) = [s for s in self.sessions if s.feature.kind == env.node.KIND]
+        return session
+
+
+def weights_state(dm: torch.nn.Module) -> dict:
+    """Every tensor of the model: the object, where it lives and what it holds."""
+    state = {}
+    for name, t in [*dm.named_parameters(), *dm.named_buffers()]:
+        state[name] = (id(t), t.device, t.dtype, tuple(t.shape), t.stride(), t.data_ptr(), t.detach().clone())
+    return state
+
+
+def assert_same_state(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for name, (ident, device, dtype, shape, stride, _, values) in before.items():
+        got = after[name]
+        assert (got[0], got[1], got[2], got[3], got[4]) == (ident, device, dtype, shape, stride), name
+        assert torch.equal(got[6], values), name
+
+
+def assert_unhooked(dm: torch.nn.Module) -> None:
+    for name, m in dm.named_modules():
+        assert "_hook_registry" not in m.__dict__ and "forward" not in m.__dict__, name
+
+
+def block_bytes(block: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in block.parameters()) + \
+        sum(b.numel() * b.element_size() for b in block.buffers())
+
+
+def with_lora(model, lora: dict, strength: float):
+    import comfy.sd
+
+    patched, _ = comfy.sd.load_lora_for_models(model, None, lora, strength, 0.0)
+    return patched
+
+
+# -- CPU-only ComfyUI ---------------------------------------------------------------------------------------------------
+
+def test_on_a_cpu_only_comfyui_the_node_says_so_and_changes_nothing(env, wan, caplog):
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    before = weights_state(wan.diffusion_model)
+    probe = Probe(env, env.offload(wan.patcher, blocks=LAYERS))
+    with caplog.at_level(logging.INFO, logger="OmniHooks"):
+        out = env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    assert torch.equal(out, baseline)
+    summary = probe.session(env).summary()
+    assert summary["active"] is False and summary["status"] == "success"
+    assert summary["blocks_offloaded"] == 0 and summary["bytes_moved"] == 0
+    assert any("nothing to offload to" in note for note in summary["notes"]), summary["notes"]
+    lines = [r.getMessage() for r in caplog.records if "CPU Offload" in r.getMessage()]
+    assert any("nothing to offload to" in line for line in lines), lines
+    assert_same_state(before, weights_state(wan.diffusion_model))
+    assert_unhooked(wan.diffusion_model)
+
+
+# -- the real path, forced onto the CPU ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("blocks,prefetch", [(1, 1), (2, 0), (2, 1), (LAYERS, 1), (LAYERS, 2)])
+def test_offload_is_bit_identical_and_everything_is_restored(env, wan, forced, blocks, prefetch):
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    model = wan.patcher.model
+    own_count = model.model_loaded_weight_memory
+    before = weights_state(wan.diffusion_model)
+    probe = Probe(env, env.offload(wan.patcher, blocks=blocks, prefetch=prefetch))
+    out = env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    assert torch.equal(out, baseline)
+
+    summary = probe.session(env).summary()
+    offloaded = list(wan.diffusion_model.blocks)[LAYERS - blocks:]
+    per_block = block_bytes(offloaded[0])
+    assert summary["active"] and summary["status"] == "success"
+    assert summary["blocks_offloaded"] == blocks and summary["blocks"] == blocks
+    assert summary["peak_resident_blocks"] <= 1 + prefetch
+    assert summary["calls_computed"] == probe.calls and summary["calls_skipped"] == 0
+    assert summary["block_calls"] == probe.calls * blocks
+    assert summary["bytes_moved"] >= per_block * summary["copies"] > 0
+    if prefetch >= 1:
+        assert summary["sync_loads"] == 0  # every computed call found its blocks on the device or in flight
+    assert summary["freed_device_bytes"] == blocks * per_block
+
+    # ComfyUI's accounting saw the blocks leave and the slots arrive, and got its own number back
+    expected = own_count - blocks * per_block + summary["device_bytes"]
+    assert set(probe.loaded_weight_memory) == {expected}
+    assert model.model_loaded_weight_memory == own_count
+
+    assert_same_state(before, weights_state(wan.diffusion_model))
+    assert_unhooked(wan.diffusion_model)
+    assert torch.equal(env.tiny.sample(wan, steps=STEPS), baseline)  # the input MODEL is untouched
+
+
+@pytest.mark.parametrize("room_for_kept", [2, 1])
+def test_kept_blocks_that_comfyui_left_off_the_device_are_completed_while_they_fit(env, wan, monkeypatch, room_for_kept):
+    """Target "cpu:0": a device that compares unequal to "cpu", so every weight counts as left off the device by
+    ComfyUI's partial load, and completing (promoting) the kept blocks really copies them."""
+    import comfy.model_management as mm
+
+    monkeypatch.setattr(env.node, "offload_target", lambda patcher: torch.device("cpu", 0))
+    per_block = block_bytes(wan.diffusion_model.blocks[0])
+    reserve = int(mm.minimum_inference_memory())
+    # the blocks hold nothing "on the device": available = free - reserve = 2 slots (prefetch 1) + room_for_kept blocks
+    free = reserve + (2 + room_for_kept) * per_block + per_block // 2
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (free, free)
+                        if torch_free_too else free)
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    own_count = wan.patcher.model.model_loaded_weight_memory
+    before = weights_state(wan.diffusion_model)
+    probe = Probe(env, env.offload(wan.patcher, blocks=2, prefetch=1))
+    out = env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    assert torch.equal(out, baseline)
+    summary = probe.session(env).summary()
+    assert summary["blocks_offloaded"] == 2 and summary["freed_device_bytes"] == 0
+    assert summary["blocks_promoted"] == room_for_kept and summary["promoted_bytes"] == room_for_kept * per_block
+    assert summary["blocks_partly_streamed"] == 2 - room_for_kept
+    assert set(probe.loaded_weight_memory) == {own_count + summary["device_bytes"] + summary["promoted_bytes"]}
+    if room_for_kept < 2:
+        assert any("stay partly on the offload device" in n for n in summary["notes"]), summary["notes"]
+    after = weights_state(wan.diffusion_model)
+    assert_same_state(before, after)
+    kept = [name for name in before if name.startswith(("blocks.0.", "blocks.1."))]
+    assert all(after[n][5] == before[n][5] for n in kept)  # completed blocks got their very storage back
+    assert wan.patcher.model.model_loaded_weight_memory == own_count
+    assert_unhooked(wan.diffusion_model)
+
+
+def test_summary_is_json_safe_and_logged_once(env, wan, forced, caplog):
+    import json
+
+    probe = Probe(env, env.offload(wan.patcher, blocks=2))
+    with caplog.at_level(logging.INFO, logger="OmniHooks"):
+        env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    summary = probe.session(env).summary()
+    assert json.loads(json.dumps(summary)) == summary
+    for key in ("bytes_moved", "peak_resident_blocks", "copy_wait_seconds", "notes", "blocks_total"):
+        assert key in summary
+    assert summary["blocks_total"] == LAYERS
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("OmniHooks CPU Offload")]
+    assert len(lines) == 1 and "node #20" in lines[0] and "moved" in lines[0], lines
+
+
+@pytest.mark.parametrize("cache", ["teacache", "magcache"])
+@pytest.mark.parametrize("order", ["offload first", "cache first"])
+def test_with_a_cache_a_skipped_step_moves_nothing_and_outputs_match_the_cache_alone(env, wan, forced, cache, order):
+    apply_cache = getattr(env, cache)
+    cached_alone = env.tiny.sample(wan, model=apply_cache(wan.patcher), steps=STEPS)
+    before = weights_state(wan.diffusion_model)
+    if order == "offload first":
+        both = apply_cache(env.offload(wan.patcher, blocks=LAYERS))
+    else:
+        both = env.offload(apply_cache(wan.patcher), blocks=LAYERS)
+    probe = Probe(env, both)
+    out = env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    assert torch.equal(out, cached_alone)
+    summary = probe.session(env).summary()
+    assert summary["calls_skipped"] > 0 and summary["calls_computed"] > 0, summary
+    assert summary["calls_skipped"] + summary["calls_computed"] == probe.calls
+    assert summary["bytes_moved_on_skipped_calls"] == 0
+    assert summary["block_calls"] == summary["calls_computed"] * LAYERS  # skipped calls ran no offloaded block
+    assert summary["sync_loads"] == 0  # computed calls found their blocks resident or prefetched
+    assert_same_state(before, weights_state(wan.diffusion_model))
+    assert_unhooked(wan.diffusion_model)
+
+
+def test_the_cache_runs_history_entry_carries_the_offload_summary(env, wan, forced):
+    from omnitest.pack import pack_module
+
+    probe = Probe(env, env.teacache(env.offload(wan.patcher, blocks=LAYERS)))
+    env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    entry = pack_module("nodes.stats_store").recent_runs(1)[0]
+    (feature,) = entry["features"]
+    assert {k: feature[k] for k in ("kind", "node_id", "node_title")} == \
+        {"kind": "offload", "node_id": "20", "node_title": "CPU Offload"}
+    offload = feature["summary"]
+    assert offload == probe.session(env).summary() and offload["status"] == "success"
+    assert offload["bytes_moved"] > 0 and offload["bytes_moved_on_skipped_calls"] == 0
+    assert offload["calls_skipped"] == entry["summary"]["reused"] > 0
+
+
+def test_lora_is_bit_identical_and_a_strength_change_needs_no_reload(env, wan, forced):
+    lora = tiny_lora(wan.diffusion_model)
+    base_model = wan.patcher.model
+    for strength in (1.0, 0.5, -0.7):
+        lora_model = with_lora(wan.patcher, lora, strength)
+        reference = env.tiny.sample(wan, model=lora_model, steps=STEPS)
+        before = weights_state(wan.diffusion_model)   # ComfyUI's LoRA-patched weights, as it loaded them
+        probe = Probe(env, env.offload(lora_model, blocks=LAYERS - 1))
+        out = env.tiny.sample(wan, model=probe.model, steps=STEPS)
+        assert torch.equal(out, reference), strength
+        assert probe.session(env).summary()["blocks_offloaded"] == LAYERS - 1
+        assert_same_state(before, weights_state(wan.diffusion_model))
+        assert wan.patcher.model is base_model  # the same loaded model throughout: nothing reloaded
+    assert not torch.equal(reference, env.tiny.sample(wan, steps=STEPS))  # the LoRA does change the output
+
+
+def test_layers_in_comfyuis_lowvram_cast_mode_read_the_slot_and_keep_their_lora(env, wan, forced):
+    """ComfyUI loads a model that does not fit in part: the rest runs in its cast mode with LoRA as weight functions.
+    Emulated on the CPU with ComfyUI's own ``partially_unload``; the offloaded blocks' cast layers read the slot."""
+    lora = tiny_lora(wan.diffusion_model, seed=5)
+    lora_model = with_lora(wan.patcher, lora, 0.8)
+    lowvram = sum(block_bytes(b) for b in wan.diffusion_model.blocks)  # most layers of every block go to cast mode
+    plain = Probe(env, lora_model, lowvram_bytes=lowvram)
+    reference = env.tiny.sample(wan, model=plain.model, steps=STEPS)
+    assert all(plain.cast_mode_in_offloaded)
+    probe = Probe(env, env.offload(lora_model, blocks=2), lowvram_bytes=lowvram)
+    out = env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    assert all(probe.cast_mode_in_offloaded), "the emulated partial load did not reach the offloaded blocks"
+    assert torch.equal(out, reference)
+    assert probe.session(env).summary()["blocks_offloaded"] == 2
+    assert_unhooked(wan.diffusion_model)
+
+
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_an_interrupt_mid_run_restores_everything(env, wan, forced, with_cache):
+    import comfy.model_management
+
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    own_count = wan.patcher.model.model_loaded_weight_memory
+    before = weights_state(wan.diffusion_model)
+    model = env.offload(wan.patcher, blocks=LAYERS)
+    probe = Probe(env, env.teacache(model) if with_cache else model, interrupt_at_call=3)
+    with pytest.raises(comfy.model_management.InterruptProcessingException):
+        env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    summary = probe.session(env).summary()
+    assert summary["status"] == "interrupted" and summary["block_calls"] > 0
+    assert_same_state(before, weights_state(wan.diffusion_model))
+    assert_unhooked(wan.diffusion_model)
+    assert wan.patcher.model.model_loaded_weight_memory == own_count
+    assert torch.equal(env.tiny.sample(wan, steps=STEPS), baseline)
+
+
+def reachable_tensor_bytes() -> int:
+    """The bytes of every tensor storage Python can still reach (each storage once)."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor):  # type(), not isinstance(): some objects warn on __class__
+            try:
+                storage = obj.untyped_storage()
+                storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):
+                continue  # fake/functional tensors an earlier torch.compile test left behind: they own no memory
+    return sum(storages.values())
+
+
+def test_repeated_runs_do_not_grow_memory(env, forced):
+    """No run keeps its master copies or slots. Exact: the tensor memory Python can reach is the same after 12 runs
+    (even one kept block would show). Coarse, for memory Python cannot see (e.g. page-locked buffers): the process
+    grows by less than three runs' allocations (glibc's malloc makes RSS drift by about one run's worth)."""
+    import statistics
+
+    import psutil
+
+    big = env.tiny.build_case("wan21_t2v", unet_overrides={"num_layers": 3, "dim": 256, "ffn_dim": 1024,
+                                                            "num_heads": 4})
+    per_block = block_bytes(big.diffusion_model.blocks[0])
+    model = env.offload(big.patcher, blocks=3)
+    process = psutil.Process()
+    for _ in range(3):
+        env.tiny.sample(big, model=model, steps=2)
+    tensors_before = reachable_tensor_bytes()
+    rss, sessions = [], []
+    for _ in range(12):
+        probe = Probe(env, model)
+        env.tiny.sample(big, model=probe.model, steps=2)
+        sessions.append(probe.session(env))
+        gc.collect()
+        rss.append(process.memory_info().rss)
+    kept = reachable_tensor_bytes() - tensors_before
+    assert kept < per_block, f"12 runs left {kept} bytes of tensors reachable (a block is {per_block})"
+    summary = sessions[-1].summary()
+    one_run = summary["offloaded_bytes"] + summary["device_bytes"]
+    growth = statistics.median(rss[-4:]) - statistics.median(rss[:4])
+    assert growth < 3 * one_run, f"RSS grew by {growth} bytes over 12 runs (one run allocates {one_run}): {rss}"
+    for session in sessions:  # every run let go of its master copies and slots
+        assert session.handle._masters == [] and session.handle._slots == []
+
+
+def test_auto_offloads_as_few_blocks_as_the_free_memory_needs(env, wan, forced, monkeypatch):
+    import comfy.model_management as mm
+
+    per_block = block_bytes(wan.diffusion_model.blocks[0])
+    reserve = int(mm.minimum_inference_memory())
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    # prefetch 0 = one slot: n blocks offloaded need (LAYERS - n) whole blocks + 1 slot (n > 0)
+    for room, expected in [(LAYERS * per_block, 0), (3.5 * per_block, 2), (2.5 * per_block, 3), (1.5 * per_block, 4)]:
+        # available for the blocks = free + the blocks' bytes on the device - the activation reserve
+        free = int(room) + reserve - LAYERS * per_block
+        monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False, free=free:
+                            (free, free) if torch_free_too else free)
+        probe = Probe(env, env.offload(wan.patcher, blocks=-1, prefetch=0))
+        out = env.tiny.sample(wan, model=probe.model, steps=STEPS)
+        summary = probe.session(env).summary()
+        assert summary["blocks_offloaded"] == expected, (room / per_block, summary["notes"])
+        assert torch.equal(out, baseline)
+        assert any(n.startswith("auto:") for n in summary["notes"]), summary["notes"]
+        assert any(n.startswith("VRAM for the blocks") for n in summary["notes"]), summary["notes"]
+
+
+def test_vram_budget_caps_what_auto_keeps_resident(env, wan, forced):
+    per_block = block_bytes(wan.diffusion_model.blocks[0])
+    dm = wan.diffusion_model
+    outside = sum(t.numel() * t.element_size() for t in [*dm.parameters(), *dm.buffers()]) - LAYERS * per_block
+    budget_gb = (outside + 2.5 * per_block) / 1024 ** 3  # 2.5 blocks: 1 slot + 1 kept block fit, with prefetch 0
+    probe = Probe(env, env.offload(wan.patcher, blocks=-1, prefetch=0, budget_gb=budget_gb))
+    env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    summary = probe.session(env).summary()
+    assert summary["blocks_offloaded"] == LAYERS - 1, summary["notes"]
+    assert any("vram_budget_gb" in n for n in summary["notes"]), summary["notes"]
+
+
+def test_more_blocks_than_the_model_has_offloads_all_with_a_note(env, wan, forced):
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    probe = Probe(env, env.offload(wan.patcher, blocks=40))
+    assert torch.equal(env.tiny.sample(wan, model=probe.model, steps=STEPS), baseline)
+    summary = probe.session(env).summary()
+    assert summary["blocks_offloaded"] == LAYERS
+    assert any(f"blocks_to_offload is 40 but the model has {LAYERS} blocks" in n for n in summary["notes"])
+
+
+def test_zero_blocks_offloads_nothing(env, wan, forced):
+    before = weights_state(wan.diffusion_model)
+    probe = Probe(env, env.offload(wan.patcher, blocks=0))
+    env.tiny.sample(wan, model=probe.model, steps=2)
+    summary = probe.session(env).summary()
+    assert summary["blocks_offloaded"] == 0 and not summary["active"] and summary["bytes_moved"] == 0
+    assert "blocks_to_offload is 0: nothing offloaded" in summary["notes"]
+    assert_same_state(before, weights_state(wan.diffusion_model))
+
+
+def test_weight_hooks_that_patch_during_sampling_make_it_stand_down(env, wan, forced):
+    """A hook LoRA on the conditioning (ComfyUI's Create Hook LoRA) patches weights in the middle of sampling."""
+    import dataclasses
+
+    import comfy.hooks
+
+    hooks = comfy.hooks.create_hook_lora(tiny_lora(wan.diffusion_model, seed=7), 1.0, 0.0)
+    hooked = dataclasses.replace(wan, positive=comfy.hooks.set_hooks_for_conditioning(wan.positive, hooks))
+    reference = env.tiny.sample(hooked, steps=STEPS)
+    assert not torch.equal(reference, env.tiny.sample(wan, steps=STEPS))  # the hook does change the output
+    probe = Probe(env, env.offload(wan.patcher, blocks=LAYERS))
+    assert torch.equal(env.tiny.sample(hooked, model=probe.model, steps=STEPS), reference)
+    summary = probe.session(env).summary()
+    assert not summary["active"] and any("weight hooks" in n for n in summary["notes"]), summary["notes"]
+    assert_unhooked(wan.diffusion_model)
+
+
+def test_pin_memory_on_without_cuda_is_a_note_not_a_failure(env, wan, forced):
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    probe = Probe(env, env.offload(wan.patcher, blocks=2, pin="on"))
+    assert torch.equal(env.tiny.sample(wan, model=probe.model, steps=STEPS), baseline)
+    summary = probe.session(env).summary()
+    assert summary["pinned_bytes"] == 0
+    assert any("pinned memory needs a CUDA device" in n for n in summary["notes"]), summary["notes"]
+
+
+def test_dynamic_vram_is_detected_and_left_to_comfyui(env, wan, forced, monkeypatch):
+    import comfy.model_patcher
+
+    monkeypatch.setattr(comfy.model_patcher, "ModelPatcherDynamic", comfy.model_patcher.ModelPatcher, raising=False)
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    before = weights_state(wan.diffusion_model)
+    probe = Probe(env, env.offload(wan.patcher, blocks=LAYERS))
+    assert torch.equal(env.tiny.sample(wan, model=probe.model, steps=STEPS), baseline)
+    summary = probe.session(env).summary()
+    assert not summary["active"] and summary["bytes_moved"] == 0
+    assert any("dynamic VRAM" in n and "changes nothing" in n for n in summary["notes"]), summary["notes"]
+    assert_same_state(before, weights_state(wan.diffusion_model))
+
+
+def test_the_node_is_registered_namespaced_with_a_tooltip_on_every_input(env):
+    import asyncio
+
+    from omnitest.pack import pack_module
+
+    schema = env.node.CPUOffload.define_schema()
+    assert schema.node_id == "OmniHooks.CPUOffload"  # never core's NOP'ed "wanBlockSwap" (ComfyUI PR #10783)
+    assert [i.id for i in schema.inputs] == ["model", "blocks_to_offload", "prefetch_blocks", "pin_memory",
+                                              "vram_budget_gb"]
+    assert all(i.tooltip for i in schema.inputs), [i.id for i in schema.inputs if not i.tooltip]
+    nodes = asyncio.run(pack_module("nodes.extension").OmniHooksExtension().get_node_list())
+    assert env.node.CPUOffload in nodes
+
+
+def test_bad_inputs_are_clear_errors_naming_the_node(env, wan):
+    with pytest.raises(ValueError, match=r"^CPU Offload: unknown pin_memory 'maybe'"):
+        env.offload(wan.patcher, pin="maybe")
+    with pytest.raises(ValueError, match=r"^CPU Offload: prefetch_blocks must be 0\.\.8"):
+        env.offload(wan.patcher, prefetch=9)
+    with pytest.raises(ValueError, match=r"^CPU Offload: blocks_to_offload must be -1 \(auto\)"):
+        env.offload(wan.patcher, blocks=-2)
+    for budget in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match=r"^CPU Offload: vram_budget_gb must be 0"):
+            env.offload(wan.patcher, budget_gb=budget)
+
+
+def test_two_cpu_offload_nodes_on_one_model_are_refused_naming_both(env, wan):
+    once = env.offload(wan.patcher, node_id="30")
+    with pytest.raises(env.lifecycle.FeatureConflictError, match=r"CPU Offload \(node #31\).*CPU Offload \(node #30\)"):
+        env.offload(once, node_id="31")
+
+
+def test_comfyuis_own_offload_streams_wait_for_the_copy_before_an_offloaded_block_runs(env, monkeypatch):
+    """With --async-offload ComfyUI casts layers on its own streams, ordered after the compute stream one layer late;
+    the host-streams hook orders them after the compute stream once the block is bound (it runs after the offload
+    hook). Checked with stand-in streams (no CUDA here)."""
+    import comfy.model_management as mm
+
+    node = env.node
+    cpu = torch.device("cpu")
+    blocks = [torch.nn.Linear(4, 4) for _ in range(3)]
+    seen = []
+
+    class Stream:
+        def wait_stream(self, other):
+            seen.append((other, [b.weight.numel() > 0 for b in blocks]))
+
+    monkeypatch.setitem(mm.STREAMS, cpu, [Stream(), Stream()])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute stream")
+    handle = node.apply_layerwise_offload(blocks, cpu, prefetch_blocks=0)
+    try:
+        for block in blocks:
+            node.HookRegistry.get_or_create(block).register_hook(node.HOST_STREAMS_HOOK, node.HostStreamsHook(cpu))
+        blocks[2](torch.ones(1, 4))
+    finally:
+        for block in blocks:
+            node.remove_hook_and_restore(block, node.HOST_STREAMS_HOOK)
+        handle.remove()
+    assert [other for other, _ in seen] == ["compute stream"] * 2
+    assert all(bound[2] for _, bound in seen), "ComfyUI's streams were ordered before block 2 was bound"
+    assert_unhooked(torch.nn.ModuleList(blocks))
+
+
+# -- the plan, with numbers -----------------------------------------------------------------------------------------------
+
+def test_plan_offloads_the_last_blocks_and_completes_partly_loaded_ones_that_fit(env):
+    F = env.placement.BlockFootprint
+    plan = env.placement.plan_offload
+    blocks = [F(100, 100), F(100, 40), F(100, 40), F(100, 100), F(100, 0)]
+    # auto, prefetch 1: n=0 needs 500; n=1 400 + 100 = 500; n=2 300 + 200 = 500; n=3 200 + 200 = 400
+    assert plan(blocks, None, 1, 450).offloaded == (2, 3, 4)
+    assert plan(blocks, None, 1, 500).offloaded == ()
+    full = plan(blocks, None, 1, 100)
+    assert full.offloaded == (0, 1, 2, 3, 4) and any("may run out of memory" in n for n in full.notes)
+    # a count: the kept blocks that were loaded in part are completed while room is left
+    two = plan(blocks, 2, 1, 200 + 100 + 40 + 40 + 60)   # slots 200, kept on device 180, 60 room: one block
+    assert two.offloaded == (3, 4) and two.promoted == (1,) and two.partly_streamed == (2,)
+    assert two.device_bytes == 200 + 180 + 60
+    assert any("stay partly on the offload device" in n for n in two.notes)
+    clamped = plan(blocks, 9, 0, 10 ** 9)
+    assert clamped.offloaded == (0, 1, 2, 3, 4) and clamped.slot_bytes == 100
+    assert any("blocks_to_offload is 9" in n for n in clamped.notes)
+
+
+def test_promotion_copies_and_undo_gives_back_the_same_storage(env):
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    tensors = list(block.parameters())
+    storages = [t.data_ptr() for t in tensors]
+    values = [t.detach().clone() for t in tensors]
+    promotion = env.placement.Promotion()
+    # "cpu:0" is not "cpu" for a device comparison, so every tensor counts as off the device and is really copied
+    moved = promotion.promote(block, torch.device("cpu", 0))
+    assert moved == sum(t.numel() * 4 for t in values) == promotion.nbytes
+    assert all(t.data_ptr() != ptr for t, ptr in zip(tensors, storages))
+    assert all(torch.equal(t, v) for t, v in zip(tensors, values))
+    promotion.undo()
+    promotion.undo()  # idempotent
+    assert [t.data_ptr() for t in tensors] == storages and promotion.nbytes == 0
+    assert all(torch.equal(t, v) for t, v in zip(tensors, values))

@@ -1,0 +1,206 @@
+"""Sequence Parallel with the pack's other features on one MODEL, in one ComfyUI process (rank 0) and one local worker
+process (rank 1, gloo on CPU), through ComfyUI's KSampler: the workers run the same caches and offload, every rank
+decides alike, rank 0 publishes the run with the world size, and the patched weights (LoRA) reach the workers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnitest.cache_nodes import apply_magcache, apply_teacache, save_identity_calibrations, tiny_lora
+from omnitest.quality import psnr_db
+
+pytestmark = pytest.mark.host
+
+MIN_PSNR_DB = 60.0
+STEPS = 8
+LAYERS = 4
+IDENTITY = "sp-identity"
+
+
+@pytest.fixture(scope="module")
+def env(user_dir):
+    from omnitest import tiny_models
+    from omnitest.pack import pack_module, run_node
+
+    save_identity_calibrations(IDENTITY, STEPS)
+    sp_node = pack_module("nodes.sequence_parallel.node")
+    offload_node = pack_module("nodes.offload.node")
+    group = pack_module("nodes.sequence_parallel.group")
+
+    class Env:
+        tiny = tiny_models
+        offload_module = offload_node
+        stats = pack_module("nodes.stats_store")
+
+        @staticmethod
+        def sequence_parallel(model, **inputs):
+            settings = dict(world_size=2, ulysses_degree="auto", ring_degree="auto", devices="auto", backend="auto",
+                            master_address="127.0.0.1", master_port=0, cfg_parallel=False)
+            return run_node(sp_node.SequenceParallel, node_id="30", model=model, **{**settings, **inputs})[0]
+
+        @staticmethod
+        def teacache(model, threshold=5.0):
+            return apply_teacache(model, IDENTITY, threshold)
+
+        @staticmethod
+        def magcache(model, threshold=1.0):
+            return apply_magcache(model, IDENTITY, threshold)
+
+        @staticmethod
+        def offload(model):
+            return run_node(offload_node.CPUOffload, node_id="20", model=model, blocks_to_offload=LAYERS,
+                            prefetch_blocks=1, pin_memory="auto", vram_budget_gb=0.0)[0]
+
+    yield Env
+    group.close_group()
+
+
+@pytest.fixture(scope="module")
+def wan(env):
+    return env.tiny.build_case("wan21_t2v", unet_overrides={"num_layers": LAYERS})
+
+
+def last_entry(env) -> dict:
+    return env.stats.recent_runs(1)[0]
+
+
+@pytest.mark.parametrize("cache", ["teacache", "magcache"])
+@pytest.mark.parametrize("order", ["parallel first", "cache first"])
+def test_a_cache_decides_alike_on_every_rank_and_rank_0_publishes_the_run(env, wan, cache, order):
+    apply_cache = getattr(env, cache)
+    alone = env.tiny.sample(wan, model=apply_cache(wan.patcher), steps=STEPS)
+    alone_summary = last_entry(env)["summary"]
+    if order == "parallel first":
+        model = apply_cache(env.sequence_parallel(wan.patcher))
+    else:
+        model = env.sequence_parallel(apply_cache(wan.patcher))
+    got = env.tiny.sample(wan, model=model, steps=STEPS)
+    entry = last_entry(env)
+    assert entry["status"] == "success"
+    assert alone_summary["reused"] > 0 and entry["summary"]["reused"] == alone_summary["reused"]
+    assert entry["summary"]["computed"] == alone_summary["computed"]
+    assert psnr_db(got, alone) >= MIN_PSNR_DB
+    assert entry["world_size"] == 2
+    (parallel,) = [f for f in entry["features"] if f["kind"] == "sequence_parallel"]
+    assert parallel["node_id"] == "30" and parallel["summary"]["world_size"] == 2
+    assert parallel["summary"]["calls"] == alone_summary["computed"] + alone_summary["reused"]
+    assert parallel["summary"]["bytes_sent"] > 0
+
+
+def test_with_offload_and_a_cache_the_weights_reach_the_workers_before_offload_places_them(env, wan, monkeypatch):
+    """Rank 0's offload runs its real path on the CPU (as if it were a GPU): its blocks hold placeholders during the
+    run, so the weights must have been sent before; the worker (a CPU rank) runs offload as a note."""
+    alone = env.tiny.sample(wan, model=env.teacache(wan.patcher), steps=STEPS)
+    monkeypatch.setattr(env.offload_module, "offload_target", lambda patcher: torch.device("cpu"))
+    model = env.offload(env.teacache(env.sequence_parallel(wan.patcher)))
+    got = env.tiny.sample(wan, model=model, steps=STEPS)
+    assert psnr_db(got, alone) >= MIN_PSNR_DB
+    entry = last_entry(env)
+    kinds = {f["kind"]: f["summary"] for f in entry["features"]}
+    assert set(kinds) == {"sequence_parallel", "offload"}
+    assert kinds["offload"]["bytes_moved"] > 0 and kinds["offload"]["bytes_moved_on_skipped_calls"] == 0
+    assert (env.tiny.sample(wan, steps=STEPS) == env.tiny.sample(wan, steps=STEPS)).all()
+
+
+def test_a_lora_strength_change_reaches_the_workers(env, wan):
+    import comfy.sd
+
+    lora = tiny_lora(wan.diffusion_model)
+    for strength in (1.0, 0.3):
+        patched, _ = comfy.sd.load_lora_for_models(wan.patcher, None, lora, strength, 0.0)
+        reference = env.tiny.sample(wan, model=patched, steps=STEPS)
+        got = env.tiny.sample(wan, model=env.sequence_parallel(patched), steps=STEPS)
+        assert psnr_db(got, reference) >= MIN_PSNR_DB, strength
+
+
+def test_lora_on_layers_comfyui_loaded_in_lowvram_mode_reaches_the_workers(env, wan):
+    """In ComfyUI's lowvram mode a layer keeps its LoRA as a cast-time patch, not in its weight: rank 0 sends the
+    patched weight (``computed_state``)."""
+    import comfy.model_management
+    import comfy.patcher_extension as pe
+    import comfy.sd
+
+    patched, _ = comfy.sd.load_lora_for_models(wan.patcher, None, tiny_lora(wan.diffusion_model), 1.0, 0.0)
+    reference = env.tiny.sample(wan, model=patched, steps=STEPS)
+    model = env.sequence_parallel(patched)
+    lowvram_layers = []
+
+    def partial_load(executor, patcher, *args, **kwargs):  # ComfyUI's own partial unload, as on a small GPU
+        loaded = executor(patcher, *args, **kwargs)
+        patcher.partially_unload(patcher.offload_device, memory_to_free=patcher.model_size() // 2)
+        lowvram_layers.append(sum(1 for m in patcher.model.diffusion_model.modules()
+                                  if getattr(m, "weight_function", None)))
+        return loaded
+
+    # added after ours, so inside it: ours sees the partial load
+    model.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, "test.partial", partial_load)
+    try:
+        got = env.tiny.sample(wan, model=model, steps=STEPS)
+    finally:
+        comfy.model_management.unload_all_models()  # the next test loads afresh
+    assert lowvram_layers and lowvram_layers[0] > 0
+    assert psnr_db(got, reference) >= MIN_PSNR_DB
+
+
+def test_cfg_parallel_gives_the_one_process_latent_and_runs_with_a_cache(env, wan):
+    """cfg 5: ComfyUI batches cond and uncond; with cfg_parallel rank 0 computes one, the worker the other."""
+    def cfg_parallel(model):
+        return env.sequence_parallel(model, cfg_parallel=True)
+
+    reference = env.tiny.sample(wan, steps=STEPS, cfg=5.0)
+    assert psnr_db(env.tiny.sample(wan, model=cfg_parallel(wan.patcher), steps=STEPS, cfg=5.0), reference) >= \
+        MIN_PSNR_DB
+    cached = env.tiny.sample(wan, model=cfg_parallel(env.teacache(wan.patcher)), steps=STEPS, cfg=5.0)
+    entry = last_entry(env)
+    (parallel,) = [f for f in entry["features"] if f["kind"] == "sequence_parallel"]
+    assert parallel["summary"]["cfg_degree"] == 2 and entry["status"] == "success"
+    assert entry["summary"]["reused"] > 0
+    assert torch.isfinite(cached).all()
+
+
+@pytest.mark.parametrize("case_name", ["flux", "chroma", "qwen_image", "hunyuan_video", "ltxv"])
+def test_each_family_with_a_plan_runs_through_the_session_with_a_worker_that_builds_it_from_its_config(env,
+                                                                                                      case_name):
+    case = env.tiny.build_case(case_name)
+    reference = env.tiny.sample(case, steps=3)
+    assert psnr_db(env.tiny.sample(case, model=env.sequence_parallel(case.patcher), steps=3), reference) >= \
+        MIN_PSNR_DB
+
+
+@pytest.mark.parametrize("case_name, variant", [
+    ("hunyuan_video", "text_mask"), ("ltxv", "denoise_mask"), ("ltxv", "keyframes")])
+def test_a_familys_extra_inputs_reach_the_worker(env, case_name, variant):
+    """HunyuanVideo's text attention mask, LTX-Video's per-token timesteps and keyframe indices (passed after
+    transformer_options) through the session."""
+    from omnitest.sp_families import INPUT_VARIANTS
+
+    case = env.tiny.build_case(case_name)
+    INPUT_VARIANTS[variant](case)
+    reference = env.tiny.sample(case, steps=3)
+    assert psnr_db(env.tiny.sample(case, model=env.sequence_parallel(case.patcher), steps=3), reference) >= \
+        MIN_PSNR_DB
+
+
+@pytest.mark.parametrize("case_name, variant", [
+    ("flux", None), ("hunyuan_video", "text_mask"),
+    ("ltxv", "denoise_mask"),  # TeaCache's signal reads the per-token timesteps, split before the cache sees them
+])
+def test_teacache_on_a_joint_attention_family_decides_alike_on_every_rank(env, user_dir, case_name, variant):
+    from omnitest.sp_families import INPUT_VARIANTS
+
+    case = env.tiny.build_case(case_name)
+    if variant is not None:
+        INPUT_VARIANTS[variant](case)
+    identity = f"sp-{case.family}-identity"
+    save_identity_calibrations(identity, STEPS, family=case.family)
+
+    def cached(model):
+        return apply_teacache(model, identity, threshold=2.0)
+
+    alone = env.tiny.sample(case, model=cached(case.patcher), steps=STEPS)
+    alone_summary = last_entry(env)["summary"]
+    got = env.tiny.sample(case, model=cached(env.sequence_parallel(case.patcher)), steps=STEPS)
+    summary = last_entry(env)["summary"]
+    assert alone_summary["reused"] > 0
+    assert (summary["reused"], summary["computed"]) == (alone_summary["reused"], alone_summary["computed"])
+    assert psnr_db(got, alone) >= MIN_PSNR_DB
