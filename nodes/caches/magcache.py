@@ -76,15 +76,15 @@ CALIBRATE_HINT = ("run 'MagCache Calibrate' once on this model (with the sampler
 
 
 def _auto_key(adapter: DetectedModel) -> str | None:
-    key = adapter.magcache_key
-    if key is not None and adapter.magcache_notes:
+    key = adapter.recommendation(KIND).key
+    if key is not None and adapter.recommendation(KIND).notes:
         log.info("OmniHooks %s: 'auto' chose the %r curve for %s. %s", NODE_TITLE, key, adapter.describe(),
-                 " ".join(adapter.magcache_notes))
+                 " ".join(adapter.recommendation(KIND).notes))
     return key
 
 
 def _no_auto_fit(adapter: DetectedModel) -> str:
-    notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in adapter.magcache_notes)
+    notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in adapter.recommendation(KIND).notes)
     if not for_family(adapter.family):
         return (f"no MagCache curve is published for {adapter.describe()} models. {notes}To use MagCache, "
                 f"{CALIBRATE_HINT}.")
@@ -153,7 +153,7 @@ def _settings(adapter: DetectedModel, found: MagCacheCurve | ResolvedCurve | Non
         retention_ratio=float(tuning["retention_ratio"]), start_percent=start, end_percent=end,
         cache_device=tuning["cache_device"], curves=() if calibrate else found.curves,
         model_label=f"{adapter.variant}, {'calibrate' if calibrate else found.key}", calibrate=calibrate,
-        notes=tuple(adapter.magcache_notes) if auto else ())
+        notes=tuple(adapter.recommendation(KIND).notes) if auto else ())
     _config(settings, None)  # validate now, at execute time, rather than in the sampler
     return settings
 

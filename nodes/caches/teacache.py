@@ -46,7 +46,7 @@ class TeaCacheSettings:
 
 
 def _no_auto_fit(adapter: DetectedModel) -> str:
-    return (f"no published TeaCache coefficients fit {adapter.describe()}. " + " ".join(adapter.notes)
+    return (f"no published TeaCache coefficients fit {adapter.describe()}. " + " ".join(adapter.recommendation(KIND).notes)
             + " Choose a model_variant, or run 'TeaCache Calibrate' on this model and choose its file.")
 
 
@@ -105,7 +105,7 @@ def _settings(adapter: DetectedModel, found: TeaCacheCoefficients | None, tuning
     return TeaCacheSettings(rel_l1_thresh=threshold, start_percent=start, end_percent=end,
                             cache_device=tuning["cache_device"], coefficients=found.coefficients, signal=found.signal,
                             ret_steps=found.ret_steps, model_label=f"{adapter.variant}, {found.key}",
-                            calibrate=calibrate, notes=tuple(adapter.notes) if auto else ())
+                            calibrate=calibrate, notes=tuple(adapter.recommendation(KIND).notes) if auto else ())
 
 
 def _build_run(session: CacheSession, diffusion_model: torch.nn.Module) -> TeaCacheRun:
@@ -157,7 +157,7 @@ TEACACHE = CacheSpec(
                      "one when the weights cannot tell (Wan I2V 720p vs 480p, retention mode, HiDream dev/fast) or "
                      "pick a calibration file."),
     published=PUBLISHED,
-    auto_key=lambda adapter: adapter.teacache_key,
+    auto_key=lambda adapter: adapter.recommendation(KIND).key,
     no_auto_fit=_no_auto_fit,
     from_file=_from_file,
     check_file=_coefficients_of,

@@ -111,13 +111,13 @@ def model_input(extra: str = "") -> io.Model.Input:
 
 
 def _detected(family: ModelFamily, variant: Variant) -> DetectedModel:
-    for cache, recommendation, declared in (("TeaCache", variant.teacache, family.teacache_keys),
-                                            ("MagCache", variant.magcache, family.magcache_keys)):
+    for kind, recommendation in variant.recommendations.items():
+        declared = family.recommendation_keys.get(kind, frozenset())
         if recommendation.key is not None and recommendation.key not in declared:
-            raise RuntimeError(f"model family {family.name!r}: variant {variant.name!r} recommends the {cache} key "
-                               f"{recommendation.key!r}, which the family's {cache.lower()}_keys does not list")
-    return DetectedModel(model_family=family, variant=variant.name, teacache=variant.teacache,
-                         magcache=variant.magcache)
+            raise RuntimeError(f"model family {family.name!r}: variant {variant.name!r} recommends the {kind} key "
+                               f"{recommendation.key!r}, which the family's recommendation_keys[{kind!r}] does not "
+                               "list")
+    return DetectedModel(model_family=family, variant=variant.name, recommendations=variant.recommendations)
 
 
 __all__ = ["FAMILIES", "AutoChoice", "DetectedModel", "ModelFamily", "UnsupportedModelError", "Variant", "detect",

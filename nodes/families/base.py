@@ -2,21 +2,22 @@
 
 Each family file in this package defines one ``FAMILY = ModelFamily(...)``: how to recognise the family from the
 diffusion model itself (its class and config, never a file name), how its block stack is called, the TeaCache signal
-it measures, the weights that live outside the block stack, the slots the Sequence Parallel issue fills, and ONE
-decision tree (``resolve_variant``) that names the detected variant together with what TeaCache's and MagCache's
-'auto' use for it. The recommendation tables (``nodes/caches/teacache_coefficients.py``, ``nodes/caches/magcache_curves.py``) stay separate
-data keyed by those recommendations. ``nodes/families/__init__.py`` registers every family file and detects.
+it measures, the weights that live outside the block stack, its sequence plan and attention sites, and ONE decision
+tree (``resolve_variant``) that names the detected variant together with what each cache's 'auto' uses for it, keyed
+by the cache's kind ("teacache", "magcache"). The recommendation tables live with each cache (``nodes/caches/``) and
+are keyed by those recommendations; a cache no family recommends anything for needs nothing here (its 'auto' then
+asks for a calibration). ``nodes/families/__init__.py`` registers every family file and detects.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from ...omni_hooks.blockstack import BlockStack, SkipFn
 from ...omni_hooks.teacache import ModulatedInput
-from ..caches.teacache_coefficients import PUBLISHED, TeaCacheCoefficients
 
 
 class UnsupportedModelError(ValueError):
@@ -32,13 +33,21 @@ class AutoChoice:
     notes: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+NO_RECOMMENDATION = AutoChoice()
+
+
+@dataclass(frozen=True, init=False)
 class Variant:
-    """The outcome of a family's decision tree: the variant's name and each cache's recommendation for it."""
+    """The outcome of a family's decision tree: the variant's name and each cache's recommendation for it, keyed by
+    the cache's kind: ``Variant("Wan T2V 1.3B", teacache=AutoChoice("wan2.1_t2v_1.3B"), magcache=AutoChoice(...))``.
+    A cache without an entry has no recommendation for the variant."""
 
     name: str
-    teacache: AutoChoice
-    magcache: AutoChoice
+    recommendations: Mapping[str, AutoChoice]
+
+    def __init__(self, name: str, **recommendations: AutoChoice):
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "recommendations", MappingProxyType(dict(recommendations)))
 
 
 #: ``matches(base_model, diffusion_model)``: True when this family handles the model (``base_model`` is ComfyUI's
@@ -50,12 +59,12 @@ StackBuilder = Callable[[torch.nn.Module], BlockStack]
 #: ``build_modulated_input(diffusion_model, signal)``: the tensor TeaCache measures; ``signal`` is the ``signal`` of
 #: the coefficient set in use ("default" unless the table says otherwise).
 ModulatedInputBuilder = Callable[[torch.nn.Module, str], ModulatedInput]
-#: Filled by the Sequence Parallel issue: for one diffusion model instance, where its sequence is split across ranks
-#: and gathered back (which inputs, along which dimension, which rotary tables are sliced with them). The plan type
-#: is defined there; None means the family does not support sequence parallelism yet.
+#: For one diffusion model instance, where its sequence is split across ranks and gathered back (which inputs, along
+#: which dimension, which rotary tables are sliced with them): an ``omni_hooks.sequence_parallel`` plan. None means
+#: the family does not support sequence parallelism.
 SequencePlanBuilder = Callable[[torch.nn.Module], Any]
-#: Filled by the Sequence Parallel issue: the attention modules of one diffusion model instance whose attention is
-#: exchanged across ranks. None means not declared yet.
+#: The attention modules of one diffusion model instance whose attention is exchanged across ranks. None means not
+#: declared.
 AttentionSitesBuilder = Callable[[torch.nn.Module], Sequence[torch.nn.Module]]
 
 
@@ -70,7 +79,7 @@ class ModelFamily:
     every parameter and buffer of the model (checked on every tiny and real-size test model), so an offloading feature
     can stream the blocks and keep exactly these on the compute device.
 
-    ``teacache_keys`` / ``magcache_keys`` list every key ``resolve_variant`` may recommend; detection refuses a key
+    ``recommendation_keys`` lists, by cache kind, every key ``resolve_variant`` may recommend; detection refuses a key
     outside them, and the tests check each exists in its table under this family. ``detect_before`` names families
     whose matcher must be tried after this one (e.g. Chroma before Flux), so precedence never rests on file order.
     """
@@ -82,8 +91,7 @@ class ModelFamily:
     build_stack: StackBuilder
     build_modulated_input: ModulatedInputBuilder
     resident: tuple[str, ...]
-    teacache_keys: frozenset[str] = frozenset()
-    magcache_keys: frozenset[str] = frozenset()
+    recommendation_keys: Mapping[str, frozenset[str]] = field(default_factory=dict, hash=False)
     detect_before: tuple[str, ...] = ()
     sequence_plan: SequencePlanBuilder | None = None
     attention_sites: AttentionSitesBuilder | None = None
@@ -101,36 +109,19 @@ class ModelFamily:
 @dataclass(frozen=True)
 class DetectedModel:
     """One detected MODEL: its registered family, the variant its decision tree named, and each cache's
-    recommendation. ``family`` is the family's name; ``notes`` / ``magcache_notes`` are TeaCache's / MagCache's."""
+    recommendation by cache kind. ``family`` is the family's name."""
 
     model_family: ModelFamily
     variant: str
-    teacache: AutoChoice
-    magcache: AutoChoice
+    recommendations: Mapping[str, AutoChoice]
 
     @property
     def family(self) -> str:
         return self.model_family.name
 
-    @property
-    def teacache_key(self) -> str | None:
-        return self.teacache.key
-
-    @property
-    def notes(self) -> tuple[str, ...]:
-        return self.teacache.notes
-
-    @property
-    def magcache_key(self) -> str | None:
-        return self.magcache.key
-
-    @property
-    def magcache_notes(self) -> tuple[str, ...]:
-        return self.magcache.notes
-
-    @property
-    def teacache_coefficients(self) -> TeaCacheCoefficients | None:
-        return PUBLISHED.get(self.teacache.key) if self.teacache.key else None
+    def recommendation(self, cache_kind: str) -> AutoChoice:
+        """What ``cache_kind``'s 'auto' uses for this model (no key and no notes when the family names none)."""
+        return self.recommendations.get(cache_kind, NO_RECOMMENDATION)
 
     def describe(self) -> str:
         return f"{self.family} ({self.variant})"

@@ -132,4 +132,4 @@ FAMILY = ModelFamily(
     build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
     resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "final_layer"),
     sequence_plan=flux_layout_sequence_plan, attention_sites=flux_layout_attention_sites,
-    teacache_keys=frozenset({"flux"}), magcache_keys=frozenset({"flux"}))
+    recommendation_keys={"teacache": frozenset({"flux"}), "magcache": frozenset({"flux"})})

@@ -59,4 +59,4 @@ FAMILY = ModelFamily(
     name="hidream", display_name="HiDream-I1", matches=_matches, resolve_variant=_variant, build_stack=_stack,
     build_modulated_input=_modulated_input,
     resident=("x_embedder", "t_embedder", "p_embedder", "caption_projection", "final_layer"),
-    teacache_keys=frozenset({"hidream_i1_full"}))
+    recommendation_keys={"teacache": frozenset({"hidream_i1_full"})})

@@ -86,4 +86,4 @@ FAMILY = ModelFamily(
     build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
     resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "byt5_in", "time_r_in", "final_layer"),
     sequence_plan=_sequence_plan, attention_sites=flux_layout_attention_sites,
-    teacache_keys=frozenset({"hunyuan_video"}), magcache_keys=frozenset({"hunyuan_video"}))
+    recommendation_keys={"teacache": frozenset({"hunyuan_video"}), "magcache": frozenset({"hunyuan_video"})})

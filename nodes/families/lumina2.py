@@ -53,4 +53,4 @@ FAMILY = ModelFamily(
     build_modulated_input=_modulated_input,
     resident=("x_embedder", "t_embedder", "cap_embedder", "noise_refiner", "context_refiner", "norm_final",
               "final_layer"),
-    teacache_keys=frozenset({"lumina_2"}))
+    recommendation_keys={"teacache": frozenset({"lumina_2"})})

@@ -88,4 +88,4 @@ FAMILY = ModelFamily(
     build_modulated_input=_modulated_input,
     resident=("img_in", "txt_norm", "txt_in", "time_text_embed", "norm_out", "proj_out"),
     sequence_plan=_sequence_plan, attention_sites=_attention_sites,
-    teacache_keys=frozenset({"qwen_image"}), magcache_keys=frozenset({"qwen_image"}))
+    recommendation_keys={"teacache": frozenset({"qwen_image"}), "magcache": frozenset({"qwen_image"})})

@@ -133,6 +133,6 @@ FAMILY = ModelFamily(
               "audio_proj",                                   # HuMo
               "pose_patch_embedding", "motion_encoder", "face_encoder", "face_adapter"),  # Animate
     sequence_plan=_sequence_plan, attention_sites=_attention_sites,
-    teacache_keys=frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B"}),
-    magcache_keys=frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B", "wan2.1_vace_1.3B",
-                             "wan2.1_vace_14B", "wan2.2_ti2v_5B"}))
+    recommendation_keys={"teacache": frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B"}),
+                         "magcache": frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B",
+                                                "wan2.1_vace_1.3B", "wan2.1_vace_14B", "wan2.2_ti2v_5B"})})

@@ -188,10 +188,11 @@ def test_a_tiny_model_matches_exactly_its_family(families, name):
     assert [f.name for f in families.FAMILIES if f.matches(base_model, base_model.diffusion_model)] == [case.family]
     detected = families.detect(case.patcher)
     assert detected.family == case.family and detected.model_family is families.family_named(case.family)
-    assert detected.teacache_key is None or detected.teacache_key in detected.model_family.teacache_keys
-    assert detected.magcache_key is None or detected.magcache_key in detected.model_family.magcache_keys
-    if detected.teacache_key is None:
-        assert detected.notes, "a model without TeaCache coefficients must say what to do"
+    for kind in ("teacache", "magcache"):
+        key = detected.recommendation(kind).key
+        assert key is None or key in detected.model_family.recommendation_keys[kind]
+    if detected.recommendation("teacache").key is None:
+        assert detected.recommendation("teacache").notes, "a model without TeaCache coefficients must say what to do"
 
 
 # -- variants on models of the released sizes ------------------------------------------------------------------------
@@ -200,10 +201,10 @@ def test_a_tiny_model_matches_exactly_its_family(families, name):
 def test_the_decision_tree_names_the_variant_and_both_recommendations(families, name):
     family, variant, teacache_key, magcache_key = VARIANTS[name][1]
     detected = families.detect(real_size(name))
-    assert (detected.family, detected.variant, detected.teacache_key, detected.magcache_key) == \
-        (family, variant, teacache_key, magcache_key)
+    assert (detected.family, detected.variant, detected.recommendation("teacache").key,
+            detected.recommendation("magcache").key) == (family, variant, teacache_key, magcache_key)
     if teacache_key is None:
-        assert detected.notes
+        assert detected.recommendation("teacache").notes
     assert detected.describe() == f"{family} ({variant})"
 
 
@@ -211,8 +212,10 @@ def test_declared_keys_are_the_keys_the_variants_recommend(families):
     for family in families.FAMILIES:
         outcomes = [expected for _, expected in VARIANTS.values() if expected[0] == family.name]
         assert outcomes, f"no real-size model of {family.name} in VARIANTS"
-        assert {o[2] for o in outcomes} - {None} == family.teacache_keys, family.name
-        assert {o[3] for o in outcomes} - {None} == family.magcache_keys, family.name
+        declared = family.recommendation_keys
+        assert {o[2] for o in outcomes} - {None} == declared.get("teacache", frozenset()), family.name
+        assert {o[3] for o in outcomes} - {None} == declared.get("magcache", frozenset()), family.name
+        assert set(declared) <= {"teacache", "magcache"}, family.name
 
 
 def test_recommendation_keys_exist_in_the_tables_under_their_family(families):
@@ -222,9 +225,9 @@ def test_recommendation_keys_exist_in_the_tables_under_their_family(families):
     curves = pack_module("nodes.caches.magcache_curves").PUBLISHED
     registered = {f.name for f in families.FAMILIES}
     for family in families.FAMILIES:
-        for key in family.teacache_keys:
+        for key in family.recommendation_keys.get("teacache", ()):
             assert coefficients[key].family == family.name, (family.name, key)
-        for key in family.magcache_keys:
+        for key in family.recommendation_keys.get("magcache", ()):
             assert curves[key].family == family.name, (family.name, key)
     assert {c.family for c in coefficients.values()} <= registered
     assert {c.family for c in curves.values()} <= registered
@@ -234,9 +237,10 @@ def test_a_key_the_family_does_not_declare_is_refused(families):
     from omnitest import tiny_models
 
     flux = families.family_named("flux")
-    stale = dataclasses.replace(flux, teacache_keys=frozenset())
+    stale = dataclasses.replace(flux, recommendation_keys={"magcache": frozenset({"flux"})})
     base_model = tiny_models.build_case("flux").patcher.model
-    with pytest.raises(RuntimeError, match="recommends the TeaCache key 'flux', which the family's teacache_keys"):
+    with pytest.raises(RuntimeError, match=r"recommends the teacache key 'flux', which the family's "
+                                           r"recommendation_keys\['teacache'\]"):
         families._detected(stale, flux.resolve_variant(base_model, base_model.diffusion_model))
 
 
