@@ -61,7 +61,7 @@ def models(comfy_server) -> None:
 
 
 def worker_pids(server) -> list[int]:
-    """The pack's worker processes under the server (their command line names sp_worker.py)."""
+    """The pack's worker processes under the server (their command line names nodes/sequence_parallel/worker.py)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -71,7 +71,7 @@ def worker_pids(server) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == server.proc.pid and "sp_worker.py" in cmdline:
+        if ppid == server.proc.pid and "sequence_parallel/worker.py" in cmdline:
             pids.append(int(entry.name))
     return pids
 
@@ -135,7 +135,7 @@ def test_a_remote_rank_started_with_torchrun_joins_and_completes_a_prompt(comfy,
     baseline = comfy.run(tiny_wan_graph(steps=STEPS, nonce=fresh_nonce()).prompt()).latent()
     port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               str(REPO_ROOT / "nodes" / "sp_worker.py"), "--join", f"127.0.0.1:{port}", "--first-rank", "1",
+               str(REPO_ROOT / "nodes" / "sequence_parallel" / "worker.py"), "--join", f"127.0.0.1:{port}", "--first-rank", "1",
                "--world-size", "2", "--comfyui", str(comfy_server.comfy_root), "--once"]
     torchrun = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,  # killable as a group
                                 env={**os.environ, "OMP_NUM_THREADS": "1", "OMNIHOOKS_SP_JOIN_TIMEOUT_S": "120"})
