@@ -71,6 +71,16 @@ def test_features_are_advertised_only_once_their_node_exists(where, text):
             assert any(node_word in i for i in ids), f"{where} advertises {word!r}, but no node does it yet"
 
 
+
+@pytest.mark.parametrize("where", ["description", "DisplayName"])
+def test_the_package_metadata_names_every_feature_the_nodes_offer(where):
+    text = PYPROJECT["project"]["description"] if where == "description" else PYPROJECT["tool"]["comfy"]["DisplayName"]
+    offered = {"TeaCache": "ApplyTeaCache", "MagCache": "ApplyMagCache", "CPU Offload": "CPUOffload",
+               "Sequence Parallel": "SequenceParallel"}
+    ids = node_ids()
+    assert all(f"OmniHooks.{node}" in ids for node in offered.values())  # each feature is a node of this pack
+    assert [feature for feature in offered if feature not in text] == []
+
 # What the repository's own text may cite. It is read without our tracker and without the machine it was written on,
 # so it never points at either:
 #   * no file outside the repository (a relative path climbing out of it, the development machine's folders, the
