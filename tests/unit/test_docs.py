@@ -1,6 +1,7 @@
 """The README and the package metadata state only what exists, in the repository's own files."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import tomllib
@@ -155,3 +156,18 @@ def test_no_text_in_the_repository_cites_our_issues_or_files_outside_it():
                 problems.append(f"{name}:{line}: {match.group()!r} cites {what}")
         problems += [f"{name}: {n!r} cites a number without its project" for n in uncited_numbers(text)]
     assert problems == [], "\n".join(problems)
+
+
+def test_every_link_of_the_docs_folder_is_a_file_of_this_repository():
+    files = tracked_files()
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    assert pages
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            assert not target.startswith(("http://", "https://")), f"{page.name} links outside the repository: {target}"
+            path = target.split("#")[0]
+            if not path:
+                continue
+            resolved = os.path.normpath((page.parent / path).relative_to(ROOT).as_posix())
+            assert not resolved.startswith(".."), f"{page.name} points outside the repository: {target}"
+            assert resolved in files or resolved + "/" in files, f"{page.name} links {target}, which is not here"
