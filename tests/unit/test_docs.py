@@ -171,3 +171,13 @@ def test_every_link_of_the_docs_folder_is_a_file_of_this_repository():
             resolved = os.path.normpath((page.parent / path).relative_to(ROOT).as_posix())
             assert not resolved.startswith(".."), f"{page.name} points outside the repository: {target}"
             assert resolved in files or resolved + "/" in files, f"{page.name} links {target}, which is not here"
+
+
+def test_every_pointer_into_docs_names_a_section_that_exists():
+    pointers = [(path, page, section) for path in repository_text_files()
+                for page, section in re.findall(r'(docs/[\w-]+\.md), "([^"]+)"', path.read_text(errors="replace"))]
+    assert pointers, "expected the code to point into docs/design.md"
+    for path, page, section in pointers:
+        assert (ROOT / page).is_file(), f"{path.relative_to(ROOT)} points to {page}, which does not exist"
+        headings = {h.strip() for h in re.findall(r"^#+ (.+)$", (ROOT / page).read_text(), re.M)}
+        assert section in headings, f"{path.relative_to(ROOT)} points to {page}, {section!r}, which is not a heading"
