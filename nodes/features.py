@@ -216,6 +216,7 @@ def attach_feature(model, feature: AppliedFeature):
 class StepInfo:
     step: int | None
     total_steps: int | None
+    sigma: float | None = None  # the sigma of this call (heun's second evaluation lies between schedule points)
 
 
 def step_of(transformer_options: dict, schedules: dict | None = None) -> StepInfo:
@@ -238,12 +239,12 @@ def step_of(transformer_options: dict, schedules: dict | None = None) -> StepInf
         memo[id(schedule)] = (schedule, values)
     for i, s in enumerate(values[:-1]):
         if s == sigma:
-            return StepInfo(i, total)
+            return StepInfo(i, total, sigma)
     for i in range(total):
         hi, lo = max(values[i], values[i + 1]), min(values[i], values[i + 1])
         if lo <= sigma <= hi:
-            return StepInfo(i, total)
-    return StepInfo(None, total)
+            return StepInfo(i, total, sigma)
+    return StepInfo(None, total, sigma)
 
 
 @dataclass
@@ -399,7 +400,7 @@ def call_context(run: RunSession, options: dict) -> CallContext:
         uuids = [str(c) for c in cond_or_uncond]
     labels = [run.label_of(u, c) for u, c in zip(uuids, cond_or_uncond)]
     step = step_of(options, run.schedules)
-    return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps)
+    return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps, sigma=step.sigma)
 
 
 def run_call(run: RunSession, diffusion_model: torch.nn.Module, forward: Callable[..., Any], args: tuple,

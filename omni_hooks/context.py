@@ -63,6 +63,8 @@ class CallContext:
     * ``branches`` / ``labels``: one key (stable within a run) and one display label ("cond", "uncond", "cond.1")
       per batch chunk, in batch order;
     * ``step`` / ``total_steps``: the sampler step this call belongs to (None when the host cannot tell);
+    * ``sigma``: the noise level the model is evaluated at (None when the host cannot tell); a forecasting cache
+      extrapolates in it, so every rank of a group (which sees the same sigma) forecasts alike;
     * ``blocks_run``: the block stack's verdict for this call, written by a cache at its head block: None until
       decided (and for a model without a cache), True when the blocks compute, False when they are passed through;
       under sequence parallelism it is the same on every rank (``RankView.agreement``);
@@ -73,5 +75,6 @@ class CallContext:
     labels: list[str]
     step: int | None = None
     total_steps: int | None = None
+    sigma: float | None = None
     blocks_run: bool | None = None
     rank: RankView = RankView()

@@ -4,7 +4,9 @@ Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_cal
   * the head hook (on ``blocks[0]``) asks the cache's policy (``decide``) whether to compute, per branch;
   * on a skip, every block returns its inputs unchanged (``BlockStack.skip_block``) and the tail module's image-stream
     input becomes *head input + cached residual*: the residual is added exactly once, however many blocks there are;
-  * on a compute, the tail stores ``tail input - head input`` per branch (the residual the next skip reuses).
+  * on a compute, the tail stores ``tail input - head input`` per branch (the residual the next skip reuses);
+  * with ``forecast_order`` k > 0 a branch keeps its last k + 1 residuals and a skip adds their extrapolation to the
+    call's sigma (``omni_hooks.forecast``) instead of the last one; its reason becomes "forecast".
 The stack is skipped only when every branch of the call may skip (and, under sequence parallelism, only when every
 rank may: ``CallContext.rank.agreement``); the verdict is written to the call's ``CallContext.blocks_run``. Outside a
 call every hook passes through. All hooks are of the caching phase, so a placement hook (offload) on a block runs only
@@ -23,6 +25,7 @@ import torch
 from .base import BaseState, HookPhase, HookRegistry, ModelHook, StateManager, remove_hook_and_restore
 from .blockstack import BlockStack
 from .context import CallContext
+from .forecast import FORECAST, FORECAST_FALLBACK, ResidualHistory, check_order
 from .stats import BranchDecision, CacheRunStats, EvaluationRecord
 
 
@@ -33,6 +36,8 @@ class CachedResidualState(BaseState):
     previous_residual: torch.Tensor | None = None
     # shape of the head input the residual was measured on: a skip is only valid for the same shape
     residual_input_shape: torch.Size | None = None
+    # with forecasting: the last computed residuals (the newest is ``previous_residual``)
+    history: ResidualHistory = field(default_factory=ResidualHistory)
 
     def reset(self) -> None:
         self.__init__()
@@ -83,8 +88,9 @@ class StackCacheRun:
 
     def __init__(self, stack: BlockStack, state_cls: type[CachedResidualState], threshold: float,
                  cache_device: torch.device | None, stats: CacheRunStats,
-                 capture_module: torch.nn.Module | None = None):
+                 capture_module: torch.nn.Module | None = None, forecast_order: int = 0):
         self.stack = stack
+        self.forecast_order = check_order(forecast_order)
         self.threshold = threshold
         self.cache_device = cache_device
         self.states = StateManager(state_cls)
@@ -126,10 +132,15 @@ class StackCacheRun:
         return self.states.get_state()
 
     def cache_bytes(self) -> int:
+        """Bytes of the tensors the branch states hold (each tensor once: the newest residual is also in the
+        forecast history)."""
+        seen: set[int] = set()
         total = 0
         for key in self.states.contexts():
-            for value in vars(self.branch_state(key)).values():
-                if isinstance(value, torch.Tensor):
+            st = self.branch_state(key)
+            for value in [*vars(st).values(), *st.history.residuals]:
+                if isinstance(value, torch.Tensor) and id(value) not in seen:
+                    seen.add(id(value))
                     total += value.numel() * value.element_size()
         return total
 
@@ -201,9 +212,34 @@ class StackCacheRun:
         means = agreement.mean(torch.stack([zero if v is None else v.float() for v in values])).tolist()
         return [m if v is not None else None for v, m in zip(values, means)]
 
+    @staticmethod
+    def coordinate(context: CallContext) -> float | None:
+        """Where a call lies for forecasting: its sigma, else its step (None: unknown, so no forecast)."""
+        return context.sigma if context.sigma is not None else context.step
+
+    def skipped_residuals(self) -> list[torch.Tensor]:
+        """Per branch of the current (skipped) call: the residual to add. With forecasting, the branch's reason in
+        the call's record becomes "forecast" (or "forecast-fallback" when the forecast was not finite)."""
+        call = self._call
+        states = [self.branch_state(k) for k in call.keys]
+        if not self.forecast_order:
+            return [st.previous_residual for st in states]
+        coord = self.coordinate(call.context)
+        residuals = []
+        for i, st in enumerate(states):
+            made = st.history.forecast(coord)
+            residuals.append(made.residual if made.residual is not None else st.previous_residual)
+            reason = FORECAST_FALLBACK if made.fell_back else FORECAST if made.order else None
+            if reason and call.record is not None and i < len(call.record.branches):
+                call.record.branches[i].reason = reason
+            if made.fell_back:
+                self.stats.warn("a forecast residual was not finite; those steps reused the last computed residual "
+                                f"({FORECAST_FALLBACK!r} in the per-step reasons)")
+        return residuals
+
     def reused_hidden(self, head_input: torch.Tensor) -> torch.Tensor:
-        """The stack output of a skipped call: its head input plus each branch's cached residual."""
-        residuals = [self.branch_state(k).previous_residual for k in self._call.keys]
+        """The stack output of a skipped call: its head input plus each branch's cached (or forecast) residual."""
+        residuals = self.skipped_residuals()
         residual = residuals[0] if len(residuals) == 1 else torch.cat([r.to(head_input.device) for r in residuals])
         return head_input + residual.to(device=head_input.device, dtype=head_input.dtype)
 
@@ -222,6 +258,9 @@ class StackCacheRun:
             part = residual[i * size:(i + 1) * size]
             st.previous_residual = part.to(self.cache_device) if self.cache_device is not None else part
             st.residual_input_shape = head_input[i * size:(i + 1) * size].shape
+            if self.forecast_order:
+                st.history.limit = self.forecast_order + 1
+                st.history.add(self.coordinate(call.context), st.previous_residual)
             self.on_residual(call, key, part, output[i * size:(i + 1) * size].detach())
         self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache_bytes())
 

@@ -42,7 +42,8 @@ class BranchDecision:
     branch: str            # "cond", "uncond", "cond.1", ...
     computed: bool
     reason: str            # "first", "forced", "window", "retention", "shape", "threshold", "max-skips", "reuse",
-    #                        "calibrate", "disabled", "other-branch", "other-rank"
+    #                        "calibrate", "disabled", "other-branch", "other-rank"; a skipped branch is "reuse",
+    #                        "forecast" (its residual extrapolated) or "forecast-fallback" (a non-finite forecast)
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
 

@@ -7,7 +7,7 @@ import { api } from "../../scripts/api.js";
 import {
   REASONS, RUN_EVENT, STEP_EVENT, applyRun, applyStep, badgeFor, branchExplanation, branchOrder, cellReason, counters, createState,
   describeCell, featureCards, formatBytes, formatPercent, formatSeconds, formatSpeedup, formatValue, formatWhen, lanes,
-  legend, plotData, progress, selectRun, shownRun, speedupBasis, stepTicks, UNSET_WORKFLOW_ID, warnings,
+  legend, plotData, progress, selectRun, shownRun, SKIP_REASONS, speedupBasis, stepTicks, UNSET_WORKFLOW_ID, warnings,
 } from "./stats_model.js";
 
 const APPLY_NODES = new Set(["OmniHooks.ApplyTeaCache", "OmniHooks.ApplyMagCache"]);
@@ -113,7 +113,7 @@ function laneView(lane) {
   const strip = el("div", { class: "omni-strip", "data-branch": lane.label, style: `grid-template-columns: repeat(${lane.cells.length}, 1fr)` });
   for (const cell of lane.cells) {
     const reason = cellReason(cell);
-    const mixed = cell.n > 1 && cell.reused > 0 && reason !== "reuse";
+    const mixed = cell.n > 1 && cell.reused > 0 && !SKIP_REASONS.has(reason);
     strip.append(el("span", {
       class: `omni-cell omni-r-${reason}${cell.reused === cell.n ? " omni-reused" : ""}`,
       "data-reason": reason, title: describeCell(cell, lane),

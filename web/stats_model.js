@@ -9,6 +9,8 @@ export const MAX_RUNS = 20;
 /** Why a branch was computed or reused (omni_hooks/stats.py BranchDecision.reason), in the legend's order. */
 export const REASONS = {
   reuse: { label: "reused", help: "the change since the last computed step stayed under the threshold: the cached residual was reused" },
+  forecast: { label: "forecast", help: "the change since the last computed step stayed under the threshold: the residual was forecast from the last computed steps (forecast input)" },
+  "forecast-fallback": { label: "forecast fell back", help: "the forecast residual was not a finite number, so the last computed residual was reused instead" },
   threshold: { label: "over threshold", help: "the accumulated change reached the threshold: computed" },
   "max-skips": { label: "max skips", help: "the allowed number of consecutive reused steps (K) was reached: computed" },
   retention: { label: "retention", help: "within the first retention_ratio of the steps, which are always computed" },
@@ -269,12 +271,20 @@ export function binCells(cells, maxCells) {
   return out;
 }
 
-/** The reason a cell is coloured by: its only reason, else its most frequent computed one, else "reuse". */
+/** The reasons of a skipped (reused) branch: the blocks did not run. */
+export const SKIP_REASONS = new Set(["reuse", "forecast", "forecast-fallback"]);
+
+const byCountThenLegend = (a, b) => b[1] - a[1] || Object.keys(REASONS).indexOf(a[0]) - Object.keys(REASONS).indexOf(b[0]);
+
+/** The reason a cell is coloured by: its only reason, else its most frequent computed one, else its most frequent
+ * skip reason ("reuse", "forecast", ...). */
 export function cellReason(cell) {
   const reasons = Object.entries(cell.reasons);
   if (reasons.length === 1) return reasons[0][0];
-  const computed = reasons.filter(([r]) => r !== "reuse").sort((a, b) => b[1] - a[1]);
-  return computed.length ? computed[0][0] : "reuse";
+  const computed = reasons.filter(([r]) => !SKIP_REASONS.has(r)).sort(byCountThenLegend);
+  if (computed.length) return computed[0][0];
+  const skipped = reasons.sort(byCountThenLegend);
+  return skipped.length ? skipped[0][0] : "reuse";
 }
 
 function laneKey(cells) {

@@ -26,7 +26,7 @@ from .. import stats_store
 from ..families import DetectedModel, model_input
 from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, named, register_feature
 from .inputs import (cache_device_for, cache_device_input, calibration_name, calibration_sampler_inputs,
-                          check_cache_device, sample_calibrating, validate_calibration_name)
+                          check_cache_device, forecast_input, sample_calibrating, validate_calibration_name)
 
 log = logging.getLogger("OmniHooks")
 
@@ -230,6 +230,7 @@ def apply_node(spec: CacheSpec, class_name: str) -> type[io.ComfyNode]:
                 cache_device_input(),
                 io.Combo.Input(spec.variant_input, options=variant_options(spec), default=AUTO,
                                tooltip=spec.variant_tooltip),
+                forecast_input(),  # last: a saved workflow's widget values keep their positions
             ]
             cache_name = spec.apply_title.removeprefix("Apply ")
             output = io.Model.Output(tooltip=f"The same MODEL with {cache_name} attached for its sampling runs.")

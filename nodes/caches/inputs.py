@@ -30,6 +30,27 @@ def cache_device_for(patcher, value: str) -> torch.device | None:
     return torch.device(patcher.offload_device) if value == "offload device" else None
 
 
+FORECAST_ORDERS = {"off": 0, "1st order": 1, "2nd order": 2}
+
+
+def forecast_input() -> io.Combo.Input:
+    """Optional, so that a saved workflow (or API prompt) without it loads and keeps plain reuse."""
+    return io.Combo.Input("forecast", options=list(FORECAST_ORDERS), default="off", optional=True,
+                          tooltip="What a skipped step adds instead of running the blocks. 'off': the residual of "
+                          "the last computed step (plain reuse). '1st order' / '2nd order': the residual "
+                          "extrapolated to this step's sigma from the last 2 / 3 computed steps (finite "
+                          "differences, as TaylorSeer), which stays faithful at higher thresholds, so fewer steps "
+                          "are computed for the same quality; keeps 2 / 3 residuals per branch in memory.")
+
+
+def forecast_order(tuning: dict) -> int:
+    """The order the ``forecast`` input asks for (absent: 'off'); ValueError for an unknown value."""
+    value = tuning.get("forecast", "off")
+    if value not in FORECAST_ORDERS:  # ComfyUI 0.3.64 does not validate V3 combo values at /prompt
+        raise ValueError(f"unknown forecast {value!r}; choose one of {list(FORECAST_ORDERS)}")
+    return FORECAST_ORDERS[value]
+
+
 def calibration_sampler_inputs(min_steps: int, steps_tooltip: str, cfg_tooltip: str,
                                sampler_tooltip: str) -> list[io.Input]:
     """KSampler's inputs for a calibrate node, in KSampler's order."""

@@ -35,6 +35,7 @@ from ...omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_inter
 from ...omni_hooks.stack_cache import StackCacheRun
 from . import calibration_files
 from .base import CacheSession, CacheSpec, apply_node, calibrate_node, percent_window_inputs
+from .inputs import forecast_order
 from ..families import DetectedModel
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
 
@@ -60,6 +61,7 @@ class MagCacheSettings:
     model_label: str
     calibrate: bool = False
     notes: tuple[str, ...] = ()  # what the user should know about the choice 'auto' made
+    forecast_order: int = 0
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ def _settings(adapter: DetectedModel, found: MagCacheCurve | ResolvedCurve | Non
         retention_ratio=float(tuning["retention_ratio"]), start_percent=start, end_percent=end,
         cache_device=tuning["cache_device"], curves=() if calibrate else found.curves,
         model_label=f"{adapter.variant}, {'calibrate' if calibrate else found.key}", calibrate=calibrate,
-        notes=tuple(adapter.recommendation(KIND).notes) if auto else ())
+        notes=tuple(adapter.recommendation(KIND).notes) if auto else (), forecast_order=forecast_order(tuning))
     _config(settings, None)  # validate now, at execute time, rather than in the sampler
     return settings
 
@@ -163,6 +165,7 @@ def _config(settings: MagCacheSettings, cache_device: torch.device | None) -> Ma
         threshold=settings.threshold, max_skip_steps=settings.max_skip_steps,
         retention_ratio=settings.retention_ratio, start_percent=settings.start_percent,
         end_percent=settings.end_percent, cache_device=cache_device, calibrate=settings.calibrate,
+        forecast_order=settings.forecast_order,
         mag_ratios=None if settings.calibrate else {name: list(values) for name, values in settings.curves})
 
 

@@ -13,6 +13,7 @@ from ...omni_hooks.stack_cache import StackCacheRun
 from ...omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients
 from . import calibration_files
 from .base import CacheSession, CacheSpec, apply_node, calibrate_node, percent_window_inputs
+from .inputs import forecast_order
 from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients, for_family
 from ..families import DetectedModel
 
@@ -39,6 +40,7 @@ class TeaCacheSettings:
     model_label: str
     calibrate: bool = False
     notes: tuple[str, ...] = ()  # what the user should know about the choice 'auto' made
+    forecast_order: int = 0
 
     @property
     def threshold(self) -> float:
@@ -105,7 +107,8 @@ def _settings(adapter: DetectedModel, found: TeaCacheCoefficients | None, tuning
     return TeaCacheSettings(rel_l1_thresh=threshold, start_percent=start, end_percent=end,
                             cache_device=tuning["cache_device"], coefficients=found.coefficients, signal=found.signal,
                             ret_steps=found.ret_steps, model_label=f"{adapter.variant}, {found.key}",
-                            calibrate=calibrate, notes=tuple(adapter.recommendation(KIND).notes) if auto else ())
+                            calibrate=calibrate, notes=tuple(adapter.recommendation(KIND).notes) if auto else (),
+                            forecast_order=forecast_order(tuning))
 
 
 def _build_run(session: CacheSession, diffusion_model: torch.nn.Module) -> TeaCacheRun:
@@ -113,7 +116,7 @@ def _build_run(session: CacheSession, diffusion_model: torch.nn.Module) -> TeaCa
     config = TeaCacheConfig(rel_l1_thresh=settings.rel_l1_thresh, coefficients=settings.coefficients,
                             ret_steps=settings.ret_steps, start_percent=settings.start_percent,
                             end_percent=settings.end_percent, cache_device=session.cache_device,
-                            calibrate=settings.calibrate)
+                            calibrate=settings.calibrate, forecast_order=settings.forecast_order)
     stack = session.adapter.build_stack(diffusion_model)
     signal = session.adapter.build_modulated_input(diffusion_model, settings.signal)
     return apply_teacache_hook(stack, config, signal, session.stats)

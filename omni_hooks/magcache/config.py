@@ -6,6 +6,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from ..forecast import check_order
 from .interp import MagRatioTable
 
 MISSING_RATIOS = ("MagCache needs mag_ratios (the per-step magnitude ratios of this model's residual). Run once with "
@@ -30,6 +31,8 @@ class MagCacheConfig:
     counted and its state starts afresh after N of them); None means the length of the branch's curve.
     ``calibrate`` computes every step and records the magnitude ratio, its spread and the cosine distance of
     consecutive residuals per branch.
+    ``forecast_order`` (0, 1, 2): a skipped step adds the residual of the last computed step (0) or the extrapolation
+    through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``).
     """
 
     threshold: float = 0.06
@@ -42,9 +45,11 @@ class MagCacheConfig:
     end_percent: float = 1.0
     cache_device: torch.device | None = None
     calibrate: bool = False
+    forecast_order: int = 0
     ratio_table: MagRatioTable | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.forecast_order = check_order(self.forecast_order)
         if not self.threshold >= 0:
             raise ValueError(f"threshold must be >= 0, got {self.threshold}")
         if int(self.max_skip_steps) != self.max_skip_steps or self.max_skip_steps < 0:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..forecast import check_order
+
 
 @dataclass
 class TeaCacheConfig:
@@ -18,6 +20,8 @@ class TeaCacheConfig:
     Steps ``< ret_steps`` and, with ``force_last_step``, the last step are always computed, and so is every step whose
     position ``step / (total_steps - 1)`` lies outside ``[start_percent, end_percent]``.
     ``calibrate`` computes every step and records (input change, output change) pairs for fitting coefficients.
+    ``forecast_order`` (0, 1, 2): a skipped step adds the residual of the last computed step (0) or the extrapolation
+    through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``).
     """
 
     rel_l1_thresh: float = 0.2
@@ -28,8 +32,10 @@ class TeaCacheConfig:
     end_percent: float = 1.0
     cache_device: torch.device | None = None
     calibrate: bool = False
+    forecast_order: int = 0
 
     def __post_init__(self) -> None:
+        self.forecast_order = check_order(self.forecast_order)
         self.coefficients = tuple(float(c) for c in self.coefficients)
         if len(self.coefficients) != 5:
             raise ValueError(f"coefficients must contain exactly 5 elements, got {len(self.coefficients)}")

@@ -40,6 +40,21 @@ test("identical branches share one lane coloured by reason; step numbers are 1-b
   assert.equal(describeCell(list[0].cells[3], list[0]), "cond + uncond, step 4: computed (over threshold), change 0.3");
 });
 
+test("forecast steps are their own reason: a colour, a legend entry, counted as reused", () => {
+  const s = createState();
+  const reasons = ["first", "threshold", "reuse", "forecast", "forecast-fallback", "forced"];
+  feed(s, "r1", [true, true, false, false, false, true], (i) => ({ reason: reasons[i] }));
+  const list = lanes(shownRun(s));
+  assert.deepEqual(list[0].cells.map(cellReason), reasons);
+  assert.deepEqual(legend(list), ["reuse", "forecast", "forecast-fallback", "threshold", "first", "forced"]);
+  assert.equal(counters(shownRun(s)).reused, 3);
+  assert.equal(describeCell(list[0].cells[3], list[0]), "cond + uncond, step 4: reused, change 0.3");
+  // binned: a cell of skips only is coloured by its most frequent skip reason; any computed reason wins
+  assert.equal(cellReason({ reasons: { reuse: 1, forecast: 3 } }), "forecast");
+  assert.equal(cellReason({ reasons: { reuse: 2, forecast: 2 } }), "reuse");
+  assert.equal(cellReason({ reasons: { forecast: 5, threshold: 1 } }), "threshold");
+});
+
 test("branches that differ get a lane each and an explanation", () => {
   const s = createState();
   feed(s, "r1", [true, true, false], (i) => ({ uncondReason: i === 1 ? "other-branch" : undefined }));

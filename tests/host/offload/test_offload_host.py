@@ -37,6 +37,7 @@ def env(user_dir):
         node = offload_module
         placement = pack_module("nodes.offload.placement")
         lifecycle = features
+        stats = pack_module("nodes.stats_store")
 
         @staticmethod
         def offload(model, blocks=-1, prefetch=1, pin="auto", budget_gb=0.0, node_id="20"):
@@ -44,12 +45,13 @@ def env(user_dir):
                             prefetch_blocks=prefetch, pin_memory=pin, vram_budget_gb=budget_gb)[0]
 
         @staticmethod
-        def teacache(model, threshold=5.0):
-            return apply_teacache(model, IDENTITY, threshold)
+        def teacache(model, threshold=5.0, forecast=None):
+            # forecasting needs two computed steps before a skip: a threshold that computes more often
+            return apply_teacache(model, IDENTITY, 1.5 if forecast else threshold, forecast=forecast)
 
         @staticmethod
-        def magcache(model, threshold=1.0):
-            return apply_magcache(model, IDENTITY, threshold)
+        def magcache(model, threshold=1.0, forecast=None):
+            return apply_magcache(model, IDENTITY, 0.3 if forecast else threshold, forecast=forecast)
 
     yield Env
 
@@ -246,11 +248,18 @@ def test_summary_is_json_safe_and_logged_once(env, wan, forced, caplog):
     assert len(lines) == 1 and "node #20" in lines[0] and "moved" in lines[0], lines
 
 
+@pytest.mark.parametrize("forecast", [None, "2nd order"])
 @pytest.mark.parametrize("cache", ["teacache", "magcache"])
 @pytest.mark.parametrize("order", ["offload first", "cache first"])
-def test_with_a_cache_a_skipped_step_moves_nothing_and_outputs_match_the_cache_alone(env, wan, forced, cache, order):
-    apply_cache = getattr(env, cache)
+def test_with_a_cache_a_skipped_step_moves_nothing_and_outputs_match_the_cache_alone(env, wan, forced, cache, order,
+                                                                                     forecast):
+    """A forecast step, like a reused one, runs no block, so it moves no weights."""
+    def apply_cache(model):
+        return getattr(env, cache)(model, forecast=forecast)
+
     cached_alone = env.tiny.sample(wan, model=apply_cache(wan.patcher), steps=STEPS)
+    reasons = [b["reason"] for e in env.stats.recent_runs(1)[0]["evaluations"] for b in e["branches"]]
+    assert ("forecast" in reasons) == (forecast is not None), reasons
     before = weights_state(wan.diffusion_model)
     if order == "offload first":
         both = apply_cache(env.offload(wan.patcher, blocks=LAYERS))

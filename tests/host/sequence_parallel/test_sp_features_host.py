@@ -39,12 +39,13 @@ def env(user_dir):
             return run_node(sp_node.SequenceParallel, node_id="30", model=model, **{**settings, **inputs})[0]
 
         @staticmethod
-        def teacache(model, threshold=5.0):
-            return apply_teacache(model, IDENTITY, threshold)
+        def teacache(model, threshold=5.0, forecast=None):
+            # forecasting needs two computed steps before a skip: a threshold that computes more often
+            return apply_teacache(model, IDENTITY, 1.5 if forecast else threshold, forecast=forecast)
 
         @staticmethod
-        def magcache(model, threshold=1.0):
-            return apply_magcache(model, IDENTITY, threshold)
+        def magcache(model, threshold=1.0, forecast=None):
+            return apply_magcache(model, IDENTITY, 0.3 if forecast else threshold, forecast=forecast)
 
         @staticmethod
         def offload(model):
@@ -64,12 +65,21 @@ def last_entry(env) -> dict:
     return env.stats.recent_runs(1)[0]
 
 
+def reasons(entry: dict) -> list[str]:
+    return [b["reason"] for e in entry["evaluations"] for b in e["branches"]]
+
+
+@pytest.mark.parametrize("forecast", [None, "2nd order"])
 @pytest.mark.parametrize("cache", ["teacache", "magcache"])
 @pytest.mark.parametrize("order", ["parallel first", "cache first"])
-def test_a_cache_decides_alike_on_every_rank_and_rank_0_publishes_the_run(env, wan, cache, order):
-    apply_cache = getattr(env, cache)
+def test_a_cache_decides_alike_on_every_rank_and_rank_0_publishes_the_run(env, wan, cache, order, forecast):
+    """With forecasting too: every rank extrapolates its shard with the same sigma weights, no extra collective."""
+    def apply_cache(model):
+        return getattr(env, cache)(model, forecast=forecast)
+
     alone = env.tiny.sample(wan, model=apply_cache(wan.patcher), steps=STEPS)
-    alone_summary = last_entry(env)["summary"]
+    alone_entry = last_entry(env)
+    alone_summary = alone_entry["summary"]
     if order == "parallel first":
         model = apply_cache(env.sequence_parallel(wan.patcher))
     else:
@@ -79,6 +89,8 @@ def test_a_cache_decides_alike_on_every_rank_and_rank_0_publishes_the_run(env, w
     assert entry["status"] == "success"
     assert alone_summary["reused"] > 0 and entry["summary"]["reused"] == alone_summary["reused"]
     assert entry["summary"]["computed"] == alone_summary["computed"]
+    assert reasons(entry) == reasons(alone_entry)
+    assert ("forecast" in reasons(entry)) == (forecast is not None)
     assert psnr_db(got, alone) >= MIN_PSNR_DB
     assert entry["world_size"] == 2
     (parallel,) = [f for f in entry["features"] if f["kind"] == "sequence_parallel"]

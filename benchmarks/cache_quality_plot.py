@@ -1,0 +1,69 @@
+"""The cache quality plot: latent PSNR against model evaluations, one curve per configuration (Pillow, which every
+ComfyUI installation has; no plotting library needed)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+WIDTH, HEIGHT = 900, 560
+LEFT, RIGHT, TOP, BOTTOM = 70, 300, 40, 60
+Y_MIN, Y_MAX = 15.0, 75.0
+COLOURS = {
+    "TeaCache, forecast off": (147, 197, 253), "TeaCache, forecast 1st order": (59, 130, 246),
+    "TeaCache, forecast 2nd order": (30, 58, 138),
+    "forecast off": (253, 186, 116), "forecast 1st order": (249, 115, 22), "forecast 2nd order": (154, 52, 18),
+    "EasyCache": (113, 113, 122),
+}
+
+
+def colour_of(name: str) -> tuple[int, int, int]:
+    if name in COLOURS:
+        return COLOURS[name]
+    for key, colour in COLOURS.items():
+        if key in name and not name.startswith("TeaCache"):
+            return colour
+    return (0, 0, 0)
+
+
+def plot_curves(results: list[dict], path: Path, steps: int, targets=((12, 45.0), (8, 38.0))) -> None:
+    """``results``: dicts with configuration, evaluations, psnr_mean; written as a PNG at ``path``."""
+    img = Image.new("RGB", (WIDTH, HEIGHT), "white")
+    d = ImageDraw.Draw(img)
+    x0, x1, y0, y1 = LEFT, WIDTH - RIGHT, HEIGHT - BOTTOM, TOP
+
+    def px(evals: float, db: float) -> tuple[float, float]:
+        db = min(max(db, Y_MIN), Y_MAX)
+        return x0 + (x1 - x0) * evals / steps, y0 - (y0 - y1) * (db - Y_MIN) / (Y_MAX - Y_MIN)
+
+    for e in range(0, steps + 1, 5):
+        x, _ = px(e, Y_MIN)
+        d.line([(x, y0), (x, y1)], fill=(235, 235, 235))
+        d.text((x - 6, y0 + 6), str(e), fill="black")
+    for db in range(int(Y_MIN), int(Y_MAX) + 1, 10):
+        _, y = px(0, db)
+        d.line([(x0, y), (x1, y)], fill=(235, 235, 235))
+        d.text((x0 - 30, y - 6), str(db), fill="black")
+    d.rectangle([x0, y1, x1, y0], outline="black")
+    d.text(((x0 + x1) / 2 - 110, y0 + 28), f"model evaluations (of {steps} steps)", fill="black")
+    d.text((8, y1 - 25), "final latent PSNR vs uncached (dB, mean of 4 prompts)", fill="black")
+    for evals, db in targets:
+        x, y = px(evals, db)
+        d.line([(x - 6, y), (x + 6, y)], fill=(220, 38, 38), width=2)
+        d.line([(x, y - 6), (x, y + 6)], fill=(220, 38, 38), width=2)
+        d.text((x + 6, y - 14), f"target {db:g} dB @ {evals}", fill=(220, 38, 38))
+    names = list(dict.fromkeys(r["configuration"] for r in results))
+    for i, name in enumerate(names):
+        colour = colour_of(name)
+        points = sorted((r["evaluations"], r["psnr_mean"]) for r in results if r["configuration"] == name)
+        points = [px(e, db if math.isfinite(db) else Y_MAX) for e, db in points]
+        width = 1 if "forecast off" in name or "EasyCache" in name else 2
+        if len(points) > 1:
+            d.line(points, fill=colour, width=width)
+        for x, y in points:
+            d.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
+        ly = TOP + 10 + 22 * i
+        d.line([(x1 + 15, ly + 6), (x1 + 45, ly + 6)], fill=colour, width=3)
+        d.text((x1 + 52, ly), name, fill="black")
+    img.save(path, optimize=True)

@@ -1,0 +1,224 @@
+"""Forecasting skipped residuals (omni_hooks.forecast) in TeaCache and MagCache on a model whose block stack adds a
+known function of sigma: exactness on polynomials, per-branch histories, the non-finite fallback, memory."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import pytest
+import torch
+
+from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from omni_hooks.forecast import FORECAST, FORECAST_FALLBACK, ResidualHistory, lagrange_weights
+from omni_hooks.magcache import MagCacheConfig, MagCacheStrategy, apply_mag_cache_hook
+from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
+
+X = TensorArg("x", 0)
+ALWAYS_REUSE = (0.0, 0.0, 0.0, 0.0, 0.0)
+SIGMAS = [1.0, 0.93, 0.81, 0.64, 0.45, 0.3, 0.17, 0.05]  # non-uniform, like a shifted flow schedule
+
+
+class SigmaBlock(torch.nn.Module):
+    """Adds ``residual(sigma, row)`` to each batch row: the stack's residual is known exactly."""
+
+    def __init__(self, residual: Callable[[float, int], torch.Tensor]):
+        super().__init__()
+        self.residual = residual
+        self.calls = 0
+
+    def forward(self, x, *, sigma):
+        self.calls += 1
+        return x + torch.stack([self.residual(float(s), i) for i, s in enumerate(sigma)])
+
+
+class Model(torch.nn.Module):
+    def __init__(self, residual):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([SigmaBlock(residual), SigmaBlock(lambda s, i: torch.zeros(4, 3))])
+        self.tail = torch.nn.Identity()
+
+    def forward(self, x, sigma):
+        for block in self.blocks:
+            x = block(x, sigma=sigma)
+        return self.tail(x)
+
+
+def stack_of(model: Model) -> BlockStack:
+    return BlockStack(blocks=list(model.blocks), tail=model.tail, head_hidden=X, tail_hidden=TensorArg("input", 0),
+                      skip_block=skip_returning(X))
+
+
+TOY = MagCacheStrategy("toy", build_stack=stack_of)
+BASE = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3)
+
+
+def quadratic(s: float, row: int) -> torch.Tensor:
+    """Degree 2 in sigma, another polynomial per batch row (branch)."""
+    return (1 + row) * BASE + (2 - row) * s * BASE.flip(0) + (3 + row) * s * s * BASE.flip(1)
+
+
+def teacache(model: Model, order: int, ret_steps: int = 3, threshold: float = 0.5, **kw):
+    signal = ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
+    config = TeaCacheConfig(threshold, ALWAYS_REUSE, ret_steps=ret_steps, forecast_order=order, **kw)
+    return apply_teacache_hook(stack_of(model), config, signal)
+
+
+def sample(model: Model, run, x: torch.Tensor, sigmas=SIGMAS, with_sigma=True, branches=("c",)):
+    outputs = []
+    for step, s in enumerate(sigmas):
+        run.begin_call(CallContext(branches=list(branches), labels=list(branches), step=step,
+                                   total_steps=len(sigmas), sigma=s if with_sigma else None))
+        try:
+            outputs.append(model(x, torch.full((x.shape[0],), s, dtype=torch.float64)))
+        finally:
+            run.end_call()
+    return outputs
+
+
+def reasons(run, branch=0):
+    return [e.branches[branch].reason for e in run.stats.evaluations]
+
+
+def errors(residual, order, **kw):
+    x = torch.zeros(2, 4, 3, dtype=torch.float64)
+    reference = sample(Model(residual), NoCache(), x)
+    model = Model(residual)
+    got = sample(model, teacache(model, order, **kw), x)
+    return [float((a - b).abs().max()) for a, b in zip(got, reference)]
+
+
+class NoCache:
+    """No cache: begin_call/end_call do nothing."""
+
+    def begin_call(self, context):
+        pass
+
+    def end_call(self):
+        pass
+
+
+def test_lagrange_weights_reproduce_polynomials_on_a_non_uniform_grid():
+    nodes = [1.0, 0.81, 0.45]
+    w = lagrange_weights(nodes, 0.3)
+    for p in (lambda s: 2.0, lambda s: 1 - 3 * s, lambda s: 0.5 + s - 4 * s * s):
+        assert sum(wj * p(xj) for wj, xj in zip(w, nodes)) == pytest.approx(p(0.3), abs=1e-12)
+    assert lagrange_weights([0.5], 0.1) == [1.0]
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_forecast_of_order_k_is_exact_on_a_residual_polynomial_in_sigma_of_degree_k(order):
+    # steps 0..2 computed (ret_steps), 3..6 forecast, 7 forced; each batch row is a branch of its own polynomial
+    def residual(s, row):
+        return quadratic(s, row) if order == 2 else (1 + row) * BASE - (2 + row) * s * BASE.flip(0)
+
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    reference = sample(Model(residual), NoCache(), x, branches=("c", "u"))
+    model = Model(residual)
+    run = teacache(model, order)
+    got = sample(model, run, x, branches=("c", "u"))
+    assert [e.computed for e in run.stats.evaluations] == [True] * 3 + [False] * 4 + [True]
+    for b in (0, 1):
+        assert reasons(run, b)[3:7] == [FORECAST] * 4
+    assert model.blocks[0].calls == 4
+    for a, b in zip(got, reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_higher_orders_beat_reuse_on_a_quadratic_and_order_zero_is_todays_reuse():
+    # at the first skipped step (one step past the last computed one)
+    e0, e1, e2 = (errors(quadratic, order)[3] for order in (0, 1, 2))
+    assert e2 < 1e-10 < e1 < e0
+    model = Model(quadratic)
+    run = teacache(model, 0)
+    sample(model, run, torch.zeros(1, 4, 3, dtype=torch.float64))
+    assert set(reasons(run)[3:7]) == {"reuse"}
+
+
+def test_with_one_computed_residual_the_forecast_is_plain_reuse():
+    model = Model(quadratic)
+    run = teacache(model, 2, ret_steps=1)
+    sample(model, run, torch.zeros(1, 4, 3, dtype=torch.float64))
+    assert reasons(run)[1:-1] == ["reuse"] * (len(SIGMAS) - 2)
+
+
+def test_without_a_sigma_the_step_index_is_the_coordinate():
+    # residual linear in the step index: SIGMAS[step] -> step via the inverse map, order 1 exact in the step
+    def residual(s, row):
+        return (1 + SIGMAS.index(s)) * BASE
+
+    x = torch.zeros(1, 4, 3, dtype=torch.float64)
+    reference = sample(Model(residual), NoCache(), x, with_sigma=False)
+    model = Model(residual)
+    run = teacache(model, 1, ret_steps=2)
+    got = sample(model, run, x, with_sigma=False)
+    assert reasons(run)[2] == FORECAST
+    for a, b in zip(got, reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_threshold_zero_with_forecast_is_bit_identical_to_no_cache():
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    reference = sample(Model(quadratic), NoCache(), x)
+    model = Model(quadratic)
+    run = teacache(model, 2, threshold=0.0)
+    got = sample(model, run, x)
+    assert all(torch.equal(a, b) for a, b in zip(got, reference))
+    assert run.stats.reused == 0
+
+
+def test_a_non_finite_forecast_falls_back_to_the_last_residual_and_says_so():
+    big = 1.5e38  # float32: 3 * big overflows, so extrapolating alternating residuals gives inf
+
+    def residual(s, row):
+        return torch.full((4, 3), big if SIGMAS.index(s) % 2 == 0 else -big, dtype=torch.float32)
+
+    x = torch.zeros(1, 4, 3, dtype=torch.float32)
+    model = Model(residual)
+    model.blocks[1].residual = lambda s, i: torch.zeros(4, 3, dtype=torch.float32)
+    run = teacache(model, 2)
+    got = sample(model, run, x)
+    assert reasons(run)[3] == FORECAST_FALLBACK
+    assert torch.equal(got[3], torch.full((1, 4, 3), big))  # the residual of step 2, reused
+    assert any("not finite" in w for w in run.stats.warnings)
+    assert all(torch.isfinite(o).all() for o in got)
+
+
+def residual_bytes(order: int, steps: int) -> int:
+    model = Model(quadratic)
+    config = MagCacheConfig(threshold=0.0, mag_ratios=[1.0] * steps, forecast_order=order)
+    run = apply_mag_cache_hook(model, config, strategy=TOY, implicit_calls=False)
+    sample(model, run, torch.zeros(2, 4, 3, dtype=torch.float64), sigmas=SIGMAS[:steps], branches=("c", "u"))
+    return run.cache_bytes(), run.stats.cache_bytes
+
+
+@pytest.mark.parametrize("order", [0, 1, 2])
+def test_cache_bytes_count_the_kept_residuals_and_stay_bounded(order):
+    one = 4 * 3 * 8  # one branch's residual, float64
+    for steps in (order + 1, len(SIGMAS)):
+        now, peak = residual_bytes(order, steps)
+        assert now == peak == 2 * (order + 1) * one  # two branches, order + 1 residuals each, however many steps
+
+
+def test_history_restarts_on_a_new_shape_and_replaces_a_repeated_coordinate():
+    h = ResidualHistory(limit=3)
+    h.add(1.0, torch.zeros(2))
+    h.add(0.5, torch.ones(2))
+    h.add(0.5, torch.full((2,), 2.0))
+    assert h.coords == [1.0, 0.5] and torch.equal(h.last, torch.full((2,), 2.0))
+    h.add(0.25, torch.zeros(3))
+    assert h.coords == [0.25]
+    assert h.forecast(0.1).order == 0 and h.forecast(None).residual is h.last
+
+
+def test_magcache_forecasts_too():
+    x = torch.randn(1, 4, 3, dtype=torch.float64)
+    reference = sample(Model(quadratic), NoCache(), x)
+    model = Model(quadratic)
+    config = MagCacheConfig(threshold=1.0, max_skip_steps=2, retention_ratio=0.4, mag_ratios=[1.0] * len(SIGMAS),
+                            forecast_order=2)
+    run = apply_mag_cache_hook(model, config, strategy=TOY, implicit_calls=False)
+    got = sample(model, run, x)
+    skipped = [i for i, e in enumerate(run.stats.evaluations) if not e.computed]
+    assert skipped and all(reasons(run)[i] == FORECAST for i in skipped)
+    assert max(float((a - b).abs().max()) for a, b in zip(got, reference)) < 1e-10
+    assert not math.isnan(run.stats.summary()["hit_rate"])
