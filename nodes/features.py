@@ -20,6 +20,7 @@ outside a call of ours. Which features may share a MODEL is the table ``COMBINAB
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import comfy.patcher_extension as pe
 import torch
 
 from ..omni_hooks.context import CallContext
+from . import drift
 
 log = logging.getLogger("OmniHooks")
 
@@ -72,6 +74,8 @@ class AppliedFeature:
     node_title: str    # "Apply TeaCache"
     node_id: str | None
     settings: Any      # a frozen dataclass of what the node resolved at execute time
+    # set for one run by the drift check: what it could not verify about the model (a cache then computes every step)
+    unverified: tuple[str, ...] = ()
 
     def describe(self) -> str:
         return f"{self.node_title} (node #{self.node_id})" if self.node_id else self.node_title
@@ -347,6 +351,8 @@ def _outer_sample(executor, *args, **kwargs):
     guider.model_options["transformer_options"][RUN_KEY] = run
     status = "error"
     try:
+        features = checked_for_drift(guider.model_patcher, features)
+        guider.model_options["transformer_options"][FEATURES_KEY] = features  # what the run's calls (and ranks) see
         run.open(features)
         result = executor(*args, **kwargs)
         status = "success"
@@ -359,6 +365,24 @@ def _outer_sample(executor, *args, **kwargs):
             run.close(status)
         finally:
             guider.model_options = original_options
+
+
+def checked_for_drift(patcher, features: tuple[AppliedFeature, ...]) -> tuple[AppliedFeature, ...]:
+    """``features`` once the model passed ``drift.check_patcher``: ``ModelDriftError`` naming the nodes that rely on
+    what differs; caches marked with what could not be verified. Runs before anything is installed or exchanged."""
+    if not features:
+        return features
+    parallel = [f for f in features if f.category == Category.SEQUENCE_PARALLEL]
+    report = drift.check_patcher(patcher, sequence_parallel=bool(parallel))
+    error = (report.error(", ".join(f.describe() for f in features), (drift.MODEL,))
+             or report.error(", ".join(f.describe() for f in parallel), (drift.SEQUENCE_PLAN,)))
+    if error is not None:
+        raise error
+    for what in report.undecided:
+        log.warning("OmniHooks: %s: %s", report.family.display_name, what.what)
+    unverified = report.undecided_in(drift.MODEL)
+    return tuple(dataclasses.replace(f, unverified=unverified) if unverified and f.category == Category.CACHE else f
+                 for f in features)
 
 
 def _prepare_sampling(executor, model_patcher, *args, **kwargs):
