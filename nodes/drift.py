@@ -13,7 +13,9 @@ loaded diffusion model, without calling it and without changing anything:
 
 A difference is drift: the run stops with a ``ModelDriftError`` before any hook is installed or any rank exchanges
 anything. What cannot be decided (a forward taking ``*args`` / ``**kwargs`` the family does not expect, so which
-arguments reach it is unknown) is not guessed: a cache then computes every step and its statistics say why.
+arguments reach it is unknown) is not guessed: a cache then computes every step and its statistics say why. For the
+sequence plan there is no such fallback (ranks that split on a guess may wait on each other forever): a plan input
+that cannot be checked is a difference.
 """
 from __future__ import annotations
 
@@ -117,6 +119,12 @@ def _compare(report: DriftReport, scope: str, where: str, fn, expected: ForwardP
     except (TypeError, ValueError) as e:
         report.undecided.append(Finding(scope, f"{where} has no readable signature ({e})"))
         return
+    opaque = [name for p, name in zip(parameters, names)
+              if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in expected.params]
+    if opaque:  # any argument may reach it through these: neither a loss nor a move can be told
+        report.undecided.append(Finding(scope, f"{where} takes {' and '.join(opaque)}, which OmniHooks does not "
+                                               f"know: what its calls pass cannot be checked"))
+        return
     for name in expected.params:
         if name not in names:
             report.differences.append(Finding(scope, f"{where} has no parameter {name!r} any more"))
@@ -128,10 +136,7 @@ def _compare(report: DriftReport, scope: str, where: str, fn, expected: ForwardP
     for p, name in zip(parameters, names):
         if name in expected.params:
             continue
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            report.undecided.append(Finding(scope, f"{where} takes {name}, which OmniHooks does not know: what its "
-                                                   f"calls pass cannot be checked"))
-        elif p.default is p.empty:
+        if p.default is p.empty:  # (a *args / **kwargs here is one the family declares)
             report.differences.append(Finding(scope, f"{where} gained a required parameter {p.name!r}"))
 
 
@@ -174,12 +179,10 @@ def _check_plan(report: DriftReport, family: ModelFamily, dm: torch.nn.Module) -
                 if name in metadata.cached_parameter_indices:
                     continue
                 where = f"{module_id or 'the model'} ({metadata.module_name}.forward)"
-                if metadata.accepts_any_keyword:
-                    report.undecided.append(Finding(SEQUENCE_PLAN, f"{where} has no parameter {name!r} but takes "
-                                                                   "**kwargs: whether it gets one cannot be checked"))
-                else:
-                    report.differences.append(Finding(SEQUENCE_PLAN, f"{where} has no parameter {name!r}, which the "
-                                                                     "plan splits"))
+                # undecided is a difference here: ranks splitting on a guess could wait on each other forever
+                why = (f"takes **kwargs, so where its {name!r} is cannot be checked" if metadata.accepts_any_keyword
+                       else f"has no parameter {name!r}, which the plan reads")
+                report.differences.append(Finding(SEQUENCE_PLAN, f"{where} {why}"))
     for (module_id, key), probe in family.expects.plan_inputs.items():
         spec = plan.get(module_id, {}).get(key) if isinstance(plan.get(module_id), dict) else None
         if spec is None:
