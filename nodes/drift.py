@@ -47,7 +47,7 @@ class Finding:
 @dataclass
 class DriftReport:
     """What ``check_model`` found: ``differences`` (drift: the run must not start) and ``undecided`` (could not be
-    checked: nothing is guessed)."""
+    checked: nothing is guessed; only ever about the blocks or the call, see the module docstring)."""
 
     family: ModelFamily
     differences: list[Finding] = field(default_factory=list)
@@ -60,13 +60,10 @@ class DriftReport:
         if not found:
             return None
         return ModelDriftError(
-            f"{nodes}: this ComfyUI ({comfyui_version()}) has a {self.family.display_name} model other than the one "
-            f"OmniHooks was written for: {'; '.join(found)}. Nothing was applied to the model. Update "
+            f"{nodes}: the {self.family.display_name} model of {comfyui_version()} is not the one OmniHooks was "
+            f"written for: {'; '.join(found)}. Nothing was applied to the model. Update "
             f"ComfyUI-OmniHooks, or use a ComfyUI it was tested with (0.3.64 to 0.3.75); docs/compatibility.md "
             f"says what is checked.")
-
-    def undecided_in(self, scope: str) -> tuple[str, ...]:
-        return tuple(f.what for f in self.undecided if f.scope == scope)
 
 
 def comfyui_version() -> str:

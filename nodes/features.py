@@ -7,7 +7,7 @@ patcher wrappers that drive every feature of the MODEL:
   * OUTER_SAMPLE, one sampling run: a ``RunSession`` holds one ``FeatureSession`` per applied feature, created in
     ``SESSION_ORDER`` (weights, then sharding, then caching) inside the ``try`` whose ``finally`` closes them in
     reverse order, errors and interrupts included. The guider's model options are swapped for a copy for the run and
-    always restored.
+    always restored. Before any session exists, ``checked_for_drift`` checks the model (``nodes.drift``).
   * PREPARE_SAMPLING, model load: after ComfyUI loaded the models for the run, each session's ``after_load`` may act
     on the loaded MODEL (offload must); whatever it does is undone by the session's ``close``.
   * DIFFUSION_MODEL, one model call: sessions install their hooks lazily on the module actually called (so deep
@@ -380,7 +380,7 @@ def checked_for_drift(patcher, features: tuple[AppliedFeature, ...]) -> tuple[Ap
         raise error
     for what in report.undecided:
         log.warning("OmniHooks: %s: %s", report.family.display_name, what.what)
-    unverified = report.undecided_in(drift.MODEL)
+    unverified = tuple(f.what for f in report.undecided)
     return tuple(dataclasses.replace(f, unverified=unverified) if unverified and f.category == Category.CACHE else f
                  for f in features)
 

@@ -24,6 +24,7 @@ from ...omni_hooks.stats import BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
 from .. import families
 from .. import stats_store
+from ..drift import ModelDriftError
 from ..families import DetectedModel, model_input
 from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, named, register_feature
 from .inputs import (cache_device_for, cache_device_input, calibration_name, calibration_sampler_inputs,
@@ -152,6 +153,9 @@ class CacheSession(FeatureSession):
         self.settings = settings
         self.stats = CacheRunStats(kind=spec.kind, model=settings.model_label, threshold=settings.threshold,
                                    notes=list(settings.notes))
+        if feature.unverified and getattr(settings, "calibrate", False):  # a calibration must record: no fallback
+            raise ModelDriftError(f"{feature.describe()}: cannot calibrate, the model could not be fully checked "
+                                  f"before the run: {'; '.join(feature.unverified)}")
         if feature.unverified:  # the drift check could not verify the model: no hook, every step computed
             self.stats.disabled = ("the model could not be fully checked before the run: "
                                    + "; ".join(feature.unverified))

@@ -54,26 +54,16 @@ def module_fingerprint(dm: torch.nn.Module):
     return {name: sorted(m.__dict__) for name, m in dm.named_modules()}
 
 
-def gain_required_argument(monkeypatch, cls) -> None:
-    """``cls.forward`` as a newer model code might have it: one more required argument, ``gate``."""
-    original = cls.forward
-
-    def forward(self, x, e, freqs, context, gate, context_img_len=257, transformer_options={}):
-        return original(self, x, e, freqs, context, context_img_len, transformer_options)
-
-    monkeypatch.setattr(cls, "forward", forward)
-
-
 def test_a_block_that_gained_a_required_argument_stops_the_run_before_anything_is_installed(env, wan, installs,
                                                                                                monkeypatch):
-    import comfy.ldm.wan.model as wan_model
     import comfyui_version
+    from omnitest.drift_models import gain_required_argument
 
     dm = wan.patcher.model.diffusion_model
     baseline = env.tiny.sample(wan, steps=STEPS)
     before = module_fingerprint(dm)
     model = apply_teacache(wan.patcher, IDENTITY, threshold=5.0)
-    gain_required_argument(monkeypatch, wan_model.WanAttentionBlock)
+    gain_required_argument(monkeypatch)
     with pytest.raises(env.drift.ModelDriftError) as raised:
         env.tiny.sample(wan, model=model, steps=STEPS)
     message = str(raised.value)
@@ -119,18 +109,13 @@ def test_a_model_call_that_gained_a_required_argument_is_named(env, wan, install
 
 def test_a_block_whose_parameters_cannot_be_checked_makes_the_cache_compute_every_step_and_say_why(
         env, wan, installs, monkeypatch):
-    import comfy.ldm.wan.model as wan_model
+    from omnitest.drift_models import take_any_arguments
 
     env.tiny.sample(wan, model=apply_teacache(wan.patcher, IDENTITY, threshold=5.0), steps=STEPS)
     assert env.stats.recent_runs(1)[0]["summary"]["reused"] > 0  # this threshold skips steps on a checked model
     baseline = env.tiny.sample(wan, steps=STEPS)
     installs.clear()
-    original = wan_model.WanAttentionBlock.forward
-
-    def forward(self, *args, **kwargs):
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(wan_model.WanAttentionBlock, "forward", forward)
+    take_any_arguments(monkeypatch)
     got = env.tiny.sample(wan, model=apply_teacache(wan.patcher, IDENTITY, threshold=5.0), steps=STEPS)
     assert torch.equal(got, baseline)
     entry = env.stats.recent_runs(1)[0]
@@ -142,6 +127,18 @@ def test_a_block_whose_parameters_cannot_be_checked_makes_the_cache_compute_ever
     (warning,) = [w for w in summary["warnings"] if w.startswith("nothing was reused")]
     assert "caching was disabled for this run" in warning
     assert "WanAttentionBlock.forward) takes *args" in warning and "**kwargs" in warning
+
+
+def test_a_calibration_on_a_model_that_cannot_be_checked_stops_before_sampling(env, wan, installs, monkeypatch):
+    from omnitest.drift_models import take_any_arguments
+    from omnitest.pack import pack_module, run_node
+
+    take_any_arguments(monkeypatch)
+    calibrate = pack_module("nodes.caches.teacache").TeaCacheCalibrate
+    with pytest.raises(env.drift.ModelDriftError, match=r"cannot calibrate, the model could not be fully checked"):
+        run_node(calibrate, model=wan.patcher, seed=0, steps=STEPS, cfg=3.0, sampler_name="euler", scheduler="simple",
+                 positive=wan.positive, negative=wan.negative, latent_image={"samples": wan.latent}, name="drifted")
+    assert installs == []
 
 
 @pytest.mark.parametrize("case_name", ["wan21_t2v", "wan21_i2v", "wan22_ti2v", "flux", "flux_kontext", "chroma",
@@ -158,12 +155,10 @@ def test_every_familys_model_passes_the_check_on_this_host(env, case_name):
 
 def test_a_plan_input_whose_type_changed_is_named(env, monkeypatch):
     """Wan's rotary table as a (real, imaginary) pair instead of one tensor: the plan's single spec no longer fits."""
-    import comfy.ldm.wan.model as wan_model
+    from omnitest.drift_models import rope_table_as_pair
 
     case = env.tiny.build_case("wan21_t2v")
-    original = wan_model.WanModel.rope_encode
-    monkeypatch.setattr(wan_model.WanModel, "rope_encode", lambda self, *a, **k: tuple(original(self, *a, **k)
-                                                                                       .unbind(-1)))
+    rope_table_as_pair(monkeypatch)
     report = env.drift.check_patcher(case.patcher, sequence_parallel=True)
     assert [f.what for f in report.differences] == [
         "'freqs' at 'blocks.*' is a tuple of 2, the plan has one spec for a tensor"]

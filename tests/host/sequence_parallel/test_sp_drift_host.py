@@ -76,17 +76,12 @@ def run_parallel_and_check(env, case, alone, what: str) -> None:
 
 def test_a_block_that_gained_an_argument_stops_the_run_before_any_rank_exchanges_anything(env, wan, exchanges,
                                                                                           monkeypatch):
-    import comfy.ldm.wan.model as wan_model
+    from omnitest.drift_models import gain_required_argument
 
     case, alone = wan
     run_parallel_and_check(env, case, alone, "a first parallel run")  # the group exists: a later run would reuse it
     exchanges.clear()
-    original = wan_model.WanAttentionBlock.forward
-
-    def forward(self, x, e, freqs, context, gate, context_img_len=257, transformer_options={}):
-        return original(self, x, e, freqs, context, context_img_len, transformer_options)
-
-    monkeypatch.setattr(wan_model.WanAttentionBlock, "forward", forward)
+    gain_required_argument(monkeypatch)
     model = apply_teacache(env.sequence_parallel(case.patcher), IDENTITY)
     with deadline(TEST_DEADLINE_S, "the drifted run"), pytest.raises(env.drift.ModelDriftError) as raised:
         env.tiny.sample(case, model=model, steps=STEPS)
@@ -100,12 +95,10 @@ def test_a_block_that_gained_an_argument_stops_the_run_before_any_rank_exchanges
 
 def test_a_plan_input_whose_type_changed_stops_the_run_naming_the_sequence_parallel_node(env, wan, exchanges,
                                                                                          monkeypatch):
-    import comfy.ldm.wan.model as wan_model
+    from omnitest.drift_models import rope_table_as_pair
 
     case, alone = wan
-    original = wan_model.WanModel.rope_encode
-    monkeypatch.setattr(wan_model.WanModel, "rope_encode",
-                        lambda self, *a, **k: tuple(original(self, *a, **k).unbind(-1)))
+    rope_table_as_pair(monkeypatch)
     model = env.sequence_parallel(apply_teacache(case.patcher, IDENTITY))
     with deadline(TEST_DEADLINE_S, "the drifted run"), pytest.raises(env.drift.ModelDriftError) as raised:
         env.tiny.sample(case, model=model, steps=STEPS)
