@@ -30,6 +30,7 @@ from ..omni_hooks.sequence_parallel.plan import (ModuleForwardMetadata, Replicat
 from .families import ModelFamily, detect
 from .families.base import ForwardParameters
 
+TESTED = "0.3.64 to 0.3.75"     # the ComfyUI versions every test passes on (docs/compatibility.md)
 MODEL = "model"                  # a finding about the blocks or the call: every feature relies on them
 SEQUENCE_PLAN = "sequence plan"  # a finding about the sequence plan: Sequence Parallel relies on it
 
@@ -62,16 +63,16 @@ class DriftReport:
         return ModelDriftError(
             f"{nodes}: the {self.family.display_name} model of {comfyui_version()} is not the one OmniHooks was "
             f"written for: {'; '.join(found)}. Nothing was applied to the model. Update "
-            f"ComfyUI-OmniHooks, or use a ComfyUI it was tested with (0.3.64 to 0.3.75); docs/compatibility.md "
-            f"says what is checked.")
+            f"ComfyUI-OmniHooks, or use a ComfyUI it was tested with ({TESTED}); docs/compatibility.md says what "
+            f"is checked.")
 
 
 def comfyui_version() -> str:
-    """The host's ComfyUI version (its ``comfyui_version`` module), or "unknown version"."""
+    """"ComfyUI <version>" from the host's ``comfyui_version`` module ("this ComfyUI (version unknown)" without)."""
     try:
         from comfyui_version import __version__
     except Exception:
-        return "unknown version"
+        return "this ComfyUI (version unknown)"
     return f"ComfyUI {__version__}"
 
 
@@ -89,8 +90,8 @@ def check_model(family: ModelFamily, dm: torch.nn.Module, sequence_parallel: boo
     for attr, forward in expects.blocks.items():
         stack = getattr(dm, attr, None)
         if not isinstance(stack, torch.nn.ModuleList) or len(stack) == 0:
-            what = "has none" if stack is None else f"is a {type(stack).__name__}" if not isinstance(
-                stack, torch.nn.ModuleList) else "is empty"
+            what = ("is missing" if stack is None else "is empty" if isinstance(stack, torch.nn.ModuleList)
+                    else f"is a {type(stack).__name__}, not a ModuleList")
             report.differences.append(Finding(MODEL, f"the block stack {attr!r} {what}"))
             continue
         for cls in dict.fromkeys(type(unwrap_module(block)) for block in stack):

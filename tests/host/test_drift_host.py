@@ -163,3 +163,16 @@ def test_a_plan_input_whose_type_changed_is_named(env, monkeypatch):
     assert [f.what for f in report.differences] == [
         "'freqs' at 'blocks.*' is a tuple of 2, the plan has one spec for a tensor"]
     assert env.drift.check_patcher(case.patcher, sequence_parallel=False).differences == []
+
+
+def test_a_block_stack_that_moved_is_named(env):
+    from omnitest.pack import pack_module
+
+    case = env.tiny.build_case("wan21_t2v")
+    dm = case.patcher.model.diffusion_model
+    family = pack_module("nodes.families").family_named("wan")
+    dm.layers = dm.blocks  # renamed upstream: the family's attribute is gone
+    del dm.blocks
+    assert [f.what for f in env.drift.check_model(family, dm).differences] == ["the block stack 'blocks' is missing"]
+    dm.blocks = torch.nn.ModuleList()
+    assert [f.what for f in env.drift.check_model(family, dm).differences] == ["the block stack 'blocks' is empty"]
