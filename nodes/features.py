@@ -7,7 +7,7 @@ patcher wrappers that drive every feature of the MODEL:
   * OUTER_SAMPLE, one sampling run: a ``RunSession`` holds one ``FeatureSession`` per applied feature, created in
     ``SESSION_ORDER`` (weights, then sharding, then caching) inside the ``try`` whose ``finally`` closes them in
     reverse order, errors and interrupts included. The guider's model options are swapped for a copy for the run and
-    always restored.
+    always restored. Before any session exists, ``checked_for_drift`` checks the model (``nodes.drift``).
   * PREPARE_SAMPLING, model load: after ComfyUI loaded the models for the run, each session's ``after_load`` may act
     on the loaded MODEL (offload must); whatever it does is undone by the session's ``close``.
   * DIFFUSION_MODEL, one model call: sessions install their hooks lazily on the module actually called (so deep
@@ -20,6 +20,7 @@ outside a call of ours. Which features may share a MODEL is the table ``COMBINAB
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import comfy.patcher_extension as pe
 import torch
 
 from ..omni_hooks.context import CallContext
+from . import drift
 
 log = logging.getLogger("OmniHooks")
 
@@ -72,6 +74,8 @@ class AppliedFeature:
     node_title: str    # "Apply TeaCache"
     node_id: str | None
     settings: Any      # a frozen dataclass of what the node resolved at execute time
+    # set for one run by the drift check: what it could not verify about the model (a cache then computes every step)
+    unverified: tuple[str, ...] = ()
 
     def describe(self) -> str:
         return f"{self.node_title} (node #{self.node_id})" if self.node_id else self.node_title
@@ -348,6 +352,8 @@ def _outer_sample(executor, *args, **kwargs):
     guider.model_options["transformer_options"][RUN_KEY] = run
     status = "error"
     try:
+        features = checked_for_drift(guider.model_patcher, features)
+        guider.model_options["transformer_options"][FEATURES_KEY] = features  # what the run's calls (and ranks) see
         run.open(features)
         result = executor(*args, **kwargs)
         status = "success"
@@ -360,6 +366,24 @@ def _outer_sample(executor, *args, **kwargs):
             run.close(status)
         finally:
             guider.model_options = original_options
+
+
+def checked_for_drift(patcher, features: tuple[AppliedFeature, ...]) -> tuple[AppliedFeature, ...]:
+    """``features`` once the model passed ``drift.check_patcher``: ``ModelDriftError`` naming the nodes that rely on
+    what differs; caches marked with what could not be verified. Runs before anything is installed or exchanged."""
+    if not features:
+        return features
+    parallel = [f for f in features if f.category == Category.SEQUENCE_PARALLEL]
+    report = drift.check_patcher(patcher, sequence_parallel=bool(parallel))
+    error = (report.error(", ".join(f.describe() for f in features), (drift.MODEL,))
+             or report.error(", ".join(f.describe() for f in parallel), (drift.SEQUENCE_PLAN,)))
+    if error is not None:
+        raise error
+    for what in report.undecided:
+        log.warning("OmniHooks: %s: %s", report.family.display_name, what.what)
+    unverified = tuple(f.what for f in report.undecided)
+    return tuple(dataclasses.replace(f, unverified=unverified) if unverified and f.category == Category.CACHE else f
+                 for f in features)
 
 
 def _prepare_sampling(executor, model_patcher, *args, **kwargs):

@@ -72,6 +72,7 @@ class CacheRunStats:
     notes: list[str] = field(default_factory=list)  # facts about the setup worth showing (e.g. what 'auto' chose)
     # set when the block stack's output had another shape than its input, so no residual could be kept
     stack_shape_mismatch: bool = False
+    disabled: str | None = None  # why caching was disabled for the whole run (every step computed), if it was
 
     def record(self, record: EvaluationRecord) -> None:
         self.evaluations.append(record)
@@ -108,6 +109,8 @@ class CacheRunStats:
         if not self.evaluations or self.reused:
             return None
         reasons = [b.reason for e in self.evaluations for b in e.branches]
+        if self.disabled is not None:
+            return f"caching was disabled for this run, so every step is computed: {self.disabled}"
         if self.threshold <= 0:
             return "threshold is 0, so every step is computed"
         if all(r in ("first", "forced", "window", "retention", "calibrate") for r in reasons):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol
 
@@ -19,10 +20,11 @@ from comfy_api.latest import io
 
 from ...omni_hooks.context import CallContext
 from ...omni_hooks.stack_cache import StackCacheRun
-from ...omni_hooks.stats import CacheRunStats
+from ...omni_hooks.stats import BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
 from .. import families
 from .. import stats_store
+from ..drift import ModelDriftError
 from ..families import DetectedModel, model_input
 from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, named, register_feature
 from .inputs import (cache_device_for, cache_device_input, calibration_name, calibration_sampler_inputs,
@@ -151,6 +153,13 @@ class CacheSession(FeatureSession):
         self.settings = settings
         self.stats = CacheRunStats(kind=spec.kind, model=settings.model_label, threshold=settings.threshold,
                                    notes=list(settings.notes))
+        if feature.unverified and getattr(settings, "calibrate", False):  # a calibration must record: no fallback
+            raise ModelDriftError(f"{feature.describe()}: cannot calibrate, the model could not be fully checked "
+                                  f"before the run: {'; '.join(feature.unverified)}")
+        if feature.unverified:  # the drift check could not verify the model: no hook, every step computed
+            self.stats.disabled = ("the model could not be fully checked before the run: "
+                                   + "; ".join(feature.unverified))
+        self.call_started = 0.0  # of the current call, while caching is disabled
         self.adapter = families.detect(patcher)
         self.cache_device = cache_device_for(patcher, settings.cache_device)
         self.run: StackCacheRun | None = None
@@ -165,13 +174,21 @@ class CacheSession(FeatureSession):
         stats_store.run_started(self)
 
     def install(self, diffusion_model: torch.nn.Module) -> None:
-        self.run = self.spec.build_run(self, diffusion_model)
+        if self.stats.disabled is None:
+            self.run = self.spec.build_run(self, diffusion_model)
 
     def begin_call(self, context: CallContext) -> None:
+        if self.stats.disabled is not None:
+            self.call_started = time.perf_counter()
+            return
         self.run.begin_call(context)
 
     def end_call(self, context: CallContext) -> None:
-        record = self.run.end_call() if self.run is not None else None
+        if self.stats.disabled is not None:
+            record = computed_record(context, self.settings.threshold, time.perf_counter() - self.call_started)
+            self.stats.record(record)
+        else:
+            record = self.run.end_call() if self.run is not None else None
         if record is not None:
             stats_store.step_finished(self, record)
 
@@ -192,6 +209,14 @@ class CacheSession(FeatureSession):
             extra["world_size"] = world_size
         stats_store.run_finished(self, status, extra=extra or None)
         return True
+
+
+def computed_record(context: CallContext, threshold: float, seconds: float) -> EvaluationRecord:
+    """The record of a call computed because caching is disabled for the run (every branch: reason "disabled")."""
+    labels = list(context.labels) or ["all"]
+    return EvaluationRecord(step=context.step, total_steps=context.total_steps, computed=True, seconds=seconds,
+                            branches=[BranchDecision(branch=label, computed=True, reason="disabled", metric=None,
+                                                     threshold=threshold) for label in labels])
 
 
 def _register(spec: CacheSpec) -> None:

@@ -66,6 +66,37 @@ SequencePlanBuilder = Callable[[torch.nn.Module], Any]
 #: The attention modules of one diffusion model instance whose attention is exchanged across ranks. None means not
 #: declared.
 AttentionSitesBuilder = Callable[[torch.nn.Module], Sequence[torch.nn.Module]]
+#: ``probe(diffusion_model)``: a small sample of what one sequence plan input receives (the value itself, or for an
+#: output spec the module's output), made the way the model's forward makes it (same function, tiny sizes).
+InputProbe = Callable[[torch.nn.Module], Any]
+
+
+@dataclass(frozen=True)
+class ForwardParameters:
+    """What the pack assumes about one ``forward``'s parameters (checked against the model before every run).
+
+    ``params``: every parameter this forward is known to take, in any order (``"*args"`` / ``"**kwargs"`` spelled so
+    where the forward has them); ``positions``: the parameters the pack reads at a fixed position when a call passes
+    them positionally (name -> index, ``self`` not counted).
+    """
+
+    params: tuple[str, ...]
+    positions: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Expectations:
+    """What the pack assumes about a family's diffusion model, next to the code that assumes it.
+
+    ``blocks``: each block-stack attribute (a ModuleList) and its blocks' forward; ``call``: the diffusion model's
+    forward, whose arguments the DIFFUSION_MODEL wrapper gets; ``plan_inputs``: for sequence plan inputs keyed
+    ``(module id, input name or output index)``, how to make a sample of what they receive (its type and dims are
+    checked against the plan's specs).
+    """
+
+    blocks: Mapping[str, ForwardParameters]
+    call: ForwardParameters
+    plan_inputs: Mapping[tuple[str, str | int], InputProbe] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -82,6 +113,8 @@ class ModelFamily:
     ``recommendation_keys`` lists, by cache kind, every key ``resolve_variant`` may recommend; detection refuses a key
     outside them, and the tests check each exists in its table under this family. ``detect_before`` names families
     whose matcher must be tried after this one (e.g. Chroma before Flux), so precedence never rests on file order.
+    ``expects`` is what the family's code assumes about the model's blocks, call and plan inputs; ``nodes.drift``
+    checks it against the loaded model when a run starts.
     """
 
     name: str
@@ -95,6 +128,7 @@ class ModelFamily:
     detect_before: tuple[str, ...] = ()
     sequence_plan: SequencePlanBuilder | None = None
     attention_sites: AttentionSitesBuilder | None = None
+    expects: Expectations | None = field(default=None, hash=False)
 
     def resident_modules(self, diffusion_model: torch.nn.Module) -> dict[str, torch.nn.Module | torch.Tensor]:
         """The ``resident`` attributes this model has (modules or parameters), by name, in declaration order."""
@@ -134,6 +168,11 @@ class DetectedModel:
 
     def resident_modules(self, diffusion_model: torch.nn.Module) -> dict[str, torch.nn.Module | torch.Tensor]:
         return self.model_family.resident_modules(diffusion_model)
+
+
+def pe_embedder_probe(dm: torch.nn.Module) -> torch.Tensor:
+    """A plan input probe: the RoPE table ``dm.pe_embedder`` (ComfyUI's ``EmbedND``) makes for two positions."""
+    return dm.pe_embedder(torch.zeros(1, 2, len(dm.pe_embedder.axes_dim)))
 
 
 def call_arg(args: tuple, kwargs: dict, name: str, index: int, default=None):

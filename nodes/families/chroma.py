@@ -16,7 +16,8 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelFamily, AutoChoice, Variant, call_arg, skip_by_type
+from .base import (AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg, pe_embedder_probe,
+                   skip_by_type)
 from .flux import flux_layout_attention_sites, flux_layout_sequence_plan
 
 IMG = TensorArg("img", 0)
@@ -67,4 +68,12 @@ FAMILY = ModelFamily(
     recommendation_keys={"magcache": frozenset({"chroma"})},
     # model_base.Chroma subclasses model_base.Flux (ldm.chroma.model.Chroma and ldm.flux.model.Flux are unrelated
     # classes today): Chroma is tried first so that no future subclassing lets Flux's matcher take it
-    detect_before=("flux",))
+    detect_before=("flux",),
+    # Chroma's blocks have taken ``vec`` before and after ``pe``: it is read by name only
+    expects=Expectations(
+        blocks={"double_blocks": ForwardParameters(("img", "txt", "pe", "vec", "attn_mask", "transformer_options"),
+                                                   positions={"img": 0, "txt": 1}),
+                "single_blocks": ForwardParameters(("x", "pe", "vec", "attn_mask", "transformer_options"),
+                                                   positions={"x": 0})},
+        call=ForwardParameters(("x", "timestep", "context", "guidance", "control", "transformer_options", "**kwargs")),
+        plan_inputs={("pe_embedder", 0): pe_embedder_probe}))

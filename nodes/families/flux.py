@@ -21,7 +21,8 @@ from ...omni_hooks.sequence_parallel import (
     SequenceParallelSelfAttention,
 )
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelFamily, AutoChoice, Variant, call_arg, skip_by_type
+from .base import (AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg, pe_embedder_probe,
+                   skip_by_type)
 
 IMG = TensorArg("img", 0)
 TXT = TensorArg("txt", 1)
@@ -97,6 +98,16 @@ def flux_layout_attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
     return [*dm.double_blocks, *dm.single_blocks]
 
 
+#: The Flux-layout blocks as the code above calls and reads them (Flux, HunyuanVideo).
+FLUX_LAYOUT_BLOCKS = {
+    "double_blocks": ForwardParameters(
+        ("img", "txt", "vec", "pe", "attn_mask", "modulation_dims_img", "modulation_dims_txt", "transformer_options"),
+        positions={"img": 0, "txt": 1, "vec": 2, "modulation_dims_img": 5}),
+    "single_blocks": ForwardParameters(("x", "vec", "pe", "attn_mask", "modulation_dims", "transformer_options"),
+                                       positions={"x": 0}),
+}
+
+
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
     # exact class: ControlNetFlux subclasses Flux but is never a MODEL's diffusion model
     return type(dm) is flux_model.Flux and len(dm.double_blocks) > 0 and hasattr(dm, "final_layer")
@@ -132,4 +143,9 @@ FAMILY = ModelFamily(
     build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
     resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "final_layer"),
     sequence_plan=flux_layout_sequence_plan, attention_sites=flux_layout_attention_sites,
-    recommendation_keys={"teacache": frozenset({"flux"}), "magcache": frozenset({"flux"})})
+    recommendation_keys={"teacache": frozenset({"flux"}), "magcache": frozenset({"flux"})},
+    expects=Expectations(
+        blocks=FLUX_LAYOUT_BLOCKS,
+        call=ForwardParameters(("x", "timestep", "context", "y", "guidance", "ref_latents", "control",
+                                "transformer_options", "**kwargs")),
+        plan_inputs={("pe_embedder", 0): pe_embedder_probe}))

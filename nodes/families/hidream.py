@@ -19,7 +19,7 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelFamily, AutoChoice, Variant, skip_by_type
+from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, skip_by_type
 
 IMAGE = TensorArg("image_tokens", 0)
 TEXT = TensorArg("text_tokens", 2)
@@ -59,4 +59,10 @@ FAMILY = ModelFamily(
     name="hidream", display_name="HiDream-I1", matches=_matches, resolve_variant=_variant, build_stack=_stack,
     build_modulated_input=_modulated_input,
     resident=("x_embedder", "t_embedder", "p_embedder", "caption_projection", "final_layer"),
-    recommendation_keys={"teacache": frozenset({"hidream_i1_full"})})
+    recommendation_keys={"teacache": frozenset({"hidream_i1_full"})},
+    expects=Expectations(
+        blocks={name: ForwardParameters(("image_tokens", "image_tokens_masks", "text_tokens", "adaln_input", "rope",
+                                         "transformer_options"), positions={"image_tokens": 0, "text_tokens": 2})
+                for name in ("double_stream_blocks", "single_stream_blocks")},
+        call=ForwardParameters(("x", "t", "y", "context", "encoder_hidden_states_llama3", "image_cond", "control",
+                                "transformer_options"))))

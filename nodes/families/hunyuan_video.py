@@ -18,8 +18,9 @@ import torch
 from ...omni_hooks.blockstack import TensorArg
 from ...omni_hooks.sequence_parallel import SequenceParallelRefusedInput
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelFamily, AutoChoice, Variant, call_arg
-from .flux import flux_img_modulated, flux_layout_attention_sites, flux_layout_sequence_plan, flux_layout_stack
+from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg, pe_embedder_probe
+from .flux import (FLUX_LAYOUT_BLOCKS, flux_img_modulated, flux_layout_attention_sites, flux_layout_sequence_plan,
+                   flux_layout_stack)
 
 IMG = TensorArg("img", 0)
 
@@ -86,4 +87,10 @@ FAMILY = ModelFamily(
     build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
     resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "byt5_in", "time_r_in", "final_layer"),
     sequence_plan=_sequence_plan, attention_sites=flux_layout_attention_sites,
-    recommendation_keys={"teacache": frozenset({"hunyuan_video"}), "magcache": frozenset({"hunyuan_video"})})
+    recommendation_keys={"teacache": frozenset({"hunyuan_video"}), "magcache": frozenset({"hunyuan_video"})},
+    expects=Expectations(
+        blocks=FLUX_LAYOUT_BLOCKS,
+        call=ForwardParameters(("x", "timestep", "context", "y", "txt_byt5", "guidance", "attention_mask",
+                                "guiding_frame_index", "ref_latent", "disable_time_r", "control", "transformer_options",
+                                "**kwargs")),
+        plan_inputs={("pe_embedder", 0): pe_embedder_probe}))

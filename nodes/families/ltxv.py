@@ -15,7 +15,7 @@ import torch
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.sequence_parallel import SequenceParallelInput, SequenceParallelOutput, SequenceParallelSelfAttention
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelFamily, AutoChoice, Variant, call_arg
+from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg
 
 X = TensorArg("x", 0)
 NORM_INPUT = TensorArg("input", 0)  # norm_out(x): a LayerNorm called positionally
@@ -66,6 +66,11 @@ def _sequence_plan(dm: torch.nn.Module) -> dict:
     }
 
 
+def _pe_probe(dm: torch.nn.Module):
+    """What the blocks' ``pe`` is: the RoPE table of two positions, from the function _forward makes it with."""
+    return ltxv_model.precompute_freqs_cis(torch.zeros(1, 3, 2), dim=dm.inner_dim, out_dtype=torch.float32)
+
+
 def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
     return [block.attn1 for block in dm.transformer_blocks]
 
@@ -88,4 +93,11 @@ FAMILY = ModelFamily(
     # scale_shift_table is a parameter of the model itself (the final modulation), not of a block
     resident=("patchify_proj", "adaln_single", "caption_projection", "scale_shift_table", "norm_out", "proj_out"),
     sequence_plan=_sequence_plan, attention_sites=_attention_sites,
-    recommendation_keys={"teacache": frozenset({"ltxv"})})
+    recommendation_keys={"teacache": frozenset({"ltxv"})},
+    expects=Expectations(
+        blocks={"transformer_blocks": ForwardParameters(
+            ("x", "context", "attention_mask", "timestep", "pe", "transformer_options"),
+            positions={"x": 0, "timestep": 3})},
+        call=ForwardParameters(("x", "timestep", "context", "attention_mask", "frame_rate", "transformer_options",
+                                "keyframe_idxs", "**kwargs")),
+        plan_inputs={("transformer_blocks.*", "pe"): _pe_probe}))

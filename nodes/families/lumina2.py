@@ -17,7 +17,7 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelFamily, AutoChoice, Variant
+from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant
 
 X = TensorArg("x", 0)
 ADALN = TensorArg("adaln_input", 3)
@@ -53,4 +53,8 @@ FAMILY = ModelFamily(
     build_modulated_input=_modulated_input,
     resident=("x_embedder", "t_embedder", "cap_embedder", "noise_refiner", "context_refiner", "norm_final",
               "final_layer"),
-    recommendation_keys={"teacache": frozenset({"lumina_2"})})
+    recommendation_keys={"teacache": frozenset({"lumina_2"})},
+    expects=Expectations(
+        blocks={"layers": ForwardParameters(("x", "x_mask", "freqs_cis", "adaln_input", "transformer_options"),
+                                            positions={"x": 0, "adaln_input": 3})},
+        call=ForwardParameters(("x", "timesteps", "context", "num_tokens", "attention_mask", "**kwargs"))))

@@ -18,7 +18,7 @@ from ...omni_hooks.sequence_parallel import (
     SequenceParallelSelfAttention,
 )
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelFamily, AutoChoice, Variant, call_arg
+from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg, pe_embedder_probe
 
 HIDDEN = TensorArg("hidden_states", 0)
 ENCODER = TensorArg("encoder_hidden_states", 1)
@@ -88,4 +88,12 @@ FAMILY = ModelFamily(
     build_modulated_input=_modulated_input,
     resident=("img_in", "txt_norm", "txt_in", "time_text_embed", "norm_out", "proj_out"),
     sequence_plan=_sequence_plan, attention_sites=_attention_sites,
-    recommendation_keys={"teacache": frozenset({"qwen_image"}), "magcache": frozenset({"qwen_image"})})
+    recommendation_keys={"teacache": frozenset({"qwen_image"}), "magcache": frozenset({"qwen_image"})},
+    expects=Expectations(
+        blocks={"transformer_blocks": ForwardParameters(
+            ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb", "image_rotary_emb",
+             "transformer_options"),
+            positions={"hidden_states": 0, "encoder_hidden_states": 1, "temb": 3})},
+        call=ForwardParameters(("x", "timestep", "context", "attention_mask", "guidance", "ref_latents",
+                                "transformer_options", "**kwargs")),
+        plan_inputs={("transformer_blocks.*", "image_rotary_emb"): pe_embedder_probe}))

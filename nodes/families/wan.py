@@ -12,7 +12,7 @@ import torch
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.sequence_parallel import SequenceParallelInput, SequenceParallelOutput, SequenceParallelSelfAttention
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelFamily, AutoChoice, Variant
+from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant
 
 X = TensorArg("x", 0)
 
@@ -56,6 +56,11 @@ def _sequence_plan(dm: torch.nn.Module) -> dict:
         "blocks.*.self_attn": SequenceParallelSelfAttention(),
         "head": SequenceParallelOutput(gather_dim=1, expected_dims=3),
     }
+
+
+def _freqs_probe(dm: torch.nn.Module) -> torch.Tensor:
+    """The blocks' ``freqs``: the rotary table of a one-frame 2x2 latent, from the method forward makes it with."""
+    return dm.rope_encode(1, 2, 2, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
@@ -135,4 +140,10 @@ FAMILY = ModelFamily(
     sequence_plan=_sequence_plan, attention_sites=_attention_sites,
     recommendation_keys={"teacache": frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B"}),
                          "magcache": frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B",
-                                                "wan2.1_vace_1.3B", "wan2.1_vace_14B", "wan2.2_ti2v_5B"})})
+                                                "wan2.1_vace_1.3B", "wan2.1_vace_14B", "wan2.2_ti2v_5B"})},
+    expects=Expectations(
+        blocks={"blocks": ForwardParameters(("x", "e", "freqs", "context", "context_img_len", "transformer_options"),
+                                            positions={"x": 0, "e": 1})},
+        call=ForwardParameters(("x", "timestep", "context", "clip_fea", "time_dim_concat", "transformer_options",
+                                "**kwargs")),
+        plan_inputs={("blocks.*", "freqs"): _freqs_probe}))
