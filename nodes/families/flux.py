@@ -98,8 +98,10 @@ def flux_layout_attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
-    # exact class: ControlNetFlux subclasses Flux but is never a MODEL's diffusion model
-    return type(dm) is flux_model.Flux and len(dm.double_blocks) > 0 and hasattr(dm, "final_layer")
+    # exact class: ControlNetFlux subclasses Flux but is never a MODEL's diffusion model; Flux 2 (the same class with
+    # global_modulation: no modulation in the blocks) is the flux2 family
+    return (type(dm) is flux_model.Flux and not getattr(dm.params, "global_modulation", False)
+            and len(dm.double_blocks) > 0 and hasattr(dm, "final_layer"))
 
 
 def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:

@@ -40,3 +40,19 @@ def use_comfyui_in_process(cpu: bool = True) -> Path | None:
     import comfy.model_management  # noqa: F401  (device chosen now, with args.cpu set)
 
     return root
+
+
+def requires_comfy_class(module: str, name: str) -> None:
+    """Skip the calling test, in one line naming the ComfyUI version, when ComfyUI's ``module`` has no ``name``
+    (a model class newer than the checkout under test, e.g. ``comfy.model_base.Flux2`` on 0.3.64)."""
+    import importlib
+
+    import pytest
+
+    if hasattr(importlib.import_module(module), name):
+        return
+    try:
+        from comfyui_version import __version__ as version
+    except ImportError:
+        version = "(unknown version)"
+    pytest.skip(f"ComfyUI {version} has no {module}.{name}")

@@ -197,6 +197,22 @@ def test_offload_is_bit_identical_and_everything_is_restored(env, wan, forced, b
     assert torch.equal(env.tiny.sample(wan, steps=STEPS), baseline)  # the input MODEL is untouched
 
 
+@pytest.mark.parametrize("case_name", ["flux2", "z_image", "hunyuan_video15", "hunyuan_video15_sr"])
+def test_offload_on_comfyui_0_3_75_families_is_bit_identical(env, forced, case_name):
+    """Flux 2 (block modulation computed outside the blocks), Z-Image, HunyuanVideo 1.5 and its SR model: every block
+    offloaded, same output; skips in one line on a ComfyUI without the class."""
+    case = env.tiny.build_case(case_name)
+    baseline = env.tiny.sample(case, steps=3)
+    before = weights_state(case.diffusion_model)
+    probe = Probe(env, env.offload(case.patcher, blocks=99))  # more than the model has: all of them
+    out = env.tiny.sample(case, model=probe.model, steps=3)
+    assert torch.equal(out, baseline)
+    summary = probe.session(env).summary()
+    assert summary["status"] == "success" and summary["blocks_offloaded"] == summary["blocks"] > 1
+    assert_same_state(before, weights_state(case.diffusion_model))
+    assert_unhooked(case.diffusion_model)
+
+
 @pytest.mark.parametrize("room_for_kept", [2, 1])
 def test_kept_blocks_that_comfyui_left_off_the_device_are_completed_while_they_fit(env, wan, monkeypatch, room_for_kept):
     """Target "cpu:0": a device that compares unequal to "cpu", so every weight counts as left off the device by
