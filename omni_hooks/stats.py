@@ -42,7 +42,7 @@ class BranchDecision:
     branch: str            # "cond", "uncond", "cond.1", ...
     computed: bool
     reason: str            # "first", "forced", "window", "retention", "shape", "threshold", "max-skips", "reuse",
-    #                        "calibrate", "disabled", "other-branch", "other-rank"
+    #                        "calibrate", "disabled", "other-branch", "other-rank", "few-step"
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
 
@@ -71,6 +71,8 @@ class CacheRunStats:
     notes: list[str] = field(default_factory=list)  # facts about the setup worth showing (e.g. what 'auto' chose)
     # set when the block stack's output had another shape than its input, so no residual could be kept
     stack_shape_mismatch: bool = False
+    # set when the run had so few steps that the few-step rule (omni_hooks.few_step) applied: what it allowed, in words
+    few_step_note: str | None = None
 
     def record(self, record: EvaluationRecord) -> None:
         self.evaluations.append(record)
@@ -109,6 +111,10 @@ class CacheRunStats:
         reasons = [b.reason for e in self.evaluations for b in e.branches]
         if self.threshold <= 0:
             return "threshold is 0, so every step is computed"
+        if self.few_step_note is not None and all(
+                r in ("first", "forced", "window", "retention", "calibrate", "few-step", "threshold", "max-skips")
+                for r in reasons) and "few-step" in reasons:
+            return self.few_step_note
         if all(r in ("first", "forced", "window", "retention", "calibrate") for r in reasons):
             return ("every step was forced (first/last steps, retention steps or outside start/end percent); "
                     "use more steps or widen the start/end window")
@@ -156,7 +162,7 @@ class CacheRunStats:
             "estimated_speedup": (model_seconds + saved) / model_seconds if model_seconds > 0 else 1.0,
             "cache_bytes": self.cache_bytes,
             "warnings": warnings,
-            "notes": list(self.notes),
+            "notes": list(self.notes) + ([self.few_step_note] if self.few_step_note else []),
         }
 
     def log_line(self) -> str:

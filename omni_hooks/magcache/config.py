@@ -6,6 +6,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from ..few_step import FewStepRule
 from .interp import MagRatioTable
 
 MISSING_RATIOS = ("MagCache needs mag_ratios (the per-step magnitude ratios of this model's residual). Run once with "
@@ -42,6 +43,8 @@ class MagCacheConfig:
     end_percent: float = 1.0
     cache_device: torch.device | None = None
     calibrate: bool = False
+    #: the steps a run of few steps always computes (``omni_hooks.few_step``, e.g. ``FewStepRule()``); None: no rule
+    few_step: FewStepRule | None = None
     ratio_table: MagRatioTable | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -108,7 +108,8 @@ class MagCacheRun(StackCacheRun):
     def __init__(self, config: MagCacheConfig, stack: BlockStack, stats: CacheRunStats | None = None,
                  implicit_calls: bool = False):
         super().__init__(stack, MagCacheState, config.threshold, config.cache_device,
-                         stats or CacheRunStats(kind="magcache", model="unknown", threshold=config.threshold))
+                         stats or CacheRunStats(kind="magcache", model="unknown", threshold=config.threshold),
+                         few_step=None if config.calibrate else config.few_step)
         self.config = config
         self.implicit_calls = implicit_calls
         self.context: str | None = None

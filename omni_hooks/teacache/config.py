@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..few_step import FewStepRule
+
 
 @dataclass
 class TeaCacheConfig:
@@ -28,6 +30,8 @@ class TeaCacheConfig:
     end_percent: float = 1.0
     cache_device: torch.device | None = None
     calibrate: bool = False
+    #: the steps a run of few steps always computes (``omni_hooks.few_step``, e.g. ``FewStepRule()``); None: no rule
+    few_step: FewStepRule | None = None
 
     def __post_init__(self) -> None:
         self.coefficients = tuple(float(c) for c in self.coefficients)
