@@ -45,8 +45,9 @@ class FewStepRule:
     def describe(self, total_steps: int) -> str:
         """In words, for run statistics: what the rule allowed in a run of ``total_steps`` steps."""
         most = self.most_skippable(total_steps)
-        text = (f"few-step run ({total_steps} steps): the first {self.keep_start} and last {self.keep_end} steps are "
-                f"computed and no two steps in a row are skipped, so at most {most} of {total_steps} can be skipped")
+        last = "the last step" if self.keep_end == 1 else f"the last {self.keep_end} steps"
+        text = (f"few-step run ({total_steps} steps): the first {self.keep_start} steps and {last} are computed and "
+                f"no two steps in a row are skipped, so at most {most} of {total_steps} can be skipped")
         if most == 0:
             text += "; this run is too short for a cache to gain anything (use it on runs of more steps)"
         return text
