@@ -92,9 +92,10 @@ class Probe:
         def look(executor, *args, **kwargs):
             dm = executor.class_obj
             self.loaded_weight_memory.append(self.model.model.model_loaded_weight_memory)
+            last_block = dm.blocks[-1] if hasattr(dm, "blocks") else torch.nn.Module()  # Wan's; other families: none
             self.cast_mode_in_offloaded.append(any(
                 getattr(m, "comfy_cast_weights", False) and len(getattr(m, "weight_function", [])) > 0
-                for m in dm.blocks[-1].modules()))
+                for m in last_block.modules()))
             self.calls += 1
             if interrupt_at_call is not None and self.calls > interrupt_at_call:
                 raise comfy.model_management.InterruptProcessingException()
