@@ -49,10 +49,16 @@ def requires_comfy_class(module: str, name: str) -> None:
 
     import pytest
 
-    if hasattr(importlib.import_module(module), name):
-        return
-    try:
-        from comfyui_version import __version__ as version
-    except ImportError:
-        version = "(unknown version)"
-    pytest.skip(f"ComfyUI {version} has no {module}.{name}")
+    if not hasattr(importlib.import_module(module), name):
+        pytest.skip(f"ComfyUI {comfyui_version()} has no {module}.{name}")
+
+
+def comfyui_version() -> str:
+    """The version of the ComfyUI checkout under test (its ``comfyui_version.py``), or "(unknown version)"."""
+    import re
+
+    root = comfyui_path()
+    text = (root / "comfyui_version.py").read_text(encoding="utf-8") if root and (
+        root / "comfyui_version.py").is_file() else ""
+    match = re.search(r"__version__\s*=\s*[\"']([^\"']+)", text)
+    return match.group(1) if match else "(unknown version)"
