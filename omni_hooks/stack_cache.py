@@ -25,6 +25,7 @@ import torch
 from .base import BaseState, HookPhase, HookRegistry, ModelHook, StateManager, remove_hook_and_restore
 from .blockstack import BlockStack
 from .context import CallContext
+from .few_step import FEW_STEP_REASON, FewStepRule
 from .forecast import FORECAST, FORECAST_FALLBACK, ResidualHistory, check_order
 from .stats import BranchDecision, CacheRunStats, EvaluationRecord
 
@@ -88,9 +89,12 @@ class StackCacheRun:
 
     def __init__(self, stack: BlockStack, state_cls: type[CachedResidualState], threshold: float,
                  cache_device: torch.device | None, stats: CacheRunStats,
-                 capture_module: torch.nn.Module | None = None, forecast_order: int = 0):
+                 capture_module: torch.nn.Module | None = None, forecast_order: int = 0,
+                 few_step: FewStepRule | None = None):
         self.stack = stack
         self.forecast_order = check_order(forecast_order)
+        self.few_step = few_step
+        self._skipped_steps: set[int] = set()
         self.threshold = threshold
         self.cache_device = cache_device
         self.states = StateManager(state_cls)
@@ -158,6 +162,11 @@ class StackCacheRun:
             call.chunk = 1
         size = batch // call.chunk
         decisions = self.decide_branches(call, head, args, kwargs, hidden, size)
+        step, total = call.context.step, call.context.total_steps
+        if self.few_step is not None and self.few_step.applies(total):
+            self.stats.few_step_note = self.few_step.describe(total)
+            if self.few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
+                decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == "reuse" else d for d in decisions]
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
             if decisions[i].reason == "reuse" and (
@@ -168,6 +177,8 @@ class StackCacheRun:
         # under sequence parallelism every rank must take the same path, or one waits in a collective forever
         compute = agreement.any(local_compute) if agreement is not None else local_compute
         self.after_decision(call, compute)
+        if not compute and step is not None:
+            self._skipped_steps.add(step)
         reuse_reason = "other-branch" if local_compute else "other-rank"
         call.record = EvaluationRecord(
             step=call.context.step, total_steps=call.context.total_steps, computed=compute,

@@ -42,8 +42,8 @@ class BranchDecision:
     branch: str            # "cond", "uncond", "cond.1", ...
     computed: bool
     reason: str            # "first", "forced", "window", "retention", "shape", "threshold", "max-skips", "reuse",
-    #                        "calibrate", "disabled", "other-branch", "other-rank"; a skipped branch is "reuse",
-    #                        "forecast" (its residual extrapolated) or "forecast-fallback" (a non-finite forecast)
+    #                        "calibrate", "disabled", "other-branch", "other-rank", "few-step"; a skipped branch is
+    #                        "reuse", "forecast" (its residual extrapolated) or "forecast-fallback" (a non-finite forecast)
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
 
@@ -73,6 +73,8 @@ class CacheRunStats:
     # set when the block stack's output had another shape than its input, so no residual could be kept
     stack_shape_mismatch: bool = False
     disabled: str | None = None  # why caching was disabled for the whole run (every step computed), if it was
+    # set when the run had so few steps that the few-step rule (omni_hooks.few_step) applied: what it allowed, in words
+    few_step_note: str | None = None
 
     def record(self, record: EvaluationRecord) -> None:
         self.evaluations.append(record)
@@ -113,6 +115,10 @@ class CacheRunStats:
             return f"caching was disabled for this run, so every step is computed: {self.disabled}"
         if self.threshold <= 0:
             return "threshold is 0, so every step is computed"
+        if self.few_step_note is not None and all(
+                r in ("first", "forced", "window", "retention", "calibrate", "few-step", "threshold", "max-skips")
+                for r in reasons) and "few-step" in reasons:
+            return self.few_step_note
         if all(r in ("first", "forced", "window", "retention", "calibrate") for r in reasons):
             return ("every step was forced (first/last steps, retention steps or outside start/end percent); "
                     "use more steps or widen the start/end window")
@@ -160,7 +166,7 @@ class CacheRunStats:
             "estimated_speedup": (model_seconds + saved) / model_seconds if model_seconds > 0 else 1.0,
             "cache_bytes": self.cache_bytes,
             "warnings": warnings,
-            "notes": list(self.notes),
+            "notes": list(self.notes) + ([self.few_step_note] if self.few_step_note else []),
         }
 
     def log_line(self) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
+from ...omni_hooks.few_step import FewStepRule
 from ...omni_hooks.magcache import MagCacheConfig, MagCacheRun, MagCacheStrategy, apply_mag_cache_hook, interleave
 from ...omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_interleaved
 from ...omni_hooks.stack_cache import StackCacheRun
@@ -165,7 +166,7 @@ def _config(settings: MagCacheSettings, cache_device: torch.device | None) -> Ma
         threshold=settings.threshold, max_skip_steps=settings.max_skip_steps,
         retention_ratio=settings.retention_ratio, start_percent=settings.start_percent,
         end_percent=settings.end_percent, cache_device=cache_device, calibrate=settings.calibrate,
-        forecast_order=settings.forecast_order,
+        forecast_order=settings.forecast_order, few_step=FewStepRule(),
         mag_ratios=None if settings.calibrate else {name: list(values) for name, values in settings.curves})
 
 

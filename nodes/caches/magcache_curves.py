@@ -6,7 +6,8 @@ here into a cond and an uncond curve: each branch reads its own curve at its own
 (``omni_hooks.magcache.MagRatioTable``). Tables published without the leading 1.0 pads their scripts prepend get them
 back here (``pad``). Every curve is nearest-interpolated to the run's step count.
 
-Not offered: the FLUX.2 curve (no FLUX.2 in ComfyUI 0.3.64), HunyuanVideo 1.5, FramePack and OmniGen2 (no adapter in
+The FLUX.2 and HunyuanVideo 1.5 curves serve ComfyUI 0.3.75's Flux 2 and HunyuanVideo 1.5 (families ``flux2``,
+``hunyuan_video15``; nothing matches them on older ComfyUI). Not offered: FramePack and OmniGen2 (no adapter in
 this pack), and kijai/ComfyUI-WanVideoWrapper's Wan 2.2 A14B entries (they are the TI2V-5B curves, see below).
 
 Wan 2.2 A14B, two experts -- the rule
@@ -305,6 +306,35 @@ _RAW: list[_Raw] = [
         0.98307, 0.98185, 0.98187, 0.98131, 0.98131, 0.9783, 0.97835, 0.97619, 0.9762, 0.97264, 0.9727, 0.97088,
         0.97098, 0.96568, 0.9658, 0.96045, 0.96055, 0.95322, 0.95335, 0.94579, 0.94594, 0.93297, 0.93311, 0.91699,
         0.9172, 0.89174, 0.89202, 0.8541, 0.85446, 0.79823, 0.79902]),
+    # source: RuixiangMa/vllm-omni (vllm-project/vllm-omni PR #1287) vllm_omni/diffusion/cache/magcache/strategy.py
+    # @1e222bf Flux2MagCacheStrategy.FLUX2_MAG_RATIOS
+    # FLUX.2 (dev, embedded guidance: one per step), 28 steps; no other source.
+    _Raw('flux2', 'flux2', 'per step', pad=0, calibrated_steps=28,
+         source=_VLLM + " Flux2MagCacheStrategy.FLUX2_MAG_RATIOS", values=[
+        1.0, 0.96528, 1.11559, 1.0565, 1.00425, 1.0805, 0.98616, 1.09289, 1.03196, 1.06679, 1.03941, 1.05375, 1.03128,
+        1.05349, 1.01983, 1.05535, 1.0662, 1.05748, 1.00318, 1.05222, 1.04556, 1.0506, 1.05058, 1.05219, 1.02025,
+        1.05052, 1.04143, 1.0498]),
+    # source: Zehong-Ma/ComfyUI-MagCache nodes.py @47bdd2a SUPPORTED_MODELS_MAG_RATIOS['hunyuan_video1.5'] (nodes.py
+    # lines 18-34)
+    # HunyuanVideo 1.5, 20 steps x cond/uncond (ComfyUI-MagCache: 'only support cfg>1').
+    _Raw('hunyuan_video1.5', 'hunyuan_video15', 'interleaved', pad=0, calibrated_steps=20,
+         source=_COMFY + "['hunyuan_video1.5']", values=[
+        1.0, 1.0, 1.01172, 1.00293, 0.9873, 1.0127, 1.01465, 0.98926, 0.99805, 1.00098, 0.99512, 0.99365, 0.99512,
+        0.99561, 0.99316, 0.99365, 0.99365, 0.99365, 0.99316, 0.99316, 0.99268, 0.99268, 0.9917, 0.9917, 0.99023,
+        0.99023, 0.98828, 0.98877, 0.98633, 0.98633, 0.9834, 0.9834, 0.97949, 0.97998, 0.97363, 0.97363, 0.96436,
+        0.96436, 0.94824, 0.94873]),
+    # source: Zehong-Ma/ComfyUI-MagCache nodes.py @47bdd2a SUPPORTED_MODELS_MAG_RATIOS['hunyuan_video1.5_40steps']
+    # (nodes.py lines 18-34)
+    # HunyuanVideo 1.5, 40 steps x cond/uncond; ComfyUI-MagCache uses it when the schedule has more than 20 steps.
+    _Raw('hunyuan_video1.5_40steps', 'hunyuan_video15', 'interleaved', pad=0, calibrated_steps=40,
+         source=_COMFY + "['hunyuan_video1.5_40steps']", values=[
+        1.0, 1.0, 1.04199, 1.01953, 1.01172, 1.01855, 1.00293, 1.00586, 1.00098, 1.00195, 1.0, 1.00098, 0.99805,
+        0.99902, 0.99854, 0.99805, 0.99658, 0.99756, 0.99707, 0.99512, 0.99609, 0.99609, 0.99658, 0.99658, 0.99658,
+        0.99805, 0.99658, 0.99707, 0.99561, 0.99561, 0.99561, 0.99658, 0.99658, 0.99658, 0.99609, 0.99658, 0.99512,
+        0.99561, 0.99463, 0.99512, 0.99463, 0.99512, 0.99463, 0.99512, 0.99365, 0.99414, 0.99365, 0.99365, 0.99219,
+        0.99219, 0.99219, 0.99268, 0.99072, 0.99121, 0.99072, 0.99072, 0.98926, 0.98975, 0.9873, 0.98779, 0.98535,
+        0.98584, 0.9834, 0.9834, 0.97998, 0.97998, 0.97607, 0.97607, 0.96973, 0.96973, 0.96338, 0.96338, 0.9502,
+        0.9502, 0.93066, 0.93066, 0.896, 0.896, 0.81787, 0.81836]),
 ]
 
 # Wan 2.2 A14B: the first step of the low-noise expert in the official 40-step calibration (the dip in each curve).

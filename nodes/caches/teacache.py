@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
+from ...omni_hooks.few_step import FewStepRule
 from ...omni_hooks.stack_cache import StackCacheRun
 from ...omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients
 from . import calibration_files
@@ -116,7 +117,8 @@ def _build_run(session: CacheSession, diffusion_model: torch.nn.Module) -> TeaCa
     config = TeaCacheConfig(rel_l1_thresh=settings.rel_l1_thresh, coefficients=settings.coefficients,
                             ret_steps=settings.ret_steps, start_percent=settings.start_percent,
                             end_percent=settings.end_percent, cache_device=session.cache_device,
-                            calibrate=settings.calibrate, forecast_order=settings.forecast_order)
+                            calibrate=settings.calibrate, forecast_order=settings.forecast_order,
+                            few_step=FewStepRule())
     stack = session.adapter.build_stack(diffusion_model)
     signal = session.adapter.build_modulated_input(diffusion_model, settings.signal)
     return apply_teacache_hook(stack, config, signal, session.stats)

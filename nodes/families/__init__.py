@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 from comfy_api.latest import io
 
+from ._refused import refusal
 from .base import AutoChoice, DetectedModel, ModelFamily, UnsupportedModelError, Variant
 
 _NOT_FAMILIES = {"base"}
@@ -91,9 +92,10 @@ def detect(patcher) -> DetectedModel:
             if family.matches(base_model, dm):
                 return _detected(family, family.resolve_variant(base_model, dm))
     name = type(dm).__name__ if dm is not None else type(base_model).__name__
+    why = refusal(base_model)
     raise UnsupportedModelError(
-        f"{name} ({type(base_model).__name__}) is not a diffusion transformer this pack supports. "
-        f"Supported families: {supported_families()}.")
+        f"{name} ({type(base_model).__name__}) is not a diffusion transformer this pack supports"
+        f"{f': {why}' if why else ''}. Supported families: {supported_families()}.")
 
 
 def detect_for_node(node_title: str, model) -> DetectedModel:

@@ -109,8 +109,10 @@ FLUX_LAYOUT_BLOCKS = {
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
-    # exact class: ControlNetFlux subclasses Flux but is never a MODEL's diffusion model
-    return type(dm) is flux_model.Flux and len(dm.double_blocks) > 0 and hasattr(dm, "final_layer")
+    # exact class: ControlNetFlux subclasses Flux but is never a MODEL's diffusion model; Flux 2 (the same class with
+    # global_modulation: no modulation in the blocks) is the flux2 family
+    return (type(dm) is flux_model.Flux and not getattr(dm.params, "global_modulation", False)
+            and len(dm.double_blocks) > 0 and hasattr(dm, "final_layer"))
 
 
 def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:

@@ -55,8 +55,15 @@ def _sequence_plan(dm: torch.nn.Module) -> dict:
     return plan
 
 
+def is_hunyuan_video15(dm: torch.nn.Module) -> bool:
+    """True for a HunyuanVideo built as HunyuanVideo 1.5 (ComfyUI 0.3.75: a SigLIP ``vision_in_dim``), the
+    hunyuan_video15 family."""
+    return getattr(dm, "vision_in_dim", None) is not None
+
+
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
-    return isinstance(dm, hy_model.HunyuanVideo) and len(dm.double_blocks) > 0 and hasattr(dm, "final_layer")
+    return (isinstance(dm, hy_model.HunyuanVideo) and not is_hunyuan_video15(dm) and len(dm.double_blocks) > 0
+            and hasattr(dm, "final_layer"))
 
 
 def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:

@@ -23,13 +23,15 @@ X = TensorArg("x", 0)
 ADALN = TensorArg("adaln_input", 3)
 
 
-def _stack(dm: torch.nn.Module) -> BlockStack:
+def lumina_stack(dm: torch.nn.Module) -> BlockStack:
+    """``layers`` then ``final_layer`` of a NextDiT (Lumina 2, Z-Image)."""
     # Out-of-place blocks and no ControlNet path: the head input is never modified, no clone needed.
     return BlockStack(blocks=list(dm.layers), tail=dm.final_layer, head_hidden=X, tail_hidden=X,
                       skip_block=skip_returning(X), clone_head_input=False)
 
 
-def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+def lumina_modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+    """A NextDiT's TeaCache signal (Lumina 2, Z-Image): ``adaln_input``, or layers[0]'s first modulation."""
     if signal == "modulated":
         def compute(block, args, kwargs, captured):
             scale_msa = block.adaLN_modulation(ADALN.get(args, kwargs)).chunk(4, dim=1)[0]
@@ -38,8 +40,17 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     return ModulatedInput(compute=lambda block, args, kwargs, captured: ADALN.get(args, kwargs))
 
 
+def is_z_image(dm: torch.nn.Module) -> bool:
+    """True for a NextDiT built as Z-Image (ComfyUI 0.3.75's ``z_image_modulation``): modulated blocks whose
+    ``adaLN_modulation`` is one Linear, without Lumina 2's SiLU."""
+    if not isinstance(dm, lumina_model.NextDiT) or len(dm.layers) == 0 or not dm.layers[0].modulation:
+        return False
+    return not isinstance(dm.layers[0].adaLN_modulation[0], torch.nn.SiLU)
+
+
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
-    return isinstance(dm, lumina_model.NextDiT) and len(dm.layers) > 0 and bool(dm.layers[0].modulation)
+    return (isinstance(dm, lumina_model.NextDiT) and len(dm.layers) > 0 and bool(dm.layers[0].modulation)
+            and not is_z_image(dm))
 
 
 def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
@@ -49,8 +60,8 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 
 
 FAMILY = ModelFamily(
-    name="lumina2", display_name="Lumina Image 2.0", matches=_matches, resolve_variant=_variant, build_stack=_stack,
-    build_modulated_input=_modulated_input,
+    name="lumina2", display_name="Lumina Image 2.0", matches=_matches, resolve_variant=_variant, build_stack=lumina_stack,
+    build_modulated_input=lumina_modulated_input,
     resident=("x_embedder", "t_embedder", "cap_embedder", "noise_refiner", "context_refiner", "norm_final",
               "final_layer"),
     recommendation_keys={"teacache": frozenset({"lumina_2"})},

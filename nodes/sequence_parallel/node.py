@@ -105,9 +105,10 @@ def split_batch(runtime, args: tuple, kwargs: dict, options: dict) -> tuple[tupl
 
 
 def _heads(dm: torch.nn.Module, family: ModelFamily) -> int:
-    """The attention head count: ``num_heads`` of the model or of its ``params`` (Wan, Flux), else of its first
-    attention site (``num_heads`` or ``heads``, e.g. Qwen-Image's ``attn``)."""
-    heads = getattr(dm, "num_heads", None) or getattr(getattr(dm, "params", None), "num_heads", None)
+    """The attention head count: ``num_heads`` of the model or of its ``params`` (Wan, Flux) or its ``n_heads``
+    (Z-Image's NextDiT), else of its first attention site (``num_heads`` or ``heads``, e.g. Qwen-Image's ``attn``)."""
+    heads = (getattr(dm, "num_heads", None) or getattr(getattr(dm, "params", None), "num_heads", None)
+             or getattr(dm, "n_heads", None))
     sites = family.attention_sites(dm) if heads is None and family.attention_sites is not None else []
     if sites:
         heads = getattr(sites[0], "num_heads", None) or getattr(sites[0], "heads", None)

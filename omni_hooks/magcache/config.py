@@ -7,6 +7,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ..forecast import check_order
+from ..few_step import FewStepRule
 from .interp import MagRatioTable
 
 MISSING_RATIOS = ("MagCache needs mag_ratios (the per-step magnitude ratios of this model's residual). Run once with "
@@ -46,6 +47,8 @@ class MagCacheConfig:
     cache_device: torch.device | None = None
     calibrate: bool = False
     forecast_order: int = 0
+    #: the steps a run of few steps always computes (``omni_hooks.few_step``, e.g. ``FewStepRule()``); None: no rule
+    few_step: FewStepRule | None = None
     ratio_table: MagRatioTable | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

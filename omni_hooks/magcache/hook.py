@@ -109,7 +109,8 @@ class MagCacheRun(StackCacheRun):
                  implicit_calls: bool = False):
         super().__init__(stack, MagCacheState, config.threshold, config.cache_device,
                          stats or CacheRunStats(kind="magcache", model="unknown", threshold=config.threshold),
-                         forecast_order=config.forecast_order)
+                         forecast_order=config.forecast_order,
+                         few_step=None if config.calibrate else config.few_step)
         self.config = config
         self.implicit_calls = implicit_calls
         self.context: str | None = None

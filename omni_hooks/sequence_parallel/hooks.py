@@ -206,10 +206,20 @@ class SequenceParallelGatherHook(SequenceParallelHook):
                                                             f"output {i} at {self.module_id!r}"):
                 continue
             dim = spec.gather_dim % x.dim()
+            replicated = None
+            if spec.replicated_position is not None:
+                shard_len = self.runtime.split_length(spec.shard_group, "shard")
+                text_len = x.shape[dim] - shard_len
+                front = spec.replicated_position == "front"
+                replicated = x.narrow(dim, 0 if front else shard_len, text_len)
+                x = x.narrow(dim, text_len if front else 0, shard_len)
             gathered = self.runtime.sp_comm.all_gather(x, dim, GATHER_KIND)
             record = self.runtime.padding.get(spec.shard_group)  # per output: its own sequence's length
             if record is not None and gathered.shape[dim] > record.original_len:
                 gathered = gathered.narrow(dim, 0, record.original_len)
+            if replicated is not None:
+                parts = (replicated, gathered) if spec.replicated_position == "front" else (gathered, replicated)
+                gathered = torch.cat(parts, dim)
             outputs[i] = gathered
         return outputs[0] if single else type(output)(outputs)
 

@@ -114,11 +114,23 @@ class SequenceParallelPartialInput:
 @dataclass(frozen=True)
 class SequenceParallelOutput:
     """Gather a module output along ``gather_dim`` from every rank (rank order) and drop the padding of
-    ``shard_group`` (None: the default sequence) if its length was padded."""
+    ``shard_group`` (None: the default sequence) if its length was padded.
+
+    ``replicated_position``: None when the output holds only this rank's shard; "front" (``[text | shard]``) or
+    "rear" (``[shard | text]``) when it also holds replicated tokens, the same on every rank (e.g. the caption of a
+    joint sequence): those are kept from this rank, next to the gathered sequence, in the same layout. Their length is
+    the output's length minus this rank's shard of ``shard_group``, which must have been split with ``auto_pad=True``.
+    """
 
     gather_dim: int
     expected_dims: int | None = None
     shard_group: str | None = None
+    replicated_position: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicated_position not in (None, "front", "rear"):
+            raise ValueError(f"SequenceParallelOutput: replicated_position must be None, 'front' or 'rear', got "
+                             f"{self.replicated_position!r}")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..forecast import check_order
+from ..few_step import FewStepRule
 
 
 @dataclass
@@ -33,6 +34,8 @@ class TeaCacheConfig:
     cache_device: torch.device | None = None
     calibrate: bool = False
     forecast_order: int = 0
+    #: the steps a run of few steps always computes (``omni_hooks.few_step``, e.g. ``FewStepRule()``); None: no rule
+    few_step: FewStepRule | None = None
 
     def __post_init__(self) -> None:
         self.forecast_order = check_order(self.forecast_order)

@@ -64,7 +64,8 @@ class TeaCacheRun(StackCacheRun):
                  stats: CacheRunStats | None = None):
         super().__init__(stack, TeaCacheState, config.rel_l1_thresh, config.cache_device,
                          stats or CacheRunStats(kind="teacache", model="unknown", threshold=config.rel_l1_thresh),
-                         capture_module=modulated_input.capture, forecast_order=config.forecast_order)
+                         capture_module=modulated_input.capture, forecast_order=config.forecast_order,
+                         few_step=None if config.calibrate else config.few_step)
         self.config = config
         self.modulated_input = modulated_input
         self.rescale = np.poly1d(config.coefficients)

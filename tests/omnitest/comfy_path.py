@@ -40,3 +40,25 @@ def use_comfyui_in_process(cpu: bool = True) -> Path | None:
     import comfy.model_management  # noqa: F401  (device chosen now, with args.cpu set)
 
     return root
+
+
+def requires_comfy_class(module: str, name: str) -> None:
+    """Skip the calling test, in one line naming the ComfyUI version, when ComfyUI's ``module`` has no ``name``
+    (a model class newer than the checkout under test, e.g. ``comfy.model_base.Flux2`` on 0.3.64)."""
+    import importlib
+
+    import pytest
+
+    if not hasattr(importlib.import_module(module), name):
+        pytest.skip(f"ComfyUI {comfyui_version()} has no {module}.{name}")
+
+
+def comfyui_version() -> str:
+    """The version of the ComfyUI checkout under test (its ``comfyui_version.py``), or "(unknown version)"."""
+    import re
+
+    root = comfyui_path()
+    text = (root / "comfyui_version.py").read_text(encoding="utf-8") if root and (
+        root / "comfyui_version.py").is_file() else ""
+    match = re.search(r"__version__\s*=\s*[\"']([^\"']+)", text)
+    return match.group(1) if match else "(unknown version)"

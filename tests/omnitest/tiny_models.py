@@ -117,6 +117,8 @@ class _Spec:
     unet_config: dict
     inputs: Callable[[torch.Generator], _Inputs]
     cfg: float
+    #: the ComfyUI class this case needs, ``(module, name)``: on a ComfyUI without it, building the case skips the test
+    requires: Optional[tuple[str, str]] = None
 
 
 def _wan_config(**over: Any) -> dict:
@@ -229,6 +231,53 @@ def _hidream_inputs(g: torch.Generator) -> _Inputs:
     return pos, neg, torch.zeros(1, 16, 8, 8), None
 
 
+def _flux2_inputs(g: torch.Generator) -> _Inputs:
+    # Mistral text encoder, no pooled output; ComfyUI pads the text to 512 tokens (model_base.Flux2.extra_conds).
+    pos, neg = _pair(g, 8, 32, lambda: {"pooled_output": None, "guidance": 4.0})
+    return pos, neg, torch.zeros(1, 128, 8, 8), None  # EmptyFlux2LatentImage(128x128)
+
+
+def _z_image_inputs(g: torch.Generator) -> _Inputs:
+    ones = torch.ones(1, 8, dtype=torch.long)
+    pos, neg = _pair(g, 8, 32, lambda: {"attention_mask": ones})
+    return pos, neg, torch.zeros(1, 16, 8, 8), None  # EmptySD3LatentImage(64x64): 16 tokens, padded to 32
+
+
+def _hunyuan_video15_inputs(g: torch.Generator) -> _Inputs:
+    # Qwen2.5-VL text plus ByT5 glyph tokens (conditioning_byt5small); HunyuanVideo15EmptyLatent: 32 channels
+    pos, neg = _pair(g, 8, 32, lambda: {"pooled_output": None, "conditioning_byt5small": _randn(g, 1, 4, 1472)})
+    return pos, neg, torch.zeros(1, 32, 2, 8, 8), None
+
+
+def _hunyuan_video15_sr_inputs(g: torch.Generator) -> _Inputs:
+    # HunyuanVideo15SuperResolution: concat_latent_image [B, 2C + 2, T, H, W] with the upscaled low-resolution latent
+    # at [C + 1, 2C + 1) and ones at 2C + 1; noise_augmentation.
+    cond = torch.zeros(1, 66, 2, 8, 8)
+    cond[:, 33:65] = _randn(g, 1, 32, 2, 8, 8)
+    cond[:, 65] = 1.0
+    pos, neg = _pair(g, 8, 32, lambda: {"pooled_output": None, "conditioning_byt5small": _randn(g, 1, 4, 1472),
+                                        "concat_latent_image": cond, "noise_augmentation": 0.7})
+    return pos, neg, torch.zeros(1, 32, 2, 8, 8), None
+
+
+def _hunyuan_video15_config(**over: Any) -> dict:
+    config = {
+        "image_model": "hunyuan_video", "in_channels": 65, "out_channels": 32, "patch_size": [1, 1, 1],
+        "vec_in_dim": None, "context_in_dim": 32, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2,
+        "depth": 2, "depth_single_blocks": 0, "axes_dim": [8, 12, 12], "theta": 256, "qkv_bias": True,
+        "guidance_embed": False, "byt5": True, "meanflow": False, "use_cond_type_embedding": True,
+        "vision_in_dim": 1152,
+    }
+    config.update(over)
+    return config
+
+
+_FLUX2 = ("comfy.model_base", "Flux2")
+_HUNYUAN_VIDEO15 = ("comfy.model_base", "HunyuanVideo15")
+# NextDiT's z_image_modulation (ComfyUI 0.3.75, with Z-Image); comfy.supported_models.ZImage only matches dim 3840
+_Z_IMAGE = ("comfy.supported_models", "ZImage")
+
+
 _SPECS: dict[str, _Spec] = {
     "wan21_t2v": _Spec("wan", "WAN21_T2V", "WAN21", _wan_config(), _wan_t2v_inputs, 5.0),
     "wan21_i2v": _Spec("wan", "WAN21_I2V", "WAN21", _wan_config(model_type="i2v", in_dim=36), _wan_i2v_inputs, 5.0),
@@ -270,6 +319,26 @@ _SPECS: dict[str, _Spec] = {
         "caption_channels": [32, 48], "text_emb_dim": 32, "num_routed_experts": 4, "num_activated_experts": 2,
         "axes_dims_rope": [16, 8, 8], "max_resolution": [128, 128], "llama_layers": [0, 1],
     }, _hidream_inputs, 5.0),
+    "flux2": _Spec("flux2", "Flux2", "Flux2", {
+        "image_model": "flux2", "in_channels": 128, "out_channels": 128, "patch_size": 1, "vec_in_dim": None,
+        "context_in_dim": 32, "hidden_size": 64, "mlp_ratio": 3.0, "num_heads": 2, "depth": 1,
+        "depth_single_blocks": 1, "axes_dim": [8, 8, 8, 8], "theta": 2000, "qkv_bias": False, "guidance_embed": True,
+        "global_modulation": True, "mlp_silu_act": True, "ops_bias": False, "default_ref_method": "index",
+        "ref_index_scale": 10.0,
+    }, _flux2_inputs, 1.0, requires=_FLUX2),
+    # Z-Image's NextDiT at dim 256 (its modulation needs dim >= 256), built through the Lumina2 config class (the
+    # one that builds model_base.Lumina2 for ZImage too): ZImage's matcher only accepts the released dim 3840.
+    "z_image": _Spec("z_image", "Lumina2", "Lumina2", {
+        "image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 256, "n_layers": 2,
+        "n_refiner_layers": 1, "n_heads": 4, "n_kv_heads": 4, "multiple_of": 256, "ffn_dim_multiplier": 8.0 / 3.0,
+        "qk_norm": True, "cap_feat_dim": 32, "axes_dims": [16, 24, 24], "axes_lens": [1536, 512, 512],
+        "rope_theta": 256.0, "z_image_modulation": True, "time_scale": 1000.0, "pad_tokens_multiple": 32,
+    }, _z_image_inputs, 4.0, requires=_Z_IMAGE),
+    "hunyuan_video15": _Spec("hunyuan_video15", "HunyuanVideo15", "HunyuanVideo15", _hunyuan_video15_config(),
+                             _hunyuan_video15_inputs, 6.0, requires=_HUNYUAN_VIDEO15),
+    "hunyuan_video15_sr": _Spec("hunyuan_video15", "HunyuanVideo15_SR_Distilled", "HunyuanVideo15_SR_Distilled",
+                                _hunyuan_video15_config(in_channels=98, meanflow=True), _hunyuan_video15_sr_inputs,
+                                1.0, requires=_HUNYUAN_VIDEO15),
 }
 
 #: Every case name ``build_case`` accepts, in a stable order.
@@ -338,6 +407,10 @@ def build_case(name: str, seed: int = 0, unet_overrides: Optional[dict] = None,
         spec = _SPECS[name]
     except KeyError:
         raise KeyError(f"unknown tiny model {name!r}; choose from {CASES}") from None
+    if spec.requires is not None:
+        from omnitest.comfy_path import requires_comfy_class
+
+        requires_comfy_class(*spec.requires)
     if unet_overrides:
         spec = dataclasses.replace(spec, unet_config={**spec.unet_config, **unet_overrides})
     patcher = _build_patcher(spec, seed)

@@ -9,7 +9,7 @@ from omnitest.tiny_models import CASES
 
 pytestmark = pytest.mark.host
 
-DISTILLED = {"flux", "flux_schnell", "flux_kontext", "hunyuan_video"}
+DISTILLED = {"flux", "flux_schnell", "flux_kontext", "hunyuan_video", "flux2", "hunyuan_video15_sr"}
 # Generous bound for a shared 2-core CI runner; observed ~0.02-0.05 s per 3-step run (first run ~0.3 s).
 MAX_SECONDS = 5.0
 

@@ -94,9 +94,10 @@ class Probe:
         def look(executor, *args, **kwargs):
             dm = executor.class_obj
             self.loaded_weight_memory.append(self.model.model.model_loaded_weight_memory)
+            last_block = dm.blocks[-1] if hasattr(dm, "blocks") else torch.nn.Module()  # Wan's; other families: none
             self.cast_mode_in_offloaded.append(any(
                 getattr(m, "comfy_cast_weights", False) and len(getattr(m, "weight_function", [])) > 0
-                for m in dm.blocks[-1].modules()))
+                for m in last_block.modules()))
             self.calls += 1
             if interrupt_at_call is not None and self.calls > interrupt_at_call:
                 raise comfy.model_management.InterruptProcessingException()
@@ -197,6 +198,22 @@ def test_offload_is_bit_identical_and_everything_is_restored(env, wan, forced, b
     assert_same_state(before, weights_state(wan.diffusion_model))
     assert_unhooked(wan.diffusion_model)
     assert torch.equal(env.tiny.sample(wan, steps=STEPS), baseline)  # the input MODEL is untouched
+
+
+@pytest.mark.parametrize("case_name", ["flux2", "z_image", "hunyuan_video15", "hunyuan_video15_sr"])
+def test_offload_on_comfyui_0_3_75_families_is_bit_identical(env, forced, case_name):
+    """Flux 2 (block modulation computed outside the blocks), Z-Image, HunyuanVideo 1.5 and its SR model: every block
+    offloaded, same output; skips in one line on a ComfyUI without the class."""
+    case = env.tiny.build_case(case_name)
+    baseline = env.tiny.sample(case, steps=3)
+    before = weights_state(case.diffusion_model)
+    probe = Probe(env, env.offload(case.patcher, blocks=99))  # more than the model has: all of them
+    out = env.tiny.sample(case, model=probe.model, steps=3)
+    assert torch.equal(out, baseline)
+    summary = probe.session(env).summary()
+    assert summary["status"] == "success" and summary["blocks_offloaded"] == summary["blocks"] > 1
+    assert_same_state(before, weights_state(case.diffusion_model))
+    assert_unhooked(case.diffusion_model)
 
 
 @pytest.mark.parametrize("room_for_kept", [2, 1])

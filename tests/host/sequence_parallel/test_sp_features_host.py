@@ -170,7 +170,8 @@ def test_cfg_parallel_gives_the_one_process_latent_and_runs_with_a_cache(env, wa
     assert torch.isfinite(cached).all()
 
 
-@pytest.mark.parametrize("case_name", ["flux", "chroma", "qwen_image", "hunyuan_video", "ltxv"])
+@pytest.mark.parametrize("case_name", ["flux", "chroma", "qwen_image", "hunyuan_video", "ltxv", "flux2", "z_image",
+                                       "hunyuan_video15"])
 def test_each_family_with_a_plan_runs_through_the_session_with_a_worker_that_builds_it_from_its_config(env,
                                                                                                       case_name):
     case = env.tiny.build_case(case_name)
@@ -196,8 +197,10 @@ def test_a_familys_extra_inputs_reach_the_worker(env, case_name, variant):
 @pytest.mark.parametrize("case_name, variant", [
     ("flux", None), ("hunyuan_video", "text_mask"),
     ("ltxv", "denoise_mask"),  # TeaCache's signal reads the per-token timesteps, split before the cache sees them
+    ("flux2", None), ("z_image", None), ("hunyuan_video15", None),
 ])
-def test_teacache_on_a_joint_attention_family_decides_alike_on_every_rank(env, user_dir, case_name, variant):
+@pytest.mark.parametrize("cache", ["teacache", "magcache"])
+def test_a_cache_on_a_joint_attention_family_decides_alike_on_every_rank(env, user_dir, case_name, variant, cache):
     from omnitest.sp_families import INPUT_VARIANTS
 
     case = env.tiny.build_case(case_name)
@@ -207,6 +210,8 @@ def test_teacache_on_a_joint_attention_family_decides_alike_on_every_rank(env, u
     save_identity_calibrations(identity, STEPS, family=case.family)
 
     def cached(model):
+        if cache == "magcache":
+            return apply_magcache(model, identity, threshold=1.0)
         return apply_teacache(model, identity, threshold=2.0)
 
     alone = env.tiny.sample(case, model=cached(case.patcher), steps=STEPS)

@@ -58,6 +58,7 @@ def test_joint_attention_plan_on_two_ranks_equals_one_process(rank_pool, case, o
 @pytest.mark.parametrize("case, overrides, heads", [
     ("flux", _FLUX_TWO_HEADS, 2), ("chroma", _FLUX_ONE_HEAD, 1), ("qwen_image", _QWEN_TWO_HEADS, 2),
     ("qwen_image", _QWEN_ONE_HEAD, 1),  # Qwen-Image's model keeps no head count: its attention sites do
+    ("z_image", None, 4),  # NextDiT's n_heads
 ])
 def test_auto_degrees_read_the_head_count(case, overrides, heads):
     from omnitest.pack import pack_module

@@ -1,0 +1,81 @@
+"""Z-Image and Z-Image Turbo (ComfyUI's ``ZImage``; comfy/ldm/lumina/model.py: ``NextDiT`` built with
+``z_image_modulation``), a Lumina Image 2.0 relative.
+
+``_forward`` embeds the caption (``cap_embedder``, ``context_refiner``) and the image tokens (``x_embedder``, padded
+with ``x_pad_token`` to a multiple of 32 when the checkpoint has pad tokens, then ``noise_refiner``), runs ``layers``
+(``layer(x, mask, freqs_cis, adaln_input, ...)`` -> x, out of place) over the joint ``[caption | image]`` sequence,
+then ``final_layer(x, adaln_input)``; the blocks differ from Lumina 2's in their modulation (``adaLN_modulation`` is
+one Linear from a 256-wide time embedding, no SiLU). The stack and signals are Lumina 2's (``nodes/families/lumina2.py``).
+
+ComfyUI before 0.3.75 has no Z-Image: no NextDiT there is built that way and nothing matches.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...omni_hooks.sequence_parallel import (
+    ReplicatedTokens,
+    SequenceParallelInput,
+    SequenceParallelOutput,
+    SequenceParallelPartialInput,
+    SequenceParallelSelfAttention,
+)
+from .base import ModelFamily, AutoChoice, Variant
+from .lumina2 import is_z_image, lumina_modulated_input, lumina_stack
+
+
+def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
+    return is_z_image(dm)
+
+
+_CALIBRATE = ("no {what} are published for Z-Image (vllm-omni's TeaCache numbers are Qwen-Image's, marked there as "
+              "'need to be tuned'): run {node} once on this model, then choose the calibration")
+
+
+def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
+    few_step = ("Z-Image Turbo samples in about 8 steps: the caches keep its first and last steps computed and skip "
+                "little; see the run statistics")
+    return Variant(
+        f"Z-Image (dim {dm.dim}, {len(dm.layers)} layers)",
+        teacache=AutoChoice(None, (_CALIBRATE.format(what="TeaCache coefficients", node="TeaCache Calibrate"),
+                                   few_step)),
+        magcache=AutoChoice(None, (_CALIBRATE.format(what="MagCache curves", node="MagCache Calibrate"), few_step)))
+
+
+# Sequence parallelism. Inside ``patchify_and_embed``, ``x_embedder``'s tokens are padded to the pad multiple and run
+# through ``noise_refiner`` (image-only attention, the table's image part ``freqs_cis[:, cap:]``), then ``layers``
+# attend ``cat(caption, image)`` with the whole table ``freqs_cis`` [B, caption + image, 1, D/2, 2, 2]. The image tokens
+# are split at ``noise_refiner.0`` (after the pad tokens are appended, so every rank sees the one-process sequence),
+# the refiners' image-only table alike at every refiner, and the joint table at every layer with its caption part
+# whole (the caption length is the table's length minus the whole image sequence). Every refiner and layer attention is
+# exchanged (a layer attends ``[caption | image shard]``); ``final_layer``'s output ``[caption | image shard]`` is
+# gathered back to ``[caption | image]`` before unpatchify. The cached stack (layers .. final_layer) sees this rank's
+# shard; the caption refiner attends locally over the whole caption.
+
+
+def _sequence_plan(dm: torch.nn.Module) -> dict:
+    if not is_z_image(dm) or len(dm.noise_refiner) == 0:
+        raise ValueError(f"Sequence Parallel: {type(dm).__name__} without Z-Image's noise refiner does not fit the "
+                         "Z-Image plan")
+    return {
+        "noise_refiner.0": {"x": SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True)},
+        "noise_refiner.*": {"freqs_cis": SequenceParallelInput(split_dim=1, expected_dims=6, auto_pad=True)},
+        "layers.*": {"freqs_cis": SequenceParallelPartialInput(
+            split_dim=1, expected_dims=6, auto_pad=True,
+            text_len_source=ReplicatedTokens("freqs_cis", dim=1, beside="sequence"))},
+        "noise_refiner.*.attention": SequenceParallelSelfAttention(),
+        "layers.*.attention": SequenceParallelSelfAttention(joint_tokens=ReplicatedTokens("x")),
+        "final_layer": SequenceParallelOutput(gather_dim=1, expected_dims=3, replicated_position="front"),
+    }
+
+
+def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
+    return [*(layer.attention for layer in dm.noise_refiner), *(layer.attention for layer in dm.layers)]
+
+
+FAMILY = ModelFamily(
+    name="z_image", display_name="Z-Image (Turbo)", matches=_matches, resolve_variant=_variant, build_stack=lumina_stack,
+    build_modulated_input=lumina_modulated_input,
+    resident=("x_embedder", "t_embedder", "cap_embedder", "noise_refiner", "context_refiner", "norm_final", "final_layer",
+              "x_pad_token", "cap_pad_token"),
+    sequence_plan=_sequence_plan, attention_sites=_attention_sites)
