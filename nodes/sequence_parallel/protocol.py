@@ -1,10 +1,19 @@
 """What rank 0 (the ComfyUI process) and its sequence-parallel workers say to each other, and how a rank joins.
 
-Control goes through the rendezvous ``TCPStore`` (never times out while a worker idles between prompts): rank 0 puts
-command ``n`` under ``cmd/<n>``; every worker checks its header (op, call counter, plan id, tensor shapes) and answers
-``ack/<n>/<rank>`` ("ok" or its error) BEFORE any collective, so a mismatch is an error on rank 0, never a hang.
-Tensors (weights, forwards) then go through torch.distributed collectives, whose process-group timeout bounds every
-wait.
+A command (``Command``: op, serial, header, payload) goes to every worker; each checks its header (op, serial, plan,
+tensor shapes) and answers "ok" or its error BEFORE any collective of the command, so a mismatch is an error on rank
+0, never a hang. Tensors (weights, forwards) then go through torch.distributed collectives, whose process-group
+timeout bounds every wait. Commands travel two ways:
+
+- Between runs, through the rendezvous ``TCPStore``: rank 0 puts command ``n`` under ``cmd/<n>`` and each worker
+  answers ``ack/<n>/<rank>``. A worker polls it, so it idles between prompts for as long as it likes (no collective
+  is pending that could time out), and notices a local parent that is gone.
+- During a run, from its first "call" to its "end", through the ``ControlChannel`` (a gloo group of every rank beside
+  the data group): rank 0 broadcasts a fixed header (serial, length) and the command's bytes, every rank answers in
+  one all-gather. Nothing polls: a model call's control costs a loopback round trip, not a 10 ms poll. A refusal's
+  text still goes to ``ack/<n>/<rank>`` in the store (read only then).
+
+Both sides switch alike: the command after a "call" travels on the channel, the command after an "end" on the store.
 
 How a rank joins: rank 0 publishes the group (``GroupInfo``: world size, backend, timeouts) under ``group`` before any
 worker starts; a worker reads it, checks the world size it was told, claims its rank (``join/<rank>``; a rank
@@ -35,6 +44,9 @@ POLL_S = 0.5
 BEAT_S = 0.25
 #: ``diagnose`` calls a rank not responding when its heartbeat did not move for this long
 STALL_S = 1.5
+#: how long a worker waits on the control channel for rank 0's next command within a run (a model call, or the run's
+#: end): the sampler's own work between two calls, never a prompt's idle time (that wait is on the store)
+RUN_IDLE_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,8 @@ class Timeouts:
     ``join_s`` (``OMNIHOOKS_SP_JOIN_TIMEOUT_S``): every rank has joined within this, or the start fails (remote ranks
     are started by hand). ``collective_s`` (``OMNIHOOKS_SP_COLLECTIVE_TIMEOUT_S``): a collective (weights, one
     forward's exchanges) waiting longer than this raises on every rank still alive: it bounds how long a hung rank
-    holds a run. ``ack_s`` (``OMNIHOOKS_SP_ACK_TIMEOUT_S``): every worker accepts a command within this.
+    holds a run. ``ack_s`` (``OMNIHOOKS_SP_ACK_TIMEOUT_S``): every worker accepts a command within this (on the store
+    or on the control channel, whose rank 0 side times out after it).
     """
 
     join_s: float = 120.0
@@ -87,6 +100,57 @@ class GroupInfo:
 OPTIONS_SLOT = "<omnihooks transformer_options>"
 
 
+class ControlChannel:
+    """The per-call control of a run: a gloo process group of every rank (created collectively, after the default
+    group and before any mesh), beside the data group. gloo whatever the data backend: the header and the bytes live
+    on the CPU, and a group of its own keeps control out of the data collectives' order.
+
+    Each rank sets its own timeout (a gloo group's timeout is local to the rank): rank 0 ``Timeouts.ack_s``, so a
+    worker that does not take or answer a command (stopped, hung) fails the command in bounded time; a worker
+    ``RUN_IDLE_S``, as it waits here for rank 0's next call. A rank that exits closes its connections: the others'
+    pending operation fails at once."""
+
+    #: the first broadcast of a command: 16 bytes of header and the command's first bytes (a call of a small model
+    #: fits whole: one broadcast)
+    INLINE_BYTES = 64 * 1024
+
+    def __init__(self, timeout_s: float):
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.world_size = dist.get_world_size(self.group)
+
+    def send(self, serial: int, data: bytes) -> None:
+        """Rank 0: command ``serial``'s bytes to every worker: one broadcast of ``INLINE_BYTES`` (the header, serial and
+        length, then the bytes), and a second one of the rest when the command is longer."""
+        block = torch.zeros(self.INLINE_BYTES, dtype=torch.uint8)
+        block[:16].view(torch.int64).copy_(torch.tensor([serial, len(data)]))
+        first = min(len(data), self.INLINE_BYTES - 16)
+        if first:
+            block[16:16 + first] = torch.frombuffer(bytearray(data[:first]), dtype=torch.uint8)
+        dist.broadcast(block, src=0, group=self.group)
+        if len(data) > first:
+            dist.broadcast(torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8), src=0, group=self.group)
+
+    def receive(self) -> tuple[int, bytes]:
+        """A worker: the next command's serial and bytes (blocks until rank 0 sends one)."""
+        block = torch.empty(self.INLINE_BYTES, dtype=torch.uint8)
+        dist.broadcast(block, src=0, group=self.group)
+        serial, size = block[:16].view(torch.int64).tolist()
+        first = min(size, self.INLINE_BYTES - 16)
+        data = block[16:16 + first].numpy().tobytes()
+        if size > first:
+            rest = torch.empty(size - first, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+            data += rest.numpy().tobytes()
+        return serial, data
+
+    def answer(self, serial: int, ok: bool) -> list[tuple[int, bool]]:
+        """Every rank: each rank's answer to command ``serial`` (the serial it took, whether it accepted), by rank."""
+        mine = torch.tensor([serial, int(ok)], dtype=torch.int64)
+        answers = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(answers, mine, group=self.group)
+        return [(int(a[0]), bool(a[1])) for a in answers]
+
+
 class SequenceParallelError(Exception):
     """A sequence-parallel group failed (a rank died, hung, refused a command, raised or never joined).
 
@@ -123,8 +187,6 @@ def decode(data: bytes) -> Command:
 
 def wait_for(store: dist.Store, key: str, poll_s: float) -> bool:
     """True once ``key`` is in ``store``; False after ``poll_s`` without it (quietly, unlike ``store.wait``)."""
-    import time
-
     deadline = time.monotonic() + poll_s
     while not store.check([key]):
         if time.monotonic() > deadline:
