@@ -29,7 +29,7 @@ from ..families import FAMILIES, ModelFamily, detect
 from ..features import FEATURES_KEY, AppliedFeature, Category, FeatureSpec, attach_feature, register_feature
 from .shard import ATTENTION_OVERRIDE, KIND, ShardSession
 from .protocol import (OPTIONS_SLOT, SequenceParallelError, check_picklable, is_collective_failure,
-                          tensor_signature, to_cpu)
+                          tensor_signature)
 
 log = logging.getLogger("OmniHooks")
 
@@ -156,7 +156,7 @@ class SequenceParallelSession(ShardSession):
         header = {"signature": tensor_signature((call_args, call_kwargs)), "degrees": self.degrees,
                   "weights": self.group.serial_of_weights, "run": self.run_id}
         try:
-            self.group.command("call", header, to_cpu((call_args, call_kwargs, sent, features)))
+            self.group.command("call", header, (call_args, call_kwargs, sent, features))
         except (pickle.PicklingError, TypeError, AttributeError):
             check_picklable(sent, self.feature.describe())  # names the option that cannot be sent
             raise
