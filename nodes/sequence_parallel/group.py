@@ -293,7 +293,8 @@ class SequenceParallelGroup:
             refused = self._command_on_store(op, serial, data)
         self.serial = serial
         self.on_channel = op == "call" or (self.on_channel and op != "end")
-        for rank in refused:
+        if refused:  # the first refusal's reason, from the store
+            rank = refused[0]
             key = f"ack/{serial}/{rank}"
             answer = self.commands.get(key).decode() if self.commands.check([key]) else "(no reason given)"
             self.commands.delete_key(key)
