@@ -1,20 +1,25 @@
 """The Sequence Parallel node's run in ComfyUI: time per sampling step at 1 rank vs N ranks, side by side in one run.
 
 ComfyUI in this process (rank 0) samples a Wan 2.1 model built from ComfyUI's own classes (random weights of a chosen
-size) with ComfyUI's KSampler, once without the node and through the node's session (Ulysses, ring, CFG parallel) (the pack starts N - 1
-local worker processes, sends them the weights, and every call is split across the ranks). Rounds are interleaved
-and the best is kept; the first run of each (worker start, weight transfer) is a warm-up and not timed.
+size) with ComfyUI's KSampler, once without the node and through the node's session (Ulysses, ring, CFG parallel) at
+each ``--ranks`` (the pack starts N - 1 local worker processes, sends them the weights, and every call is split across
+the ranks). Rounds are interleaved; the table gives the median round (and the best); the first run of each (worker
+start, weight transfer) is a warm-up and not timed. "control" is rank 0's time in the group's commands (the call sent,
+every worker's answer: the control path alone), per model call. "added per call" is the median step's time over 1 rank's, divided
+by the model calls per step: at a tiny shape (``--dim 256 --layers 1 --frames 1 --size 8``) compute is near zero and
+it is what the control path (command, answers, the call's setup on every rank) costs per model call.
 
 CPU (default): gloo ranks, one thread each. CUDA (``--devices cuda``, at least N GPUs): NCCL ranks; adds rank 0's peak
 memory (``torch.cuda.max_memory_allocated``) and each GPU's memory in use after the run (device-wide, all processes).
 
-Run: .venv/bin/python benchmarks/bench_sequence_parallel_node.py [--ranks 2] [--devices cpu|cuda]
+Run: .venv/bin/python benchmarks/bench_sequence_parallel_node.py [--ranks 2 4] [--devices cpu|cuda]
 (needs a ComfyUI checkout: COMFYUI_PATH or ~/ComfyUI; prints markdown for docs/benchmarks.md)
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,14 +33,14 @@ import torch  # noqa: E402
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2], help="one or more world sizes")
     parser.add_argument("--devices", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dim", type=int, default=512, help="Wan width (heads = dim / 128)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--frames", type=int, default=5, help="latent frames")
     parser.add_argument("--size", type=int, default=32, help="latent height = width (tokens = frames * (size/2)^2)")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     return parser.parse_args()
 
 
@@ -61,57 +66,90 @@ def main() -> int:
     if args.devices == "cuda":
         case.patcher.load_device = comfy.model_management.get_torch_device()
     tokens = args.frames * (args.size // 2) ** 2
-    def parallel(**inputs):
-        settings = dict(world_size=args.ranks, ulysses_degree="auto", ring_degree="auto", devices="auto",
+    def parallel(ranks: int, **inputs):
+        settings = dict(world_size=ranks, ulysses_degree="auto", ring_degree="auto", devices="auto",
                         backend="auto", master_address="127.0.0.1", master_port=0, cfg_parallel=False)
         return run_node(sp_node.SequenceParallel, node_id="1", model=case.patcher, **{**settings, **inputs})[0]
 
-    runs = {"1 rank": case.patcher,
-            f"{args.ranks} ranks, Ulysses": parallel(ulysses_degree=str(args.ranks), ring_degree="1"),
-            f"{args.ranks} ranks, ring": parallel(ulysses_degree="1", ring_degree=str(args.ranks)),
-            f"{args.ranks} ranks, cfg parallel": parallel(cfg_parallel=True)}
-    best: dict[str, float] = {}
+    blocks: dict[int, dict[str, object]] = {}  # per world size: its runs, measured beside 1 rank
+    for n in args.ranks:
+        ulysses = n if heads % n == 0 else heads  # Ulysses as far as the heads allow, ring for the rest
+        name = "Ulysses" if ulysses == n else f"Ulysses {ulysses} x ring {n // ulysses}"
+        blocks[n] = {f"1 rank (beside {n})": case.patcher,
+                     f"{n} ranks, {name}": parallel(n, ulysses_degree=str(ulysses), ring_degree=str(n // ulysses)),
+                     f"{n} ranks, ring": parallel(n, ulysses_degree="1", ring_degree=str(n)),
+                     f"{n} ranks, cfg parallel": parallel(n, cfg_parallel=True)}
+    control = [0.0]  # seconds rank 0 spent in the group's commands (send, every worker's answer)
+    send = group.SequenceParallelGroup.command
+
+    def timed_command(self, *a, **kw):
+        start = time.perf_counter()
+        try:
+            return send(self, *a, **kw)
+        finally:
+            control[0] += time.perf_counter() - start
+
+    group.SequenceParallelGroup.command = timed_command
+    calls = [0]
+    counter = case.patcher.model.diffusion_model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    times: dict[str, list[float]] = {name: [] for runs in blocks.values() for name in runs}
+    controls: dict[str, list[float]] = {name: [] for runs in blocks.values() for name in runs}
     latents: dict[str, torch.Tensor] = {}
     peaks: dict[str, int] = {}
     load_before = os.getloadavg()[0]
     try:
-        for name, model in runs.items():  # warm-up: worker start, weights, allocator
-            latents[name] = sample(case, model=model, steps=args.steps)
-        for _ in range(args.repeats):
-            for name, model in runs.items():
-                if args.devices == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                start = time.perf_counter()
-                sample(case, model=model, steps=args.steps)
-                if args.devices == "cuda":
-                    torch.cuda.synchronize()
-                    peaks[name] = torch.cuda.max_memory_allocated()
-                best[name] = min(best.get(name, float("inf")), (time.perf_counter() - start) / args.steps)
+        calls[0] = 0
+        reference = sample(case, model=case.patcher, steps=args.steps)
+        calls_per_step = calls[0] / args.steps
+        for runs in blocks.values():  # one world size at a time: changing it restarts the group
+            for name, model in runs.items():  # warm-up: worker start, weights, allocator
+                latents[name] = sample(case, model=model, steps=args.steps)
+            for _ in range(args.repeats):
+                for name, model in runs.items():
+                    if args.devices == "cuda":
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                    control[0] = 0.0
+                    start = time.perf_counter()
+                    sample(case, model=model, steps=args.steps)
+                    if args.devices == "cuda":
+                        torch.cuda.synchronize()
+                        peaks[name] = torch.cuda.max_memory_allocated()
+                    times[name].append((time.perf_counter() - start) / args.steps)
+                    controls[name].append(control[0] / args.steps)
         in_use = []
         if args.devices == "cuda":
             for i in range(torch.cuda.device_count()):
                 free, total = torch.cuda.mem_get_info(i)
                 in_use.append((total - free) / 2**30)
     finally:
+        group.SequenceParallelGroup.command = send
+        counter.remove()
         group.close_group()
     load_after = os.getloadavg()[0]
-    one = best["1 rank"]
+    median = {name: statistics.median(t) for name, t in times.items()}
     device = torch.cuda.get_device_name(0) if args.devices == "cuda" else "CPU, 1 thread per rank, gloo on loopback"
     print(f"Wan 2.1 (ComfyUI's WanModel, random weights) dim {args.dim}, {heads} heads, {args.layers} blocks, "
-          f"{tokens} video tokens, batch 2 (cond + uncond), {args.steps} euler steps, float32; {device}; best of "
-          f"{args.repeats} interleaved rounds; 1-minute load average {load_before:.1f} before, {load_after:.1f} after\n")
-    header = "| run | seconds per step | speedup | PSNR to 1 rank (dB) |"
+          f"{tokens} video tokens, batch 2 (cond + uncond), {args.steps} euler steps ({calls_per_step:g} model "
+          f"call(s) per step), float32; {device}; median (best) of {args.repeats} interleaved rounds per world size; "
+          f"1-minute load average {load_before:.1f} before, {load_after:.1f} after\n")
+    header = ("| run | ms per step, median (best) | added per call vs 1 rank (ms) | of which control (ms) | speedup | "
+              "PSNR to 1 rank (dB) |")
     if peaks:
         header += " rank 0 peak (GiB) |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
-    for name in runs:
-        quality = psnr_db(latents[name], latents["1 rank"])
-        row = f"| {name} | {best[name]:.3f} | {one / best[name]:.2f}x | {'identical' if name == '1 rank' else f'{quality:.1f}'} |"
-        if peaks:
-            row += f" {peaks[name] / 2**30:.2f} |"
-        print(row)
+    for runs in blocks.values():
+        one = median[next(iter(runs))]
+        for i, name in enumerate(runs):
+            added = "-" if i == 0 else f"{(median[name] - one) * 1e3 / calls_per_step:.1f}"
+            control_ms = "-" if i == 0 else f"{statistics.median(controls[name]) * 1e3 / calls_per_step:.1f}"
+            quality = "identical" if torch.equal(latents[name], reference) else f"{psnr_db(latents[name], reference):.1f}"
+            row = (f"| {name} | {median[name] * 1e3:.1f} ({min(times[name]) * 1e3:.1f}) | {added} | {control_ms} | "
+                   f"{one / median[name]:.2f}x | {quality} |")
+            if peaks:
+                row += f" {peaks[name] / 2**30:.2f} |"
+            print(row)
     if in_use:
         print("\nGPU memory in use after the runs (device-wide, GiB): "
               + ", ".join(f"cuda:{i} {v:.2f}" for i, v in enumerate(in_use)))

@@ -31,6 +31,7 @@ from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequencePara
 from .protocol import (
     POLL_S,
     Command,
+    ControlChannel,
     GroupInfo,
     SequenceParallelError,
     Timeouts,
@@ -143,6 +144,8 @@ class SequenceParallelGroup:
         self.timeouts = Timeouts.from_env()
         self.processes: list[subprocess.Popen] = []
         self.commands: dist.PrefixStore | None = None
+        self.channel: ControlChannel | None = None
+        self.on_channel = False  # a run's first "call" moves the commands to the channel, its "end" back to the store
         self.serial = 0
         self.weights_key: tuple | None = None
         self.serial_of_weights: int | None = None  # the "load" command whose weights the workers hold
@@ -173,6 +176,7 @@ class SequenceParallelGroup:
         try:
             self._wait_for_ranks(comfyui_root)
             init_group(self._store, 0, info)
+            self.channel = ControlChannel(self.timeouts.ack_s)
         except BaseException:
             self.close(broken=True)
             raise
@@ -209,8 +213,8 @@ class SequenceParallelGroup:
         at once; remote ones fail their collective when the process group goes and exit."""
         if self.commands is not None:
             try:
-                self._post("exit", {})
-            except Exception as exc:  # the store may be unusable: killing below still ends the local workers
+                self._send_exit(broken)
+            except Exception as exc:  # the store or channel may be unusable: killing below still ends the local workers
                 log.warning("OmniHooks Sequence Parallel: could not send exit to the workers: %r", exc)
         deadline = time.monotonic() + (0.0 if broken else EXIT_GRACE_S)
         for p in self.processes:
@@ -222,6 +226,7 @@ class SequenceParallelGroup:
         self.processes = []
         _destroy_process_group(self.settings.backend, broken, self.timeouts.collective_s)
         self._meshes.clear()
+        self.channel, self.on_channel = None, False
         self.commands = None
         self._store = None
         self.weights_key = None
@@ -257,32 +262,73 @@ class SequenceParallelGroup:
 
     # -- commands -------------------------------------------------------------------------------------------------
 
-    def _post(self, op: str, header: dict, payload=None) -> None:
+    def _encode(self, op: str, header: dict, payload) -> tuple[int, bytes]:
         serial = self.serial + 1
-        data = encode(Command(op, serial, dict(header, op=op, serial=serial), payload))  # may raise: nothing sent
+        return serial, encode(Command(op, serial, dict(header, op=op, serial=serial), payload))
+
+    def _send_exit(self, broken: bool) -> None:
+        """The "exit" command, unanswered, where the workers wait: on the channel during a run (unless the call broke:
+        the workers are not reading it), else on the store."""
+        serial, data = self._encode("exit", {}, None)
         self.serial = serial
-        self.commands.set(f"cmd/{self.serial}", data)
-        if self.serial > 1:
-            self.commands.delete_key(f"cmd/{self.serial - 1}")
+        if self.on_channel:
+            if not broken and self.alive():
+                self.channel.send(serial, data)
+        else:
+            self.commands.set(f"cmd/{serial}", data)
 
     def command(self, op: str, header: dict, payload=None) -> None:
-        """Send command ``op`` to every worker and wait until each accepted it (header checked, data prepared)."""
+        """Send command ``op`` to every worker and wait until each accepted it (header checked, data prepared).
+
+        A command that cannot be encoded sends nothing. A worker that refuses it, or does not answer within
+        ``ack_s``, fails it with a ``SequenceParallelError``; when the channel broke (a rank gone or stopped) that
+        error names the rank and the group is closed (the next run starts a fresh one)."""
         if not self.alive():
             raise SequenceParallelError(f"Sequence Parallel: a worker process died ({self._exit_codes()}); it is "
                                         "restarted on the next run")
-        self._post(op, header, payload)
+        serial, data = self._encode(op, header, payload)  # may raise: nothing sent
+        if self.on_channel:
+            refused = self._command_on_channel(serial, data)
+        else:
+            refused = self._command_on_store(op, serial, data)
+        self.serial = serial
+        self.on_channel = op == "call" or (self.on_channel and op != "end")
+        if refused:  # the first refusal's reason, from the store
+            rank = refused[0]
+            key = f"ack/{serial}/{rank}"
+            answer = self.commands.get(key).decode() if self.commands.check([key]) else "(no reason given)"
+            self.commands.delete_key(key)
+            raise SequenceParallelError(f"Sequence Parallel: rank {rank} refused {op!r}:\n{answer}")
+
+    def _command_on_store(self, op: str, serial: int, data: bytes) -> list[int]:
+        """Post on the store and wait for every worker's answer (polled); the ranks that refused."""
+        self.commands.set(f"cmd/{serial}", data)
+        if serial > 1:
+            self.commands.delete_key(f"cmd/{serial - 1}")
         deadline = time.monotonic() + self.timeouts.ack_s
         for rank in range(1, self.settings.world_size):
-            key = f"ack/{self.serial}/{rank}"
+            key = f"ack/{serial}/{rank}"
             while not wait_for(self.commands, key, POLL_S):
                 if not self.alive() or time.monotonic() > deadline:
                     raise SequenceParallelError(
                         f"Sequence Parallel: rank {rank} did not accept command {op!r} within "
                         f"{self.timeouts.ack_s:.0f} s (local workers: {self._exit_codes()})")
-            answer = self.commands.get(key).decode()
-            self.commands.delete_key(key)
-            if answer != "ok":
-                raise SequenceParallelError(f"Sequence Parallel: rank {rank} refused {op!r}:\n{answer}")
+            if self.commands.get(key) == b"ok":
+                self.commands.delete_key(key)
+            else:
+                return [rank]
+        return []
+
+    def _command_on_channel(self, serial: int, data: bytes) -> list[int]:
+        """Send on the channel and gather every rank's answer; the ranks that refused (or took another serial)."""
+        try:
+            self.channel.send(serial, data)
+            answers = self.channel.answer(serial, True)
+        except Exception as exc:  # a rank exited, stopped or hung: the channel is out of step for good
+            explained = self.explain(exc)
+            discard(self)
+            raise explained from exc
+        return [rank for rank, (taken, ok) in enumerate(answers) if rank and not (ok and taken == serial)]
 
     def mesh(self, config: SequenceParallelConfig) -> SequenceParallelMesh:
         """The mesh of these degrees, built on every rank at once (the hybrid creates subgroups collectively)."""
@@ -345,6 +391,15 @@ def current_group(settings: GroupSettings, comfyui_root: Path) -> SequenceParall
 def active_group() -> SequenceParallelGroup | None:
     """The process's group, if one is started."""
     return _current
+
+
+def discard(group: SequenceParallelGroup) -> None:
+    """Close ``group`` as broken, and forget it if it is the process's group (the next run starts a fresh one)."""
+    global _current
+    if _current is group:
+        close_group(broken=True)
+    else:
+        group.close(broken=True)
 
 
 def close_group(broken: bool = False) -> None:

@@ -5,9 +5,9 @@ Rank 0 is the ComfyUI process. Per run, the session (``SequenceParallelSession``
 (``group``: local workers started once and kept, remote ranks joining with ``worker.py``), sends the weights as
 ComfyUI computes with them when the model or its patches changed (after ComfyUI's load, before CPU Offload places
 them), applies the family's sequence plan to the diffusion model, and per model call sends the call, with the run's
-other features, to every worker (a header they check before any collective), installs the attention exchange in
-ComfyUI's attention-override seam and gives caches the group's ``RankView``. The workers mirror the run (``sp_rank``):
-the same caches and offload, so every rank decides alike. Every rank runs the model's own forward on its shard (with
+other features, to every worker (a header they check before any collective; ``protocol``), installs the attention
+exchange in ComfyUI's attention-override seam and gives caches the group's ``RankView``. The workers mirror the run
+(``rank``, with the same ``shard`` session): the same caches and offload, so every rank decides alike. Every rank runs the model's own forward on its shard (with
 ``cfg_parallel``, on its half's part of the batch); the output is gathered, so rank 0 returns the whole output to the
 sampler. A call that breaks mid-way closes the group (``explain_failure``); the next run starts a fresh one.
 """
@@ -23,35 +23,31 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
-from ...omni_hooks.sequence_parallel import SequenceParallelConfig, apply_sequence_parallel, remove_sequence_parallel
+from ...omni_hooks.sequence_parallel import SequenceParallelConfig
 from . import group as sp_group
 from ..families import FAMILIES, ModelFamily, detect
-from ..features import (FEATURES_KEY, AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature,
-                       register_feature)
+from ..features import FEATURES_KEY, AppliedFeature, Category, FeatureSpec, attach_feature, register_feature
+from .shard import ATTENTION_OVERRIDE, KIND, ShardSession
 from .protocol import (OPTIONS_SLOT, SequenceParallelError, check_picklable, is_collective_failure,
-                          tensor_signature, to_cpu)
+                          tensor_signature)
 
 log = logging.getLogger("OmniHooks")
 
-KIND = "sequence_parallel"
 NODE_ID = "OmniHooks.SequenceParallel"
 NODE_TITLE = "Sequence Parallel"
 AUTO = "auto"
-ATTENTION_OVERRIDE = "optimized_attention_override"
-OPTIONS_NAME = "transformer_options"
 # options rank 0 keeps to itself: its own wrappers and callbacks (they run around the call on rank 0) and our run
 LOCAL_ONLY_OPTIONS = ("wrappers", "callbacks", "omni_hooks.run", "omni_hooks.features")
 
 
 @dataclass(frozen=True)
 class SequenceParallelSettings:
-    world_size: int
+    """The node's settings: the group it runs on (changing it starts another group) and how each call is split
+    (changing that only builds another mesh in the same group)."""
+
+    group: sp_group.GroupSettings
     ulysses_degree: int | None  # None: auto
     ring_degree: int | None
-    devices: tuple[str, ...]
-    backend: str
-    host: str
-    port: int
     cfg_parallel: bool = False
 
 
@@ -75,7 +71,7 @@ def resolve_devices(value: str, world_size: int) -> tuple[str, ...]:
 def resolve_degrees(settings: SequenceParallelSettings, heads: int) -> SequenceParallelConfig:
     """'auto': Ulysses when the head count divides the world size's, else ring attention. With ``cfg_parallel`` the
     degrees share half the world (two cfg halves)."""
-    world = settings.world_size
+    world = settings.group.world_size
     cfg = 2 if settings.cfg_parallel else 1
     if world % cfg:
         raise ValueError(f"{NODE_TITLE}: cfg_parallel needs an even world_size (two halves), got {world}")
@@ -94,14 +90,6 @@ def resolve_degrees(settings: SequenceParallelSettings, heads: int) -> SequenceP
         raise ValueError(f"{NODE_TITLE}: the model has {heads} attention heads, which ulysses_degree {u} does not "
                          "divide; set ulysses_degree to a divisor or 'auto'")
     return SequenceParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg)
-
-
-def split_batch(runtime, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
-    """CFG parallel: this rank's part of a model call's batch (``transformer_options`` stays whole). Done by the
-    sessions inside the DIFFUSION_MODEL wrapper, not by a hook on the diffusion model: ComfyUI runs that wrapper inside
-    the model's forward, so a hook there would run before a run's first call installed anything."""
-    names = [OPTIONS_NAME if a is options else "" for a in args]
-    return runtime.split_batch(args, kwargs, names)
 
 
 def _heads(dm: torch.nn.Module, family: ModelFamily) -> int:
@@ -124,7 +112,7 @@ def _comfyui_root() -> Path:
     return Path(comfy.model_management.__file__).resolve().parents[1]
 
 
-class SequenceParallelSession(FeatureSession):
+class SequenceParallelSession(ShardSession):
     """One sampling run on rank 0. After ComfyUI's load (before offload places the weights: ``LOAD_ORDER``) it gets
     the group and sends the weights if they changed; per call it sends the call, with the run's other features (the
     workers run the same caches and offload) and the run's id, then installs the attention exchange."""
@@ -134,9 +122,6 @@ class SequenceParallelSession(FeatureSession):
         self.settings: SequenceParallelSettings = feature.settings
         self.family = detect(patcher).model_family
         self.group: sp_group.SequenceParallelGroup | None = None
-        self.runtime = None
-        self.plan = None
-        self.installed_on: torch.nn.Module | None = None
         self.degrees: tuple[int, int, int] | None = None  # (ulysses, ring, cfg)
         self.run_id = uuid.uuid4().hex
         self.calls = 0
@@ -149,25 +134,15 @@ class SequenceParallelSession(FeatureSession):
         if self.family.sequence_plan is None:
             raise ValueError(f"{self.feature.describe()}: {self.family.display_name} has no sequence plan yet; "
                              f"supported: {supported_families()}")
-        s = self.settings
         if self.group is None:
-            self.group = sp_group.current_group(
-                sp_group.GroupSettings(s.world_size, s.backend, s.devices, s.host, s.port), _comfyui_root())
+            self.group = sp_group.current_group(self.settings.group, _comfyui_root())
         self.group.sync_weights(patcher, self.family.name)
 
     def install(self, diffusion_model: torch.nn.Module) -> None:
         self._join(self.patcher)
         config = resolve_degrees(self.settings, _heads(diffusion_model, self.family))
-        plan = self.family.sequence_plan(diffusion_model)
-        mesh = self.group.mesh(config)
-        self.runtime = apply_sequence_parallel(diffusion_model, config, plan, mesh=mesh, batch_hook=False)
-        self.plan, self.installed_on = plan, diffusion_model
+        self.install_shard(diffusion_model, self.family, config, self.group.mesh(config))
         self.degrees = (config.ulysses_degree, config.ring_degree, config.cfg_degree)
-
-    def remove(self) -> None:
-        if self.installed_on is not None:
-            remove_sequence_parallel(self.installed_on, self.plan)
-        self.installed_on, self.plan = None, None
 
     def before_call(self, args: tuple, kwargs: dict, transformer_options: dict) -> None:
         if ATTENTION_OVERRIDE in transformer_options:
@@ -182,22 +157,12 @@ class SequenceParallelSession(FeatureSession):
         header = {"signature": tensor_signature((call_args, call_kwargs)), "degrees": self.degrees,
                   "weights": self.group.serial_of_weights, "run": self.run_id}
         try:
-            self.group.command("call", header, to_cpu((call_args, call_kwargs, sent, features)))
+            self.group.command("call", header, (call_args, call_kwargs, sent, features))
         except (pickle.PicklingError, TypeError, AttributeError):
             check_picklable(sent, self.feature.describe())  # names the option that cannot be sent
             raise
         self.calls += 1
-        transformer_options[ATTENTION_OVERRIDE] = self.runtime.attention
-        self.runtime.reset()
-
-    def call_arguments(self, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
-        return split_batch(self.runtime, args, kwargs, options)
-
-    def call_output(self, output: Any) -> Any:
-        return self.runtime.gather_batch(output)
-
-    def begin_call(self, context) -> None:
-        context.rank = self.runtime.rank_view()
+        super().before_call(args, kwargs, transformer_options)
 
     def explain_failure(self, error: Exception) -> Exception | None:
         """A call that stopped mid-way (a rank failed, rank 0 raised or was interrupted) leaves the workers blocked in
@@ -228,9 +193,9 @@ class SequenceParallelSession(FeatureSession):
         if self.degrees is None:
             return None
         ulysses, ring, cfg = self.degrees
-        return {"world_size": self.settings.world_size, "ulysses_degree": ulysses, "ring_degree": ring,
-                "cfg_degree": cfg,
-                "backend": self.settings.backend, "local_devices": list(self.settings.devices),
+        group = self.settings.group
+        return {"world_size": group.world_size, "ulysses_degree": ulysses, "ring_degree": ring, "cfg_degree": cfg,
+                "backend": group.backend, "local_devices": list(group.devices),
                 "calls": self.calls, "bytes_sent": self.runtime.stats.bytes_sent if self.runtime else 0}
 
 
@@ -292,9 +257,9 @@ class SequenceParallel(io.ComfyNode):
             raise ValueError(f"{NODE_TITLE}: {world_size - len(local)} rank(s) are remote: set master_port so they "
                              "know where to join")
         settings = SequenceParallelSettings(
-            world_size=world_size, ulysses_degree=None if ulysses_degree == AUTO else int(ulysses_degree),
-            ring_degree=None if ring_degree == AUTO else int(ring_degree), devices=local, backend=backend,
-            host=master_address, port=master_port, cfg_parallel=bool(cfg_parallel))
+            sp_group.GroupSettings(world_size, backend, local, master_address, master_port),
+            ulysses_degree=None if ulysses_degree == AUTO else int(ulysses_degree),
+            ring_degree=None if ring_degree == AUTO else int(ring_degree), cfg_parallel=bool(cfg_parallel))
         feature = AppliedFeature(KIND, Category.SEQUENCE_PARALLEL, NODE_TITLE, cls.hidden.unique_id, settings)
         return io.NodeOutput(attach_feature(model, feature))
 

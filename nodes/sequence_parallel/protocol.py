@@ -1,10 +1,19 @@
 """What rank 0 (the ComfyUI process) and its sequence-parallel workers say to each other, and how a rank joins.
 
-Control goes through the rendezvous ``TCPStore`` (never times out while a worker idles between prompts): rank 0 puts
-command ``n`` under ``cmd/<n>``; every worker checks its header (op, call counter, plan id, tensor shapes) and answers
-``ack/<n>/<rank>`` ("ok" or its error) BEFORE any collective, so a mismatch is an error on rank 0, never a hang.
-Tensors (weights, forwards) then go through torch.distributed collectives, whose process-group timeout bounds every
-wait.
+A command (``Command``: op, serial, header, payload) goes to every worker; each checks its header (op, serial, plan,
+tensor shapes) and answers "ok" or its error BEFORE any collective of the command, so a mismatch is an error on rank
+0, never a hang. Tensors (weights, forwards) then go through torch.distributed collectives, whose process-group
+timeout bounds every wait. Commands travel two ways:
+
+- Between runs, through the rendezvous ``TCPStore``: rank 0 puts command ``n`` under ``cmd/<n>`` and each worker
+  answers ``ack/<n>/<rank>``. A worker polls it, so it idles between prompts for as long as it likes (no collective
+  is pending that could time out), and notices a local parent that is gone.
+- During a run, from its first "call" to its "end", through the ``ControlChannel`` (a gloo group of every rank beside
+  the data group): rank 0 broadcasts a fixed header (serial, length) and the command's bytes, every rank answers in
+  one all-gather. Nothing polls: a model call's control costs a loopback round trip, not a 10 ms poll. A refusal's
+  text still goes to ``ack/<n>/<rank>`` in the store (read only then).
+
+Both sides switch alike: the command after a "call" travels on the channel, the command after an "end" on the store.
 
 How a rank joins: rank 0 publishes the group (``GroupInfo``: world size, backend, timeouts) under ``group`` before any
 worker starts; a worker reads it, checks the world size it was told, claims its rank (``join/<rank>``; a rank
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import math
 import os
 import pickle
 import threading
@@ -35,6 +45,9 @@ POLL_S = 0.5
 BEAT_S = 0.25
 #: ``diagnose`` calls a rank not responding when its heartbeat did not move for this long
 STALL_S = 1.5
+#: how long a worker waits on the control channel for rank 0's next command within a run (a model call, or the run's
+#: end): the sampler's own work between two calls, never a prompt's idle time (that wait is on the store)
+RUN_IDLE_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -45,7 +58,8 @@ class Timeouts:
     ``join_s`` (``OMNIHOOKS_SP_JOIN_TIMEOUT_S``): every rank has joined within this, or the start fails (remote ranks
     are started by hand). ``collective_s`` (``OMNIHOOKS_SP_COLLECTIVE_TIMEOUT_S``): a collective (weights, one
     forward's exchanges) waiting longer than this raises on every rank still alive: it bounds how long a hung rank
-    holds a run. ``ack_s`` (``OMNIHOOKS_SP_ACK_TIMEOUT_S``): every worker accepts a command within this.
+    holds a run. ``ack_s`` (``OMNIHOOKS_SP_ACK_TIMEOUT_S``): every worker accepts a command within this (on the store
+    or on the control channel, whose rank 0 side times out after it).
     """
 
     join_s: float = 120.0
@@ -87,6 +101,57 @@ class GroupInfo:
 OPTIONS_SLOT = "<omnihooks transformer_options>"
 
 
+class ControlChannel:
+    """The per-call control of a run: a gloo process group of every rank (created collectively, after the default
+    group and before any mesh), beside the data group. gloo whatever the data backend: the header and the bytes live
+    on the CPU, and a group of its own keeps control out of the data collectives' order.
+
+    Each rank sets its own timeout (a gloo group's timeout is local to the rank): rank 0 ``Timeouts.ack_s``, so a
+    worker that does not take or answer a command (stopped, hung) fails the command in bounded time; a worker
+    ``RUN_IDLE_S``, as it waits here for rank 0's next call. A rank that exits closes its connections: the others'
+    pending operation fails at once."""
+
+    #: the first broadcast of a command: 16 bytes of header and the command's first bytes (a call of a small model
+    #: fits whole: one broadcast)
+    INLINE_BYTES = 64 * 1024
+
+    def __init__(self, timeout_s: float):
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.world_size = dist.get_world_size(self.group)
+
+    def send(self, serial: int, data: bytes) -> None:
+        """Rank 0: command ``serial``'s bytes to every worker: one broadcast of ``INLINE_BYTES`` (the header, serial and
+        length, then the bytes), and a second one of the rest when the command is longer."""
+        block = torch.zeros(self.INLINE_BYTES, dtype=torch.uint8)
+        block[:16].view(torch.int64).copy_(torch.tensor([serial, len(data)]))
+        first = min(len(data), self.INLINE_BYTES - 16)
+        if first:
+            block[16:16 + first] = torch.frombuffer(bytearray(data[:first]), dtype=torch.uint8)
+        dist.broadcast(block, src=0, group=self.group)
+        if len(data) > first:
+            dist.broadcast(torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8), src=0, group=self.group)
+
+    def receive(self) -> tuple[int, bytes]:
+        """A worker: the next command's serial and bytes (blocks until rank 0 sends one)."""
+        block = torch.empty(self.INLINE_BYTES, dtype=torch.uint8)
+        dist.broadcast(block, src=0, group=self.group)
+        serial, size = block[:16].view(torch.int64).tolist()
+        first = min(size, self.INLINE_BYTES - 16)
+        data = block[16:16 + first].numpy().tobytes()
+        if size > first:
+            rest = torch.empty(size - first, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+            data += rest.numpy().tobytes()
+        return serial, data
+
+    def answer(self, serial: int, ok: bool) -> list[tuple[int, bool]]:
+        """Every rank: each rank's answer to command ``serial`` (the serial it took, whether it accepted), by rank."""
+        mine = torch.tensor([serial, int(ok)], dtype=torch.int64)
+        answers = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(answers, mine, group=self.group)
+        return [(int(a[0]), bool(a[1])) for a in answers]
+
+
 class SequenceParallelError(Exception):
     """A sequence-parallel group failed (a rank died, hung, refused a command, raised or never joined).
 
@@ -109,22 +174,60 @@ class Command:
 PACKAGE = __name__.rsplit(".nodes.", 1)[0]
 
 
+_ALIGN = 16  # each tensor's bytes start at a multiple of this in an encoded command
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    """Stands for the ``index``-th tensor of an encoded command (its bytes travel after the pickle)."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: str  # "float32", ...
+
+
 def encode(command: Command) -> bytes:
-    """A command as bytes. Objects of this pack (a feature's settings) are pickled under this process's package name,
-    which travels with them so the receiver maps it to its own (``decode``)."""
-    body = dumps({"op": command.op, "serial": command.serial, "header": command.header, "payload": command.payload})
-    return dumps({"package": PACKAGE, "body": body})
+    """A command as bytes: an 8-byte length, a pickle, then the raw bytes of every tensor of the payload (moved to the
+    CPU). Tensors never go through pickle (its tensor reduction costs about a millisecond a call). Objects of this
+    pack (a feature's settings) are pickled under this process's package name, which travels with them so the
+    receiver maps it to its own (``decode``)."""
+    tensors: list[torch.Tensor] = []
+
+    def slot(tensor: torch.Tensor) -> _TensorSlot:
+        tensors.append(tensor.detach().cpu().contiguous())
+        return _TensorSlot(len(tensors) - 1, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+
+    payload = map_tensors(command.payload, slot)
+    body = dumps({"op": command.op, "serial": command.serial, "header": command.header, "payload": payload})
+    head = dumps({"package": PACKAGE, "body": body})
+    parts = [len(head).to_bytes(8, "little"), head]
+    for tensor in tensors:
+        parts += [bytes(-sum(map(len, parts)) % _ALIGN), tensor.reshape(-1).view(torch.uint8).numpy().tobytes()]
+    return b"".join(parts)
 
 
 def decode(data: bytes) -> Command:
-    outer = loads(data)
-    return Command(**loads(outer["body"], rename=(outer["package"], PACKAGE)))
+    size = int.from_bytes(data[:8], "little")
+    outer = loads(data[8:8 + size])
+    fields = loads(outer["body"], rename=(outer["package"], PACKAGE))
+    buffer, offset = bytearray(data), 8 + size  # writable: the tensors share it
+
+    def tensor(value: _TensorSlot) -> torch.Tensor:
+        nonlocal offset
+        dtype = getattr(torch, value.dtype)
+        count = math.prod(value.shape) * torch.empty((), dtype=dtype).element_size()
+        offset += -offset % _ALIGN
+        flat = torch.frombuffer(buffer, dtype=torch.uint8, count=count, offset=offset) if count else \
+            torch.empty(0, dtype=torch.uint8)
+        offset += count
+        return flat.view(dtype).reshape(value.shape)
+
+    fields["payload"] = _map(fields["payload"], _TensorSlot, tensor)
+    return Command(**fields)
 
 
 def wait_for(store: dist.Store, key: str, poll_s: float) -> bool:
     """True once ``key`` is in ``store``; False after ``poll_s`` without it (quietly, unlike ``store.wait``)."""
-    import time
-
     deadline = time.monotonic() + poll_s
     while not store.check([key]):
         if time.monotonic() > deadline:
@@ -155,25 +258,24 @@ def loads(data: bytes, rename: tuple[str, str] | None = None) -> Any:
     return _RenamingUnpickler(io.BytesIO(data), rename).load()
 
 
-def to_cpu(value: Any) -> Any:
-    """``value`` with every tensor (in lists, tuples, dicts) moved to the CPU, for sending."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+def _map(value: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+    """``value`` with every ``kind`` (in lists, tuples, dicts) replaced by ``fn`` of it."""
+    if isinstance(value, kind):
+        return fn(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(to_cpu(v) for v in value)
+        return type(value)(_map(v, kind, fn) for v in value)
     if isinstance(value, dict):
-        return {k: to_cpu(v) for k, v in value.items()}
+        return {k: _map(v, kind, fn) for k, v in value.items()}
     return value
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with every tensor (in lists, tuples, dicts) replaced by ``fn`` of it."""
+    return _map(value, torch.Tensor, fn)
 
 
 def to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    return value
+    return map_tensors(value, lambda t: t.to(device))
 
 
 def tensor_signature(value: Any) -> list:

@@ -14,12 +14,10 @@ import comfy.model_management
 import comfy.model_patcher
 import torch
 
-from ...omni_hooks.context import CallContext
-from ...omni_hooks.sequence_parallel import (SequenceParallelConfig, SequenceParallelMesh, apply_sequence_parallel,
-                                            remove_sequence_parallel)
+from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequenceParallelMesh
 from ..families import family_named
-from ..features import AppliedFeature, FeatureSession, RunSession, run_call
-from .node import KIND, split_batch
+from ..features import AppliedFeature, RunSession, run_call
+from .shard import KIND, ShardSession
 from .protocol import OPTIONS_SLOT, Command, broadcast_tensors, tensor_signature, to_device
 
 
@@ -101,38 +99,15 @@ class WorkerRank:
                                                         offload_device=torch.device("cpu"))
 
 
-class WorkerShardSession(FeatureSession):
-    """A worker's side of the Sequence Parallel feature in a run: the family's plan on the model, the attention
-    exchange in each call's options, and this rank's ``RankView`` for the caches, as rank 0's session does."""
+class WorkerShardSession(ShardSession):
+    """A worker's side of the Sequence Parallel feature in a run: installed with the degrees and mesh of the call
+    rank 0 sent."""
 
     def __init__(self, worker: WorkerRank, patcher, feature: AppliedFeature):
         super().__init__(patcher, feature)
         self.worker = worker
-        self.runtime = None
-        self.plan = None
-        self.installed_on: torch.nn.Module | None = None
 
     def install(self, diffusion_model: torch.nn.Module) -> None:
         degrees = self.worker.degrees
-        plan = self.worker.family.sequence_plan(diffusion_model)
-        self.runtime = apply_sequence_parallel(diffusion_model, SequenceParallelConfig(*degrees), plan,
-                                               mesh=self.worker.meshes[degrees], batch_hook=False)
-        self.plan, self.installed_on = plan, diffusion_model
-
-    def remove(self) -> None:
-        if self.installed_on is not None:
-            remove_sequence_parallel(self.installed_on, self.plan)
-        self.installed_on, self.plan = None, None
-
-    def before_call(self, args: tuple, kwargs: dict, transformer_options: dict) -> None:
-        transformer_options["optimized_attention_override"] = self.runtime.attention
-        self.runtime.reset()
-
-    def call_arguments(self, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
-        return split_batch(self.runtime, args, kwargs, options)
-
-    def call_output(self, output):
-        return self.runtime.gather_batch(output)
-
-    def begin_call(self, context: CallContext) -> None:
-        context.rank = self.runtime.rank_view()
+        self.install_shard(diffusion_model, self.worker.family, SequenceParallelConfig(*degrees),
+                           self.worker.meshes[degrees])

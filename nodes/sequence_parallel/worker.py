@@ -136,8 +136,8 @@ def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
     import torch
     import torch.distributed as dist
 
-    from .protocol import (POLL_S, Heartbeat, claim_rank, command_store, decode, dumps, init_group, read_group,
-                           wait_for)
+    from .protocol import (RUN_IDLE_S, ControlChannel, Heartbeat, claim_rank, command_store, dumps, init_group,
+                           is_collective_failure, read_group)
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     commands = command_store(store)
@@ -146,46 +146,84 @@ def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
     if info.backend == "nccl" and not args.device.startswith("cuda"):
         raise SystemExit(f"Sequence Parallel worker rank {args.rank}: rank 0 uses NCCL, which needs a CUDA device; "
                          f"this rank has {args.device}")
-    claim_rank(commands, args.rank, args.world_size, info)
-    heartbeat = Heartbeat(*_address(args), args.rank, info.timeouts.join_s)
+    from .rank import WorkerRank  # before the claim: once every rank claimed, rank 0 gives init the collective timeout
+
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))
-    from .rank import WorkerRank
-
     worker = WorkerRank(args.device)
-    serial = 0
+    claim_rank(commands, args.rank, args.world_size, info)
+    heartbeat = Heartbeat(*_address(args), args.rank, info.timeouts.join_s)
     try:
         init_group(store, args.rank, info)
+        inbox = _Inbox(args, commands, ControlChannel(RUN_IDLE_S))
         while True:
-            serial += 1
-            key = f"cmd/{serial}"
-            while not wait_for(commands, key, POLL_S):
-                if _parent_gone(args.parent_pid):
-                    return 1, info.group_id
-            command = decode(commands.get(key))
-            try:
-                if command.serial != serial or command.header.get("serial") != serial:
-                    raise ValueError(f"expected command {serial}, got {command.serial}")
-                worker.prepare(command)
-            except Exception:
-                commands.set(f"ack/{serial}/{args.rank}", traceback.format_exc())
-                continue
-            commands.set(f"ack/{serial}/{args.rank}", "ok")
+            command = inbox.next()
+            if command is None:
+                return 1, info.group_id
             if command.op == "exit":
                 return 0, info.group_id
+            if not inbox.answer(command, worker):
+                continue
             try:
                 worker.execute(command)
             except Exception:
                 commands.set(f"error/{args.rank}", dumps(traceback.format_exc()))
                 traceback.print_exc()
                 return 2, info.group_id  # a collective failed: the group is broken, rank 0 closes it
-    except dist.DistError as exc:  # rank 0's store went away (ComfyUI exited or closed the group)
+    except Exception as exc:
+        if not is_collective_failure(exc):
+            raise
+        # rank 0's store or channel went away (ComfyUI exited or closed the group)
         print(f"Sequence Parallel worker rank {args.rank}: rank 0 is gone ({exc})", file=sys.stderr)
         return 1, info.group_id
     finally:
         heartbeat.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _Inbox:
+    """Where this worker takes rank 0's commands (``protocol``'s two ways: the store between runs, the control channel
+    from a run's first "call" to its "end") and answers them."""
+
+    def __init__(self, args: argparse.Namespace, commands, channel):
+        self.args, self.commands, self.channel = args, commands, channel
+        self.serial = 0  # of the last command taken
+        self.on_channel = False
+
+    def next(self):
+        """The next command (None: the local parent is gone)."""
+        from .protocol import POLL_S, decode, wait_for
+
+        self.serial += 1
+        if self.on_channel:
+            _, data = self.channel.receive()
+        else:
+            key = f"cmd/{self.serial}"
+            while not wait_for(self.commands, key, POLL_S):
+                if _parent_gone(self.args.parent_pid):
+                    return None
+            data = self.commands.get(key)
+        return decode(data)
+
+    def answer(self, command, worker) -> bool:
+        """Check ``command`` (``worker.prepare``) and answer rank 0 where it waits; whether it was accepted."""
+        error = None
+        try:
+            if command.serial != self.serial or command.header.get("serial") != self.serial:
+                raise ValueError(f"expected command {self.serial}, got {command.serial}")
+            worker.prepare(command)
+        except Exception:
+            error = traceback.format_exc()
+        key = f"ack/{self.serial}/{self.args.rank}"
+        if error is not None:
+            self.commands.set(key, error)
+        if self.on_channel:
+            self.channel.answer(self.serial, error is None)
+        elif error is None:
+            self.commands.set(key, "ok")
+        self.on_channel = command.op == "call" or (self.on_channel and command.op != "end")
+        return error is None
 
 
 def main(argv: list[str] | None = None) -> int:

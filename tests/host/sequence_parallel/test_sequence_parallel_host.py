@@ -26,9 +26,10 @@ def sp():
 
 
 def _with_sp(node, case, world_size=2):
-    settings = node.SequenceParallelSettings(world_size=world_size, ulysses_degree=None, ring_degree=None,
-                                             devices=("cpu",) * world_size, backend="gloo", host="127.0.0.1", port=0)
     from omnitest.pack import pack_module
+
+    group = pack_module("nodes.sequence_parallel.group").GroupSettings(world_size, "gloo", ("cpu",) * world_size)
+    settings = node.SequenceParallelSettings(group, ulysses_degree=None, ring_degree=None)
 
     features = pack_module("nodes.features")
     feature = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "1", settings)

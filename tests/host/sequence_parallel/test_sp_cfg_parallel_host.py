@@ -66,9 +66,10 @@ def sp_node():
 
 
 def _settings(node, world_size: int, cfg_parallel: bool, ulysses=None, ring=None):
-    return node.SequenceParallelSettings(world_size=world_size, ulysses_degree=ulysses, ring_degree=ring,
-                                         devices=("cpu",) * world_size, backend="gloo", host="127.0.0.1", port=0,
-                                         cfg_parallel=cfg_parallel)
+    from omnitest.pack import pack_module
+
+    group = pack_module("nodes.sequence_parallel.group").GroupSettings(world_size, "gloo", ("cpu",) * world_size)
+    return node.SequenceParallelSettings(group, ulysses_degree=ulysses, ring_degree=ring, cfg_parallel=cfg_parallel)
 
 
 def test_cfg_parallel_degrees_share_half_the_world(sp_node):

@@ -68,8 +68,8 @@ def ports_before(sp):
 def _with_sp(node, case, devices=("cpu", "cpu"), port=0):
     from omnitest.pack import pack_module
 
-    settings = node.SequenceParallelSettings(world_size=2, ulysses_degree=None, ring_degree=None, devices=devices,
-                                             backend="gloo", host=LOOPBACK, port=port)
+    group = pack_module("nodes.sequence_parallel.group").GroupSettings(2, "gloo", devices, LOOPBACK, port)
+    settings = node.SequenceParallelSettings(group, ulysses_degree=None, ring_degree=None)
     features = pack_module("nodes.features")
     feature = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "1", settings)
     return features.attach_feature(case.patcher, feature)
@@ -124,6 +124,44 @@ def test_a_worker_killed_or_hung_mid_call_gives_a_clear_error_in_bounded_time_an
         assert first.port not in listening_ports()
         assert psnr_db(sample(case, model), reference) >= MIN_PSNR_DB  # a fresh group
         assert group.active_group() is not first
+
+
+def test_a_header_a_worker_refuses_on_the_control_channel_is_an_error_on_rank_0_not_a_hang(
+        sp, wan, ports_before, monkeypatch):
+    """The run's second model call travels on the control channel (its first moved the commands there); its header
+    announces a tensor the call does not carry: the worker refuses before any collective, rank 0 raises at once (not
+    after the ack or collective timeout), the workers leave on the "exit" sent on the channel, and the next run works."""
+    from omnitest.tiny_models import sample
+
+    node, group, protocol = sp
+    case, reference = wan
+    model = _with_sp(node, case)
+    real_signature, calls, on_channel = node.tensor_signature, [0], []
+
+    def announcing_one_tensor_more(value):
+        calls[0] += 1
+        if calls[0] == 2:
+            on_channel.append(group.active_group().on_channel)
+            return real_signature(value) + [((1,), "torch.float32")]
+        return real_signature(value)
+
+    with deadline(TEST_DEADLINE_S, "a refused header on the control channel"):
+        sample(case, model)
+        first = group.active_group()
+        workers = list(first.processes)
+        monkeypatch.setattr(node, "tensor_signature", announcing_one_tensor_more)
+        started = time.monotonic()
+        with pytest.raises(protocol.SequenceParallelError) as failure:
+            sample(case, model)
+        waited = time.monotonic() - started
+        monkeypatch.undo()
+        assert on_channel == [True]
+        message = str(failure.value)
+        assert "rank 1 refused 'call'" in message and "do not match its header" in message, message
+        assert waited < float(TIMEOUTS["OMNIHOOKS_SP_ACK_TIMEOUT_S"]) / 2, waited  # answered, not timed out
+        assert group.active_group() is None  # a failed run closes the group: the workers took "exit" and left
+        assert [w.wait(timeout=30) for w in workers] == [0]
+        assert psnr_db(sample(case, model), reference) >= MIN_PSNR_DB
 
 
 def test_an_interrupt_between_steps_leaves_the_workers_idle_and_the_group_serving(sp, wan, ports_before):

@@ -1,0 +1,59 @@
+"""The Sequence Parallel feature's session on one rank, the same on rank 0 and on every worker: the family's plan on
+the diffusion model, the attention exchange in each call's options, the call's batch split (CFG parallel) and its
+output gathered, and this rank's ``RankView`` for the caches. Rank 0's session (``node``) adds the group and sends
+each call; a worker's (``rank``) takes the degrees and mesh of the call rank 0 sent.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...omni_hooks.context import CallContext
+from ...omni_hooks.sequence_parallel import (SequenceParallelConfig, SequenceParallelMesh, apply_sequence_parallel,
+                                            remove_sequence_parallel)
+from ..families import ModelFamily
+from ..features import FeatureSession
+
+KIND = "sequence_parallel"
+ATTENTION_OVERRIDE = "optimized_attention_override"
+OPTIONS_NAME = "transformer_options"
+
+
+class ShardSession(FeatureSession):
+    """One run of the Sequence Parallel feature on one rank. A subclass's ``install`` calls ``install_shard`` with
+    the call's degrees and mesh."""
+
+    def __init__(self, patcher, feature):
+        super().__init__(patcher, feature)
+        self.runtime = None
+        self.plan = None
+        self.installed_on: torch.nn.Module | None = None
+
+    def install_shard(self, diffusion_model: torch.nn.Module, family: ModelFamily, config: SequenceParallelConfig,
+                      mesh: SequenceParallelMesh) -> None:
+        plan = family.sequence_plan(diffusion_model)
+        self.runtime = apply_sequence_parallel(diffusion_model, config, plan, mesh=mesh, batch_hook=False)
+        self.plan, self.installed_on = plan, diffusion_model
+
+    def remove(self) -> None:
+        if self.installed_on is not None:
+            remove_sequence_parallel(self.installed_on, self.plan)
+        self.installed_on, self.plan = None, None
+
+    def before_call(self, args: tuple, kwargs: dict, transformer_options: dict) -> None:
+        transformer_options[ATTENTION_OVERRIDE] = self.runtime.attention
+        self.runtime.reset()
+
+    def call_arguments(self, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
+        """CFG parallel: this rank's part of a model call's batch (``transformer_options`` stays whole). Done here,
+        inside the DIFFUSION_MODEL wrapper, not by a hook on the diffusion model: ComfyUI runs that wrapper inside the
+        model's forward, so a hook there would run before a run's first call installed anything."""
+        names = [OPTIONS_NAME if a is options else "" for a in args]
+        return self.runtime.split_batch(args, kwargs, names)
+
+    def call_output(self, output: Any) -> Any:
+        return self.runtime.gather_batch(output)
+
+    def begin_call(self, context: CallContext) -> None:
+        context.rank = self.runtime.rank_view()
