@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_host_tests(**env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/host/test_host_marks.py"],
-                          cwd=ROOT, env={**os.environ, "COMFYUI_PATH": str(ROOT / "no-comfyui-here"), **env},
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/host/test_host_marks.py"]
+    return subprocess.run(command, cwd=ROOT, env={**os.environ, "COMFYUI_PATH": str(ROOT / "no-comfyui-here"), **env},
                           capture_output=True, text=True, timeout=120)
 
 
@@ -25,4 +25,5 @@ def test_without_a_host_host_tests_skip_in_one_line():
 def test_under_require_host_a_skipped_host_test_fails():
     result = run_host_tests(OMNIHOOKS_REQUIRE_HOST="1")
     assert result.returncode != 0, result.stdout[-2000:]
-    assert "host test skipped under OMNIHOOKS_REQUIRE_HOST=1: no ComfyUI checkout" in result.stdout, result.stdout[-2000:]
+    expected = "host test skipped under OMNIHOOKS_REQUIRE_HOST=1: no ComfyUI checkout"
+    assert expected in result.stdout, result.stdout[-2000:]
