@@ -1,10 +1,17 @@
-"""Suite-wide: report whether host tests run, and skip them (and CUDA tests without CUDA) in one clear line when they
-cannot."""
+"""Suite-wide: report which host the host tests run on, and skip them (and CUDA tests without CUDA) in one clear line
+when they cannot.
+
+``OMNIHOOKS_REQUIRE_HOST=1`` (CI) turns a skipped host, server or browser test into a failure, unless it was skipped
+for lacking CUDA or because its host lacks a model class it needs (``requires_comfy_class``): a missing host, browser
+or template must not pass unseen.
+"""
 from __future__ import annotations
+
+import os
 
 import pytest
 
-from omnitest.comfy_path import comfyui_path, skip_reason
+from omnitest.comfy_path import comfyui_path, comfyui_version, host_label, skip_reason
 from omnitest.rank_pool import RankPool
 
 HOST_MARKERS = ("host", "server", "browser")
@@ -17,7 +24,28 @@ def pytest_report_header(config: pytest.Config) -> str:
     root = comfyui_path()
     if root is None:
         return f"host tests: SKIPPED, {skip_reason()}"
-    return f"host tests: using ComfyUI at {root}"
+    return f"host tests: using {host_label()}"
+
+
+CUDA_SKIP = "no CUDA device (tests marked cuda need one)"
+
+
+def host_required() -> bool:
+    return os.environ.get("OMNIHOOKS_REQUIRE_HOST", "") not in ("", "0")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and host_required() and any(item.get_closest_marker(m) for m in HOST_MARKERS)):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    if reason == CUDA_SKIP or reason.startswith(f"ComfyUI {comfyui_version()} has no "):
+        return
+    report.outcome = "failed"
+    report.longrepr = f"host test skipped under OMNIHOOKS_REQUIRE_HOST=1: {reason}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -30,7 +58,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         import torch
 
         if not torch.cuda.is_available():
-            skip_cuda = pytest.mark.skip(reason="no CUDA device (tests marked cuda need one)")
+            skip_cuda = pytest.mark.skip(reason=CUDA_SKIP)
             for item in items:
                 if item.get_closest_marker("cuda"):
                     item.add_marker(skip_cuda)

@@ -1,7 +1,8 @@
 """The pack's main job, headless: a real ComfyUI server, a tiny Wan 2.1 model, with and without Apply TeaCache.
 
-Starts the ComfyUI found at COMFYUI_PATH (else ~/ComfyUI) on a free loopback port with this pack and a tiny Wan 2.1
-checkpoint it writes itself, then, through ComfyUI's HTTP API (/prompt, /history, the websocket):
+Starts the ComfyUI that tools/comfy_host.py finds (`./run demo` fetches one when there is none) on a free loopback
+port with this pack and a tiny Wan 2.1 checkpoint it writes itself, then, through ComfyUI's HTTP API (/prompt,
+/history, the websocket):
   1. runs TeaCache Calibrate once (random tiny weights fit no published polynomial, as with any new model);
   2. runs the Wan example workflow's sampling chain (UNETLoader -> KSampler -> SaveLatent) without a cache node;
   3. runs it again with Apply TeaCache between the loader and the sampler;
@@ -31,7 +32,7 @@ def main() -> int:
     parser.add_argument("--threshold", type=float, default=0.1, help="Apply TeaCache rel_l1_thresh")
     opts = parser.parse_args()
     if comfyui_path() is None:
-        print("demo: no ComfyUI found; clone ComfyUI 0.3.64 to ~/ComfyUI or set COMFYUI_PATH "
+        print("demo: no ComfyUI found; `./run demo` fetches one, or set COMFYUI_PATH to a ComfyUI 0.3.64 or newer "
               "(see README, 'Try it, test it').")
         return 2
 

@@ -10,7 +10,6 @@ reshapes it, so there is no module whose input is the stack output with the head
 """
 from __future__ import annotations
 
-import comfy.ldm.chroma.layers as chroma_layers
 import comfy.ldm.chroma.model as chroma_model
 import torch
 
@@ -32,8 +31,19 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
     blocks += [b for i, b in enumerate(dm.single_blocks) if i not in skip_dit]
     # Double blocks update img in place (`img.addcmul_`): the head input must be cloned before they run.
     return BlockStack(blocks=blocks, tail=dm.final_layer, head_hidden=IMG, tail_hidden=X, clone_head_input=True,
-                      skip_block=skip_by_type({chroma_layers.DoubleStreamBlock: skip_returning(IMG, TXT),
-                                               chroma_layers.SingleStreamBlock: skip_returning(X)}))
+                      skip_block=skip_by_type(_skip_rules_by_own_block_classes(dm)))
+
+
+def _skip_rules_by_own_block_classes(dm: torch.nn.Module) -> dict:
+    """The skip rule of each block class the model's own ``double_blocks`` and ``single_blocks`` hold: Chroma's
+    blocks are classes of comfy/ldm/chroma/layers.py on some hosts and Flux's (built without modulation) on others.
+    ValueError when one class is in both lists (its blocks would return different things)."""
+    double = {type(block) for block in dm.double_blocks}
+    single = {type(block) for block in dm.single_blocks}
+    if double & single:
+        raise ValueError(f"{type(dm).__name__}: block classes {sorted(c.__name__ for c in double & single)} are both "
+                         "double and single blocks")
+    return {**{cls: skip_returning(IMG, TXT) for cls in double}, **{cls: skip_returning(X) for cls in single}}
 
 
 def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:

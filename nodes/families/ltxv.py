@@ -44,7 +44,8 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     return ModulatedInput(compute=compute)
 
 
-# Sequence parallelism. _forward patchifies the latent, computes the RoPE table ``pe`` = (cos, sin), each [B, L, inner],
+# Sequence parallelism. _forward patchifies the latent, computes the RoPE table ``pe`` (the pair (cos, sin), each
+# [B, L, inner], or on newer hosts one rotation table [B, 1, L, inner/2, 2, 2]: see rope_table_is_one_tensor)
 # from the full pixel coordinates (keyframe indices, when given, are written into those coordinates first, so guide
 # tokens get their positions before anything is split), embeds the tokens (``patchify_proj``) and runs the blocks.
 # The tokens are split at ``patchify_proj``'s output; ``pe`` and the timestep projection (one row per sample, or one
@@ -55,12 +56,25 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
 _TOKENS_GROUP = "ltxv_tokens"
 
 
+def rope_table_is_one_tensor() -> bool:
+    """Whether this host's ``precompute_freqs_cis`` makes ``pe`` one rotation table [B, 1, L, inner/2, 2, 2]
+    (applied with Flux's ``apply_rope1``) rather than the pair (cos, sin), each [B, L, inner]: probed on a one-token
+    grid, the same call ``_forward`` makes."""
+    probe = ltxv_model.precompute_freqs_cis(torch.zeros(1, 3, 1), dim=6, out_dtype=torch.float32)
+    return isinstance(probe, torch.Tensor)
+
+
 def _sequence_plan(dm: torch.nn.Module) -> dict:
     per_token = SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True, shard_group=_TOKENS_GROUP,
                                       outside_caches=True, broadcast_length_one=True)
+    if rope_table_is_one_tensor():
+        pe = SequenceParallelInput(split_dim=2, expected_dims=6, auto_pad=True, shard_group=_TOKENS_GROUP,
+                                   outside_caches=True)
+    else:
+        pe = [per_token, per_token]
     return {
         "patchify_proj": {0: SequenceParallelInput(split_dim=1, expected_dims=3, split_output=True, auto_pad=True)},
-        "transformer_blocks.*": {"pe": [per_token, per_token], "timestep": per_token},
+        "transformer_blocks.*": {"pe": pe, "timestep": per_token},
         "transformer_blocks.*.attn1": SequenceParallelSelfAttention(),
         "norm_out": SequenceParallelOutput(gather_dim=1, expected_dims=3),
     }

@@ -43,11 +43,19 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
 
 
 # Sequence parallelism. _forward embeds the image tokens (Edit reference tokens appended) and passes them with the text
-# stream and the RoPE table ``image_rotary_emb`` [B, text + image, 1, D/2, 2, 2] to every block: the image tokens are
-# split at the first block, before its caches (the block stack starts there), the table's image part at every block
-# (its text part, ``encoder_hidden_states``' length, kept whole). Each block's ``attn`` attends ``[text | image
-# shard]``; ``proj_out``'s output [B, L, p·p·C] (narrower than norm_out's) is gathered before unpatchify.
+# stream and the RoPE table ``image_rotary_emb`` [B, text + image, 1, D/2, 2, 2] (or [B, 1, text + image, D/2, 2, 2]:
+# see attention_is_heads_first) to every block: the image tokens are split at the first block, before its caches (the
+# block stack starts there), the table's image part at every block (its text part, ``encoder_hidden_states``' length,
+# kept whole). Each block's ``attn`` attends ``[text | image shard]``; ``proj_out``'s output [B, L, p·p·C] (narrower
+# than norm_out's) is gathered before unpatchify.
 _ROPE_GROUP = "qwen_image_rope"
+
+
+def attention_is_heads_first() -> bool:
+    """Whether this host's Qwen-Image attention works on [B, heads, L, D] and rotates with Flux's ``apply_rope1``
+    (its module imports it), so that ``image_rotary_emb`` is [B, 1, L, D/2, 2, 2] with the tokens in dim 2, rather
+    than [B, L, 1, D/2, 2, 2] with the tokens in dim 1."""
+    return hasattr(qwen_model, "apply_rope1")
 
 
 def _sequence_plan(dm: torch.nn.Module) -> dict:
@@ -55,7 +63,7 @@ def _sequence_plan(dm: torch.nn.Module) -> dict:
         "transformer_blocks.0": {"hidden_states": SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True,
                                                                         outside_caches=True)},
         "transformer_blocks.*": {"image_rotary_emb": SequenceParallelPartialInput(
-            split_dim=1, expected_dims=6, auto_pad=True, shard_group=_ROPE_GROUP,
+            split_dim=2 if attention_is_heads_first() else 1, expected_dims=6, auto_pad=True, shard_group=_ROPE_GROUP,
             text_len_source="encoder_hidden_states", text_len_dim=1)},
         "transformer_blocks.*.attn": SequenceParallelSelfAttention(joint_tokens="encoder_hidden_states"),
         "proj_out": SequenceParallelOutput(gather_dim=1, expected_dims=3),

@@ -1,22 +1,66 @@
-"""Where the tests find a ComfyUI checkout, and the one line they print when there is none."""
+"""Where the tests find a ComfyUI checkout, its version, and the one line they print when there is none or when it
+lacks a model class a test needs."""
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+from functools import lru_cache
 from pathlib import Path
 
+import pytest
+
 PACK_ROOT = Path(__file__).resolve().parents[2]
+if str(PACK_ROOT) not in sys.path:
+    sys.path.insert(0, str(PACK_ROOT))
+
+from tools.comfy_host import find_host, host_version  # noqa: E402
 
 
 def comfyui_path() -> Path | None:
-    """COMFYUI_PATH if set, else ~/ComfyUI; None unless it holds ComfyUI's main.py."""
-    root = Path(os.environ.get("COMFYUI_PATH") or Path.home() / "ComfyUI").expanduser()
-    return root if (root / "main.py").is_file() else None
+    """The ComfyUI the tests run on, searched as ``tools.comfy_host.find_host`` does (COMFYUI_PATH alone when set;
+    else the ComfyUI holding this pack, ~/ComfyUI, a host fetched into .hosts/); None when there is none. Tests
+    never fetch one: ``./run tests`` does, before pytest starts."""
+    return find_host()
+
+
+def comfyui_version() -> str | None:
+    """The version of the ComfyUI at ``comfyui_path()`` (``?`` when it does not say), None without one."""
+    root = comfyui_path()
+    return None if root is None else host_version(root)
+
+
+def host_label() -> str:
+    """``ComfyUI <version> at <root>``, for headers and skip lines."""
+    return f"ComfyUI {comfyui_version()} at {comfyui_path()}"
 
 
 def skip_reason() -> str:
-    where = os.environ.get("COMFYUI_PATH") or "~/ComfyUI"
-    return (f"no ComfyUI checkout at {where} (set COMFYUI_PATH to a ComfyUI 0.3.64 checkout "
-            "to run host, server and browser tests)")
+    if os.environ.get("COMFYUI_PATH"):
+        where = f"at COMFYUI_PATH={os.environ['COMFYUI_PATH']}"
+    else:
+        where = "(COMFYUI_PATH unset; none holds this pack, none at ~/ComfyUI or in .hosts/)"
+    return (f"no ComfyUI checkout {where}; `./run tests` fetches one, or set COMFYUI_PATH to a ComfyUI 0.3.64 or "
+            "newer checkout to run host, server and browser tests")
+
+
+@lru_cache(maxsize=None)
+def _missing_class(module: str, name: str) -> bool:
+    use_comfyui_in_process()
+    try:
+        return not hasattr(importlib.import_module(module), name)
+    except ImportError:
+        return True
+
+
+def requires_comfy_class(module: str, name: str) -> pytest.MarkDecorator:
+    """A mark that skips the test, in one line naming the ComfyUI version, when that ComfyUI's ``module`` has no
+    ``name`` (a model class newer than the oldest supported host, or one a newer host removed). Without a ComfyUI
+    the mark does nothing (the host marker already skips the test)."""
+    if comfyui_path() is None:
+        return pytest.mark.skipif(False, reason="")
+    missing = _missing_class(module, name)
+    return pytest.mark.skipif(missing, reason=f"ComfyUI {comfyui_version()} has no {module}.{name}")
 
 
 def use_comfyui_in_process(cpu: bool = True) -> Path | None:

@@ -11,11 +11,13 @@ import torch
 import comfy.model_detection
 import comfy.model_patcher
 
+from omnitest.host_config import unet_config_for_host
+
 
 def build_on_meta(unet_config: dict) -> comfy.model_patcher.ModelPatcher:
     """The ModelPatcher ComfyUI would build for a checkpoint with this ``unet_config``, its weights on the meta
     device. ValueError when no ``comfy.supported_models`` class matches the config."""
-    model_config = comfy.model_detection.model_config_from_unet_config(dict(unet_config))
+    model_config = comfy.model_detection.model_config_from_unet_config(unet_config_for_host(unet_config))
     if model_config is None:
         raise ValueError(f"no comfy.supported_models class matches {unet_config}")
     model_config.set_inference_dtype(torch.bfloat16, None)

@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -209,7 +210,19 @@ class ComfyServer:
         return [self.python, "main.py", "--cpu", "--listen", HOST, "--port", str(self.port),
                 "--base-directory", str(self.base_dir), "--disable-api-nodes",
                 "--database-url", f"sqlite:///{self.base_dir / 'user' / 'comfyui.db'}",
-                *self.extra_args]
+                *self._frontend_args(), *self.extra_args]
+
+    def _frontend_args(self) -> list[str]:
+        """``--front-end-root`` at the frontend this host's requirements.txt pins, when the installed one is another
+        version (tools.comfy_host installs it into .hosts/); nothing when it fits or cannot be had (ComfyUI then
+        serves the installed one, warning in its log)."""
+        from tools.comfy_host import HostFetchError, frontend_root
+        try:
+            static = frontend_root(self.comfy_root)
+        except HostFetchError as error:
+            warnings.warn(f"the installed ComfyUI frontend is used: {error}")
+            return []
+        return [] if static is None else ["--front-end-root", str(static)]
 
     def start(self) -> "ComfyServer":
         if self.is_running():

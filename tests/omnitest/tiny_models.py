@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from omnitest.host_config import unet_config_for_host
+
 if TYPE_CHECKING:
     import comfy.clip_vision
     import comfy.model_patcher
@@ -373,7 +375,7 @@ def _build_patcher(spec: _Spec, seed: int) -> comfy.model_patcher.ModelPatcher:
     import comfy.model_management
     import comfy.model_patcher
 
-    model_config = comfy.model_detection.model_config_from_unet_config(dict(spec.unet_config))
+    model_config = comfy.model_detection.model_config_from_unet_config(unet_config_for_host(spec.unet_config))
     if model_config is None or type(model_config).__name__ != spec.config_name:
         got = None if model_config is None else type(model_config).__name__
         raise RuntimeError(f"unet_config matched supported_models.{got}, expected {spec.config_name}")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tools.comfy_host import find_host
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -38,10 +40,17 @@ def fake_venv(tmp_path: Path) -> Path:
     return venv
 
 
+def host_env() -> dict[str, str]:
+    """COMFYUI_PATH at the host this run found, so that ./run (in a copy too) finds it and fetches nothing."""
+    root = find_host()
+    return {"COMFYUI_PATH": str(root)} if root is not None else {}
+
+
 @pytest.mark.parametrize("node_dir", node_dirs() or [pytest.param(None, marks=pytest.mark.skip("no node on PATH"))])
 def test_run_tests_runs_the_web_tests_and_then_pytest(tmp_path, node_dir):
     version = subprocess.run([str(Path(node_dir) / "node"), "--version"], capture_output=True, text=True).stdout
-    env = {**os.environ, "OMNIHOOKS_VENV": str(fake_venv(tmp_path)), "PATH": f"{node_dir}:{os.environ['PATH']}"}
+    env = {**os.environ, **host_env(), "OMNIHOOKS_VENV": str(fake_venv(tmp_path)),
+           "PATH": f"{node_dir}:{os.environ['PATH']}"}
     result = subprocess.run([str(ROOT / "run"), "tests", "-q", "-p", "no:cacheprovider", "tests/unit/test_stats_json.py"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = result.stdout + result.stderr
@@ -55,11 +64,11 @@ def test_a_failing_web_test_fails_the_run_after_pytest_ran(tmp_path):
     if not node_dirs():
         pytest.skip("no node on PATH")
     copy = tmp_path / "repo"
-    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".venv", ".git", "test-artifacts", "__pycache__"))
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".venv", ".git", ".hosts", "test-artifacts", "__pycache__"))
     (copy / "tests" / "web" / "zz_fails.test.mjs").write_text(
         'import { test } from "node:test";\nimport assert from "node:assert";\n'
         'test("fails on purpose", () => assert.equal(1, 2));\n')
-    env = {**os.environ, "OMNIHOOKS_VENV": str(fake_venv(tmp_path))}
+    env = {**os.environ, **host_env(), "OMNIHOOKS_VENV": str(fake_venv(tmp_path))}
     result = subprocess.run([str(copy / "run"), "tests", "-q", "-p", "no:cacheprovider", "tests/unit/test_stats_json.py"],
                             cwd=copy, env=env, capture_output=True, text=True, timeout=300)
     out = result.stdout + result.stderr
