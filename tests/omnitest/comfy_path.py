@@ -63,6 +63,13 @@ def requires_comfy_class(module: str, name: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(missing, reason=f"ComfyUI {comfyui_version()} has no {module}.{name}")
 
 
+def skip_without_comfy_class(module: str, name: str) -> None:
+    """Skip the calling test now, with ``requires_comfy_class``'s line, when ComfyUI's ``module`` has no ``name``
+    (for tests that learn which class they need only while running, e.g. from a parametrized tiny-model name)."""
+    if _missing_class(module, name):
+        pytest.skip(f"ComfyUI {comfyui_version()} has no {module}.{name}")
+
+
 def use_comfyui_in_process(cpu: bool = True) -> Path | None:
     """Make ComfyUI importable in this process, on CPU unless ``cpu`` is False (then ComfyUI picks its device as it
     does when started); returns its root, or None when there is no checkout.
@@ -84,25 +91,3 @@ def use_comfyui_in_process(cpu: bool = True) -> Path | None:
     import comfy.model_management  # noqa: F401  (device chosen now, with args.cpu set)
 
     return root
-
-
-def requires_comfy_class(module: str, name: str) -> None:
-    """Skip the calling test, in one line naming the ComfyUI version, when ComfyUI's ``module`` has no ``name``
-    (a model class newer than the checkout under test, e.g. ``comfy.model_base.Flux2`` on 0.3.64)."""
-    import importlib
-
-    import pytest
-
-    if not hasattr(importlib.import_module(module), name):
-        pytest.skip(f"ComfyUI {comfyui_version()} has no {module}.{name}")
-
-
-def comfyui_version() -> str:
-    """The version of the ComfyUI checkout under test (its ``comfyui_version.py``), or "(unknown version)"."""
-    import re
-
-    root = comfyui_path()
-    text = (root / "comfyui_version.py").read_text(encoding="utf-8") if root and (
-        root / "comfyui_version.py").is_file() else ""
-    match = re.search(r"__version__\s*=\s*[\"']([^\"']+)", text)
-    return match.group(1) if match else "(unknown version)"

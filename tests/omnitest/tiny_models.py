@@ -410,9 +410,9 @@ def build_case(name: str, seed: int = 0, unet_overrides: Optional[dict] = None,
     except KeyError:
         raise KeyError(f"unknown tiny model {name!r}; choose from {CASES}") from None
     if spec.requires is not None:
-        from omnitest.comfy_path import requires_comfy_class
+        from omnitest.comfy_path import skip_without_comfy_class
 
-        requires_comfy_class(*spec.requires)
+        skip_without_comfy_class(*spec.requires)
     if unet_overrides:
         spec = dataclasses.replace(spec, unet_config={**spec.unet_config, **unet_overrides})
     patcher = _build_patcher(spec, seed)

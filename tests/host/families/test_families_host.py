@@ -157,11 +157,11 @@ def families():
 
 
 def real_size(name: str):
-    from omnitest.comfy_path import requires_comfy_class
+    from omnitest.comfy_path import skip_without_comfy_class
     from omnitest.meta_models import build_on_meta
 
     if name in REQUIRES:
-        requires_comfy_class(*REQUIRES[name])
+        skip_without_comfy_class(*REQUIRES[name])
 
     config = VARIANTS[name][0] if name in VARIANTS else OTHER_LAYOUTS.get(name) or UNSUPPORTED[name]
     return build_on_meta(config)
