@@ -355,7 +355,7 @@ def test_a_run_with_cpu_offload_alone_shows_its_own_card(page, comfy):
     for absent in (".omni-headline", ".omni-strips", ".omni-plot", ".omni-threshold", ".omni-warnings"):
         assert view.locator(absent).count() == 0, absent
     assert view.locator(".omni-node-title").inner_text().startswith("CPU Offload")
-    assert view.locator(".omni-features .omni-section-title").inner_text() == "What this run did"
+    assert view.locator(".omni-features .omni-section-title").text_content() == "What this run did"
     card = view.locator(".omni-feature")
     assert card.locator(".omni-card-title").inner_text() == "offload · CPU Offload · #10"
     assert card.locator(".omni-card-headline").inner_text() == "nothing offloaded"
