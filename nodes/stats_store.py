@@ -104,8 +104,10 @@ def _executing() -> tuple[str | None, str | None]:
 
 def _prompt_context(prompt_id: str | None, node_id: str | None) -> tuple[str | None, str | None]:
     """(the node's title in the prompt, the id of the UI workflow it came from) of a running prompt, if known."""
+    if prompt_id is None:  # not a prompt's run (a script, a sequence-parallel worker rank): no server to ask
+        return None, None
     queue = getattr(_server(), "prompt_queue", None)
-    if queue is None or prompt_id is None:
+    if queue is None:
         return None, None
     try:
         running, _ = queue.get_current_queue_volatile()
