@@ -1,4 +1,4 @@
-"""Block-level CPU offload side by side with full residency and per-block streaming, in one run (issue 9).
+"""Block-level CPU offload side by side with full residency and per-block streaming, in one run.
 
 A DiT-shaped stack (pre-norm attention + 4x MLP blocks, no affine norms, so a block's weights are its four Linears:
 12 * dim^2 parameters) between a resident input and output projection. Rows:
@@ -327,7 +327,7 @@ def main() -> None:
                   f"{r['peak'] / MIB:.0f} | {r['between'] / MIB:.0f} | {(r['peak'] - activations) / MIB:.0f} | "
                   f"{r.get('copies', 0):.1f} | {r.get('sync_loads', 0):.1f} | "
                   f"{(r['out'] - base['out']).abs().max().item():.3g} |")
-        print("\nTargets (issue 9): weights on the device at most non-block + (1 + prefetch) blocks; at most 10% "
+        print("\nTargets: weights on the device at most non-block + (1 + prefetch) blocks; at most 10% "
               "slower than fully resident when block compute exceeds its copy time.")
         for r in results:
             if "slots" in r:

@@ -1,9 +1,10 @@
 """The hook registry: one per torch module, hooks ordered by declared phase, at most one forward override.
 
-Design after vllm-omni ``vllm_omni/diffusion/hooks/base.py`` (post PR #2689, which made TeaCache and CPU offload
-compose) with the fixes listed in hook-library-spec.md §2.6: registration validates before it mutates, a duplicate
-name never leaves a stale override behind, and ``HookRegistry.reset()`` restores the module exactly. Unlike
-vllm-omni, the order does not come from the accident of hook names: each hook class declares its ``HookPhase``.
+Design after vllm-omni ``vllm_omni/diffusion/hooks/base.py`` (after vllm-omni PR #2689, which made TeaCache and CPU
+offload compose), with these differences (docs/design.md, "The hook registry"): registration validates before it
+mutates, a duplicate name never leaves a stale override behind, and ``HookRegistry.reset()`` restores the module
+exactly. Unlike vllm-omni, the order does not come from the accident of hook names: each hook class declares its
+``HookPhase``.
 
 Dispatch contract (``HookRegistry.dispatch``), from the outside in:
   1. ``pre_forward`` of every hook that is not of the placement phase, by phase (observation, caching, sharding),

@@ -1,10 +1,10 @@
 """Published MagCache magnitude-ratio curves, each with where it comes from.
 
-Values carried over from ../shared/reference/coefficients.json ("magcache"); every entry names its original source in
-a comment and in ``source``. A curve is one ratio per step (models without CFG, or with embedded guidance) or
-CFG-interleaved ``[c0, u0, c1, u1, ...]``, which is split here into a cond and an uncond curve: each branch reads its
-own curve at its own step (``omni_hooks.magcache.MagRatioTable``). Tables published without the leading 1.0 pads
-their scripts prepend get them back here (``pad``). Every curve is nearest-interpolated to the run's step count.
+Every entry names the project or paper that published it, in a comment and in ``source``. A curve is one ratio per
+step (models without CFG, or with embedded guidance) or CFG-interleaved ``[c0, u0, c1, u1, ...]``, which is split
+here into a cond and an uncond curve: each branch reads its own curve at its own step
+(``omni_hooks.magcache.MagRatioTable``). Tables published without the leading 1.0 pads their scripts prepend get them
+back here (``pad``). Every curve is nearest-interpolated to the run's step count.
 
 Not offered: the FLUX.2 curve (no FLUX.2 in ComfyUI 0.3.64), HunyuanVideo 1.5, FramePack and OmniGen2 (no adapter in
 this pack), and kijai/ComfyUI-WanVideoWrapper's Wan 2.2 A14B entries (they are the TI2V-5B curves, see below).

@@ -1,8 +1,8 @@
 """Published TeaCache polynomials, each with where it comes from.
 
-Values carried over from ../shared/reference/coefficients.json; every entry names its original source. Coefficients are
-highest degree first (numpy.poly1d order). ``signal`` says which tensor the polynomial was fitted on; it must match
-what the adapter measures. ``threshold`` is the published recommendation (source in ``note``).
+Every entry names the project or paper that published it (``source``). Coefficients are highest degree first
+(numpy.poly1d order). ``signal`` says which tensor the polynomial was fitted on; it must match what the adapter
+measures. ``threshold`` is the published recommendation (source in ``note``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CPU Offload (issue 9): the node, its settings, and its sampling run as a feature of the lifecycle (``nodes.features``).
+"""CPU Offload: the node, its settings, and its sampling run as a feature of the lifecycle (``nodes.features``).
 
 ComfyUI loads the model as it always does (fully, or in part with its lowvram mode when it does not fit). Then, for
 the run only (``OffloadSession.after_load``, undone by ``close``):

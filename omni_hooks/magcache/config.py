@@ -1,4 +1,4 @@
-"""MagCache configuration (hook-library-spec.md §5.3)."""
+"""MagCache configuration: threshold, consecutive-skip limit, retention window and the per-branch ratio curves."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,7 +1,7 @@
 """MagCache: the decision policy on top of the shared block-stack cache mechanics (``omni_hooks.stack_cache``).
 
 After vllm-omni ``vllm_omni/diffusion/cache/magcache/hook.py`` and diffusers ``hooks/mag_cache.py``
-(hook-library-spec.md §5.5), on the model's own blocks (``BlockStack``):
+(MagCache paper, Ma et al. 2025), on the model's own blocks (``BlockStack``):
   * ``MagCacheHeadHook`` (on the first block, "mag_cache_leader_block_hook") decides per branch and, on a skip,
     passes the block's inputs through; the residual is added exactly once, to the tail module's input (never at
     every block: vllm-omni #5560 added it at each of Flux's 57 blocks);

@@ -1,4 +1,4 @@
-"""Magnitude-ratio tables: per-branch curves, resampled to any step count (hook-library-spec.md §5.3, §5.6).
+"""Magnitude-ratio tables: per-branch curves, resampled to any step count.
 
 A published table is either *one per step* (models without CFG, or one list per branch as OmniGen2 ships them) or
 *CFG-interleaved* ``[c0, u0, c1, u1, ...]`` (cond first: ComfyUI batches cond before uncond, and the reference

@@ -1,4 +1,4 @@
-"""MagCache per-branch state (hook-library-spec.md §5.4)."""
+"""MagCache per-branch state: accumulated ratio and error, consecutive skips, the step counter, the stored residual."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

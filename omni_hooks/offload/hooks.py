@@ -1,6 +1,6 @@
 """Block-level CPU offload: one CPU master copy per block, ``1 + P`` device slots, a look-ahead of P blocks.
 
-After vllm-omni's ``LayerwiseOffloadHook`` (hook-library-spec.md §6.2), re-implemented with its limits designed out:
+After vllm-omni's ``LayerwiseOffloadHook``, re-implemented with its limits designed out:
   * every block, the first included, has one CPU master copy in a flat buffer (pinned within a budget); weights are
     immutable at inference, so nothing is ever copied back: a block leaves the device by having its tensors
     released to 0-element placeholders;

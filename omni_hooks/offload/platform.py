@@ -2,7 +2,8 @@
 
 Only CUDA (and ROCm, which torch exposes as ``cuda``) gets a copy stream, events and pinned memory. Every other
 device (the CPU included, which is how the tests measure residency and bytes moved) copies synchronously, with the
-same bookkeeping. Nothing here calls ``torch.cuda`` unless the target device is CUDA (hook-library-spec.md §6.4).
+same bookkeeping. Nothing here calls ``torch.cuda`` unless the target device is CUDA, so a CPU-only
+torch never initializes CUDA through this module.
 """
 from __future__ import annotations
 

@@ -2,14 +2,14 @@
 
 Shapes are written ``[B, L, H, D]`` (batch, tokens, heads, head dim), the canonical layout inside this module.
 
-* Ulysses (hook-library-spec.md §7.9): each rank holds ``L/U`` tokens of all ``H`` heads; one all-to-all gives it all
+* Ulysses (DeepSpeed-Ulysses): each rank holds ``L/U`` tokens of all ``H`` heads; one all-to-all gives it all
   ``L`` tokens of ``H/U`` heads (rank ``r``: heads ``[r·H/U, (r+1)·H/U)``), local attention runs on them, the inverse
   all-to-all returns its tokens with all heads.
-* Ring (§7.10): queries stay; key/value blocks travel around the ring while each rank attends to the block it holds
-  and merges with the online softmax: ``lse' = logaddexp(lse, lse_b)``,
+* Ring: queries stay; key/value blocks travel around the ring while each rank attends to the block it holds and
+  merges with the online softmax: ``lse' = logaddexp(lse, lse_b)``,
   ``out' = out·exp(lse - lse') + out_b·exp(lse_b - lse')``.
-* Hybrid (§7.11): Ulysses inside groups of U ranks, then ring attention across the R groups, then the inverse
-  all-to-all.
+* Hybrid (USP; the group layout is ``mesh``'s): Ulysses inside groups of U ranks, then ring attention across the
+  R groups, then the inverse all-to-all.
 * Joint tokens (text kept whole on every rank, "front" ``[text | image]`` or "rear" ``[image | text]``): each rank
   takes its heads of them without communication, attends with them (their keys added once, at ring step 0), and
   the heads of their output are all-gathered over the Ulysses group.

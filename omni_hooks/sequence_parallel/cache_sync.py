@@ -2,11 +2,11 @@
 
 TeaCache measures its input change on each rank's shard of the tokens, so ranks measure different values; a cache
 that decided on its own shard would skip on one rank and compute on another, and the computing rank would wait
-forever in the next all-to-all (vllm-omni #6180, fixed by averaging the statistic over the group in #6228; Helios
-reduces the decision with MAX, #7905). The stack-cache mechanics call ``mean`` on the measured metrics (once per
-call, measured or not) and ``any`` on the compute verdict (once per call), so every rank decides the same and every
-rank makes the same collectives. A step- or ratio-only decision (MagCache) is identical everywhere anyway; ``any``
-still guards it.
+forever in the next all-to-all (vllm-omni #6180, fixed by averaging the statistic over the group in vllm-omni
+#6228; Helios reduces the decision with MAX, vllm-omni #7905). The stack-cache mechanics call ``mean`` on the
+measured metrics (once per call, measured or not) and ``any`` on the compute verdict (once per call), so every rank
+decides the same and every rank makes the same collectives. A step- or ratio-only decision (MagCache) is identical
+everywhere anyway; ``any`` still guards it.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ class SequenceParallelConfig:
     * ``ring_degree`` (R): ranks that pass key/value blocks around a ring and merge partial attentions with the
       online softmax (ring attention). No divisibility constraint on heads.
     * Both > 1 is the hybrid (USP, xDiT): Ulysses groups of U neighbouring ranks, ring groups across them
-      (hook-library-spec.md §7.11, vllm-omni's "ulysses-low" layout).
+      (vllm-omni's "ulysses-low" layout, ``omni_hooks.sequence_parallel.mesh``).
     * ``cfg_degree`` (C): CFG parallel. The world of C·U·R ranks is C groups ("cfg halves") of U·R ranks; a call whose
       batch splits into C equal parts (cond and uncond batched together) runs part ``c`` on half ``c``, each half
       sequence-parallel over its U·R ranks, and the output is gathered along the batch on every rank. A call whose

@@ -2,8 +2,8 @@
 
 All three hooks are of the sharding phase (``HookPhase.SHARDING``): on one module they run inside any cache hook and
 outside any placement (offload) hook, whatever their names, so a cache always sees this rank's shard and stores its
-residual, and a gather sees what the cache produced (hook-library-spec.md §7.5-7.8; diffusers' context-parallel
-hooks, vllm-omni's ``SequenceParallelSplitHook``/``GatherHook``).
+residual, and a gather sees what the cache produced (docs/design.md, "Which features compose, and why"; diffusers'
+context-parallel hooks, vllm-omni's ``SequenceParallelSplitHook``/``GatherHook``).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Which ranks exchange what: the sequence-parallel group and its Ulysses and ring subgroups.
 
-Layout (hook-library-spec.md §7.11, vllm-omni ``set_seq_parallel_pg`` "ulysses-low"): with U = ulysses_degree and
+Layout (vllm-omni ``set_seq_parallel_pg`` "ulysses-low"): with U = ulysses_degree and
 R = ring_degree, SP rank ``g`` holds sequence shard ``g``; the Ulysses groups are the contiguous ranges
 ``[i·U, (i+1)·U)`` and the ring groups the strided sets ``{j, j+U, j+2U, ...}``. So ``g`` is member ``g % U`` of Ulysses
 group ``g // U`` and member ``g // U`` of ring group ``g % U``: after the Ulysses all-to-all a rank holds the

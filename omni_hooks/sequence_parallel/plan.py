@@ -1,6 +1,6 @@
 """The sequence-parallel plan: which module inputs are split, which outputs gathered, which attentions exchange.
 
-A plan maps module ids to specs (hook-library-spec.md §7.2, vllm-omni's ``_sp_plan``, diffusers' ``_cp_plan``):
+A plan maps module ids to specs (after vllm-omni's ``_sp_plan``, diffusers' ``_cp_plan``):
 
 * ``{"param": SequenceParallelInput(...), 2: SequenceParallelInput(..., split_output=True)}``: split the named forward
   inputs before the module runs (or, for an int key, that element of its output afterwards);
@@ -206,7 +206,7 @@ def _validate_input_dict(module_id: str, specs: dict, groups: dict[str, str]) ->
 
 
 def validate_sp_plan(plan: Any) -> SequenceParallelModelPlan:
-    """Check a plan's structure (hook-library-spec.md §7.3); returns it unchanged or raises ValueError."""
+    """Check a plan's structure before any hook is installed; returns it unchanged or raises ValueError."""
     if not isinstance(plan, dict):
         raise ValueError(f"_sp_plan must be a dict of module id -> spec, got {type(plan).__name__}")
     groups: dict[str, str] = {}

@@ -1,6 +1,6 @@
 """TeaCache: the decision policy on top of the shared block-stack cache mechanics (``omni_hooks.stack_cache``).
 
-After vllm-omni ``vllm_omni/diffusion/cache/teacache/hook.py`` (algorithm, hook-library-spec.md §3.5) with one
+After vllm-omni ``vllm_omni/diffusion/cache/teacache/hook.py`` (algorithm: TeaCache paper, Liu et al. 2024) with one
 structural change: instead of re-implementing each model's forward in an extractor, the hooks sit on the model's own
 blocks (``BlockStack``), so the model's forward runs unchanged and only the modulated input is model-specific.
 

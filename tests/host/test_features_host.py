@@ -1,4 +1,4 @@
-"""The run lifecycle of every feature (issue 8, item 3) on a real ComfyUI: a toy feature that acts at model load and
+"""The run lifecycle of every feature on a real ComfyUI: a toy feature that acts at model load and
 per run, in a defined order with a cache, undone on success, error and interrupt; compatibility refusals name both
 nodes; a session factory that raises leaves the guider as it was; the input MODEL stays bit-identical."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CPU Offload end to end through a real ComfyUI server (issue 9, "done when").
+"""CPU Offload end to end through a real ComfyUI server.
 
 The test server runs with ``--cpu``: there is nothing to offload to, so the node must change nothing and say so in
 the log line it writes after every sampling run ("OmniHooks CPU Offload (node #10, ...): nothing to offload to: ...")

@@ -1,5 +1,5 @@
-"""Sequence Parallel end to end through a real CPU ComfyUI server (issue 11, "done when"): 2 gloo ranks, the ComfyUI
-process being rank 0 and the pack starting rank 1.
+"""Sequence Parallel end to end through a real CPU ComfyUI server: 2 gloo ranks, the ComfyUI process being rank 0
+and the pack starting rank 1.
 
 * the tiny Wan with 2 heads (Ulysses) and with 1 head (ring) gives the one-process latent within float32 tolerance,
   while the original MODEL sampled in the same prompt is untouched;

@@ -1,4 +1,4 @@
-"""Apply TeaCache and TeaCache Calibrate end to end through a real ComfyUI server (the issue's acceptance tests).
+"""Apply TeaCache and TeaCache Calibrate end to end through a real ComfyUI server.
 
 The tiny random Wan model makes the published polynomials explode (nothing would be reused), so these tests use an
 identity calibration file written into the server's user directory (the polynomial is then the raw relative L1

@@ -1,6 +1,7 @@
 """The README and the package metadata state only what exists, in the repository's own files."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import tomllib
@@ -69,3 +70,114 @@ def test_features_are_advertised_only_once_their_node_exists(where, text):
     for word, node_word in FEATURES.items():
         if re.search(word, text, re.I):
             assert any(node_word in i for i in ids), f"{where} advertises {word!r}, but no node does it yet"
+
+
+
+@pytest.mark.parametrize("where", ["description", "DisplayName"])
+def test_the_package_metadata_names_every_feature_the_nodes_offer(where):
+    text = PYPROJECT["project"]["description"] if where == "description" else PYPROJECT["tool"]["comfy"]["DisplayName"]
+    offered = {"TeaCache": "ApplyTeaCache", "MagCache": "ApplyMagCache", "CPU Offload": "CPUOffload",
+               "Sequence Parallel": "SequenceParallel"}
+    ids = node_ids()
+    assert all(f"OmniHooks.{node}" in ids for node in offered.values())  # each feature is a node of this pack
+    assert [feature for feature in offered if feature not in text] == []
+
+# What the repository's own text may cite. It is read without our tracker and without the machine it was written on,
+# so it never points at either:
+#   * no file outside the repository (a relative path climbing out of it, the development machine's folders, the
+#     reference notes the work started from);
+#   * no issue of our own: the words "issue"/"issues" do not occur (outside a URL), and no "§" section sign points at a
+#     document that is not here. What the code cites as its design is in docs/design.md.
+# Another project's issue or pull request is a fact with its source and stays: it is written "<project> #N" or
+# "<project> PR #N" (vllm-omni #6180, WanVideoWrapper #1375, ali-vilab/TeaCache#72, ComfyUI PR #10783), so a "#N"
+# after a whitespace or "(" must follow a project's name -- a token with a capital letter, "-", "/" or "." that is not
+# this pack's name -- or be a ComfyUI node id ("node #7" or "· #30"). Colours, HTML entities and ids inside strings
+# ("#232", "&#39;") do not follow a space or "(" and are not citations.
+REFERENCE_SUFFIXES = {".py", ".md", ".js", ".mjs", ".json", ".toml", ".txt", ".sh", ".yml", ".yaml", ".cfg", ".ini"}
+REFERENCE_SKIP = (".venv/", ".hosts/", ".git/", "test-artifacts/")
+THIS_FILE = Path(__file__).resolve().relative_to(ROOT).as_posix()  # states the rules, so it spells what it forbids
+FORBIDDEN_REFERENCES = {
+    r"\.\./shared|\bshared/(reference|seeds)\b|(?<![\w~.])/(work|root|home)/": "a file outside the repository",
+    r"hook-library-spec|sp-offload-anchors|\banchors\.md|\bcoefficients\.json|host-integration\.md":
+        "a reference note that is not in the repository",
+    r"(?<![/\w])issues?\b": "an issue of our tracker (cite another project's as '<project> #N')",
+    r"§": "a section of a document that is not in the repository",
+}
+CITATION = re.compile(r"(?:(?<=\s)|(?<=\()|^)#\d+\b", re.M)
+OUR_NAME = re.compile(r"omni-?hooks", re.I)
+
+
+def repository_text_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    names = [n for n in out.splitlines() if not n.startswith(REFERENCE_SKIP) and n != THIS_FILE]
+    return [ROOT / n for n in names
+            if (Path(n).suffix in REFERENCE_SUFFIXES or n in ("run", ".ci/run")) and (ROOT / n).is_file()]
+
+
+def uncited_numbers(text: str) -> list[str]:
+    """Each ``#N`` that follows a space or "(" but no project's name, with what precedes it."""
+    found = []
+    for match in CITATION.finditer(text):
+        before = text[:match.start()].split()
+        if before and not re.search(r"[\w(]", before[-1]):
+            continue  # after a separator ("· #30"): a node's number in a title, not a citation
+        words = [w for token in before[-2:] for w in re.findall(r"[\w./-]+", token)]  # without quotes, parens, escapes
+        if words[-1:] == ["PR"]:
+            words.pop()
+        word = words[-1] if words else ""
+        names_a_project = bool(re.search(r"[A-Z/.-]", word)) and not OUR_NAME.search(word)
+        if word != "node" and not names_a_project:
+            found.append(f"{word} {match.group()}".strip())
+    return found
+
+
+def test_the_rule_on_citations_tells_another_projects_numbers_from_ours():
+    allowed = ("vllm-omni #6180", "(vllm-omni PR #1223)", "(WanVideoWrapper #1375)", "ali-vilab/TeaCache#72",
+               "ComfyUI-TeaCache #189", "(node #7)", '"color": "#232"', "&#39;", "· #30")
+    assert [t for t in allowed if uncited_numbers(t)] == []
+    ours = ("fixed in #6228", "(#12)", "#9 covers it", "post PR #2689", "ComfyUI-OmniHooks #3", "MAX, #7905")
+    assert [t for t in ours if not uncited_numbers(t)] == ["MAX, #7905"]  # a capitalised word passes for a name
+    for pattern in ("issue 9", "(issue 9)", "Issues 10 and 11", "the issue's", "spec §7.3", "../shared/x.json"):
+        assert any(re.search(p, pattern, re.I) for p in FORBIDDEN_REFERENCES), pattern
+    assert not any(re.search(p, "https://github.com/x/y/issues or copies issued", re.I) for p in FORBIDDEN_REFERENCES)
+
+
+def test_no_text_in_the_repository_cites_our_issues_or_files_outside_it():
+    files = repository_text_files()
+    assert any(f.name == "README.md" for f in files) and any(f.suffix == ".json" for f in files)
+    problems = []
+    for path in files:
+        text = path.read_text(errors="replace")
+        name = path.relative_to(ROOT).as_posix()
+        for pattern, what in FORBIDDEN_REFERENCES.items():
+            for match in re.finditer(pattern, text, re.I):
+                line = text.count("\n", 0, match.start()) + 1
+                problems.append(f"{name}:{line}: {match.group()!r} cites {what}")
+        problems += [f"{name}: {n!r} cites a number without its project" for n in uncited_numbers(text)]
+    assert problems == [], "\n".join(problems)
+
+
+def test_every_link_of_the_docs_folder_is_a_file_of_this_repository():
+    files = tracked_files()
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    assert pages
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            assert not target.startswith(("http://", "https://")), f"{page.name} links outside the repository: {target}"
+            path = target.split("#")[0]
+            if not path:
+                continue
+            resolved = os.path.normpath((page.parent / path).relative_to(ROOT).as_posix())
+            assert not resolved.startswith(".."), f"{page.name} points outside the repository: {target}"
+            assert resolved in files or resolved + "/" in files, f"{page.name} links {target}, which is not here"
+
+
+def test_every_pointer_into_docs_names_a_section_that_exists():
+    pointers = [(path, page, section) for path in repository_text_files()
+                for page, section in re.findall(r'(docs/[\w-]+\.md), "([^"]+)"', path.read_text(errors="replace"))]
+    assert pointers, "expected the code to point into docs/design.md"
+    for path, page, section in pointers:
+        assert (ROOT / page).is_file(), f"{path.relative_to(ROOT)} points to {page}, which does not exist"
+        headings = {h.strip() for h in re.findall(r"^#+ (.+)$", (ROOT / page).read_text(), re.M)}
+        assert section in headings, f"{path.relative_to(ROOT)} points to {page}, {section!r}, which is not a heading"

@@ -1,4 +1,4 @@
-"""Dispatch order by declared phase (issue 8): observation, caching, sharding, override, placement around the real
+"""Dispatch order by declared phase: observation, caching, sharding, override, placement around the real
 forward. Names only order hooks within one phase."""
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The registry contract (issue 2), one test per bullet, plus the vllm-omni PR #2689 suite re-stated."""
+"""The registry contract (docs/design.md, "The hook registry"), one test per rule, plus the vllm-omni PR #2689 suite
+re-stated."""
 from __future__ import annotations
 
 import inspect

@@ -1,4 +1,4 @@
-"""Issue 12 at the node level: the cache nodes check what they are given before sampling and name themselves.
+"""The cache nodes check what they are given before sampling and name themselves.
 
 Each test fails without its fix: a re-made calibration file re-executes its Apply node (fingerprint), the variant
 list offers only files a model can use, non-finite tuning values are refused at execute naming the node and input,

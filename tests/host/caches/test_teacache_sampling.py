@@ -1,6 +1,6 @@
-"""Apply TeaCache under the sampling situations of issue 3 item 5, in-process on the real host: multi-evaluation
-samplers, denoise < 1, batch > 1, cond and uncond in separate calls (low memory), several cond entries, a resolution
-change between runs. Threshold 0 must stay bit-identical; a reusing threshold must keep first/last steps computed."""
+"""Apply TeaCache under varied sampling situations, in-process on the real host: multi-evaluation samplers,
+denoise < 1, batch > 1, cond and uncond in separate calls (low memory), several cond entries, a resolution change
+between runs. Threshold 0 must stay bit-identical; a reusing threshold must keep first/last steps computed."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""CPU Offload inside a real ComfyUI (in-process, issue 9 items 2, 3 and 5).
+"""CPU Offload inside a real ComfyUI (in-process).
 
 This ComfyUI runs on the CPU, so the node has nothing to offload to and must change nothing (first test). Every other
 test forces the offload target to the CPU (``offload_target`` monkeypatched), so that the real path runs with

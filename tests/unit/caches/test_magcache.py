@@ -1,4 +1,4 @@
-"""MagCache on toy models: the diffusers test port (hook-library-spec §5.9), step policy, branches, calibration."""
+"""MagCache on toy models: diffusers' MagCache tests re-stated, step policy, branches, calibration."""
 from __future__ import annotations
 
 import math

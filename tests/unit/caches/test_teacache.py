@@ -1,4 +1,4 @@
-"""TeaCache on a toy DiT: decisions, residual reuse, branches, composition, calibration (hook-library-spec §3.9)."""
+"""TeaCache on a toy DiT: decisions, residual reuse, branches, composition, calibration."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,7 @@
-"""Block-level CPU offload on the CPU (issue 9): residency, bit-identical outputs, exact restore, accounting, errors.
+"""Block-level CPU offload on the CPU: residency, bit-identical outputs, exact restore, accounting, errors.
 
 On the CPU a "device copy" is a real copy into a slot tensor, so residency, copies and bytes moved are measured by the
-same code that runs on CUDA; only streams and pinned memory are left to tests/unit/test_offload_cuda.py.
+same code that runs on CUDA; only streams and pinned memory are left to tests/unit/offload/test_offload_cuda.py.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Offload composed with the real TeaCache and MagCache on one toy stack, in either order (issue 9, item 3).
+"""Offload composed with the real TeaCache and MagCache on one toy stack, in either order.
 
 A skipped step runs no offload hook and moves no weights; a computed step finds every block on the device or being
 copied there (no synchronous load), including the head block whose weights the cache's signal reads before the

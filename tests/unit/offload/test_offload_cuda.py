@@ -1,4 +1,4 @@
-"""Block-level offload on a real CUDA device: side stream, pinned master copies, device memory (issue 9).
+"""Block-level offload on a real CUDA device: side stream, pinned master copies, device memory.
 
 Skipped without CUDA (marker ``cuda``). Memory is asserted from the allocator's own counters; no timing is asserted
 (speed is benchmarks/bench_offload.py's job).

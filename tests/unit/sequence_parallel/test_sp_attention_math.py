@@ -1,6 +1,6 @@
 """Attention pieces in one process: the online-softmax merge against a float64 reference, blockwise attention with
 its log-sum-exp, the host-layout conversions, the errors that name a fix, and the byte accounting of every exchange
-on a simulated mesh (hook-library-spec.md §7.9-7.11)."""
+on a simulated mesh."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
 """Sequence-parallel configuration, plan validation, parameter lookup, split/gather shapes and hook registration in
-one process (a simulated mesh stands in for the ranks; hook-library-spec.md §7.13)."""
+one process (a simulated mesh stands in for the ranks)."""
 from __future__ import annotations
 
 import pytest

@@ -200,7 +200,7 @@ def rank_entry_vs_full(ulysses: int, ring: int, joint: int, image: int, heads_fi
     calls = []
 
     def host(q_, k_, v_, heads_, **kwargs):
-        # a mask-blind kernel (like Sage): padding must be handled without a mask (hook-library-spec.md §7.6)
+        # a mask-blind kernel (like Sage): padding must be handled without a mask
         if kwargs.get("mask") is not None:
             raise AssertionError("the entry passed an attention mask to a mask-blind host function")
         calls.append(heads_)
