@@ -2,7 +2,7 @@
 
 The test server runs with ``--cpu``: there is nothing to offload to, so the node must change nothing and say so in
 the log line it writes after every sampling run ("OmniHooks CPU Offload (node #10, ...): nothing to offload to: ...")
-and, when a cache runs with it, in the ``features`` of that cache run's entry at ``/omni_hooks/runs``.
+and in the ``features`` of the run's entry at ``/omni_hooks/runs`` (its own entry when no cache runs with it).
 The real offload path on ComfyUI's loaded weights is exercised in-process (tests/host/offload/test_offload_host.py).
 """
 from __future__ import annotations
