@@ -6,8 +6,10 @@ patcher wrappers that drive every feature of the MODEL:
 
   * OUTER_SAMPLE, one sampling run: a ``RunSession`` holds one ``FeatureSession`` per applied feature, created in
     ``SESSION_ORDER`` (weights, then sharding, then caching) inside the ``try`` whose ``finally`` closes them in
-    reverse order, errors and interrupts included. The guider's model options are swapped for a copy for the run and
-    always restored. Before any session exists, ``checked_for_drift`` checks the model (``nodes.drift``).
+    reverse order, errors and interrupts included, then publishes the run's one statistics entry
+    (``nodes.stats_store``), made of each session's ``report()``. The guider's model options are swapped for a copy
+    for the run and always restored. Before any session exists, ``checked_for_drift`` checks the model
+    (``nodes.drift``).
   * PREPARE_SAMPLING, model load: after ComfyUI loaded the models for the run, each session's ``after_load`` may act
     on the loaded MODEL (offload must); whatever it does is undone by the session's ``close``.
   * DIFFUSION_MODEL, one model call: sessions install their hooks lazily on the module actually called (so deep
@@ -33,6 +35,8 @@ import torch
 
 from ..omni_hooks.context import CallContext
 from . import drift
+from . import stats_store
+from .stats_store import FeatureReport, RunHeader
 
 log = logging.getLogger("OmniHooks")
 
@@ -100,10 +104,12 @@ class FeatureSession:
     Contract: ``__init__`` must not touch the torch module. ``install(dm)`` may register hooks on ``dm`` and is called
     again (after ``remove()``) if the run calls another module. ``close(status)`` undoes everything ``after_load`` and
     ``install`` did, is called exactly once per run whatever happened, and must not raise for a half-done setup.
-    ``load_request`` is set just before ``after_load`` (None until then).
+    ``load_request`` is set just before ``after_load`` (None until then); ``run_header`` (which run this is, for
+    events sent during the run) when the session is made.
     """
 
     load_request: LoadRequest | None = None
+    run_header: RunHeader | None = None
 
     def __init__(self, patcher, feature: AppliedFeature):
         self.patcher = patcher
@@ -146,12 +152,13 @@ class FeatureSession:
         self.remove()
 
     def summary(self) -> dict[str, Any] | None:
-        """What this feature did in the run, JSON-safe, for the run history (None: nothing to show)."""
+        """What this feature did in the run, JSON-safe: its card in the run's entry (None: no card)."""
         return None
 
-    def publish(self, status: str, features: list[dict[str, Any]]) -> bool:
-        """Publish the run's statistics with the other features' summaries; True if this session did (a cache)."""
-        return False
+    def report(self) -> FeatureReport:
+        """This feature's part of the run's statistics entry, after ``close`` (default: ``summary()`` as its card).
+        Override to add a headline, top-level fields or a cache's statistics."""
+        return FeatureReport.of(self.feature, card=self.summary())
 
 
 SessionFactory = Callable[[Any, AppliedFeature], FeatureSession]
@@ -260,15 +267,21 @@ class RunSession:
     installed_on: torch.nn.Module | None = None
     labels: dict[str, str] = field(default_factory=dict)
     schedules: dict = field(default_factory=dict)  # step_of's memo for this run
+    header: RunHeader | None = None                # the run's statistics header, once opened
     closed: bool = False
 
     def open(self, features: tuple[AppliedFeature, ...], factories: dict[str, SessionFactory] | None = None) -> None:
         """Create one session per feature, in ``SESSION_ORDER`` (each kept as soon as it exists, for ``close``).
         ``factories``: a kind's session made otherwise than its spec says (a worker rank's side of a feature)."""
         rank = {category: i for i, category in enumerate(SESSION_ORDER)}
-        for feature in sorted(features, key=lambda f: rank[f.category]):
+        ordered = sorted(features, key=lambda f: rank[f.category])
+        if ordered:  # the run's node (its statistics entry's): its cache's, else the feature last in SESSION_ORDER
+            self.header = stats_store.run_started(ordered[-1])
+        for feature in ordered:
             factory = (factories or {}).get(feature.kind) or _SPECS[feature.kind].session_factory
-            self.sessions.append(factory(self.patcher, feature))
+            session = factory(self.patcher, feature)
+            session.run_header = self.header
+            self.sessions.append(session)
 
     def after_load(self, patcher, request: LoadRequest | None = None) -> None:
         rank = {category: i for i, category in enumerate(LOAD_ORDER)}
@@ -314,7 +327,7 @@ class RunSession:
 
     def close(self, status: str) -> None:
         """Close every session in reverse order, each whatever the others did, then publish the run's statistics
-        (one entry: the cache's numbers with the other features' summaries); re-raise the first failure."""
+        (one entry of every session's ``report``); re-raise the first failure."""
         if self.closed:
             return
         self.closed = True
@@ -334,13 +347,8 @@ class RunSession:
             raise failure
 
     def publish(self, status: str) -> None:
-        summaries = {id(s): s.summary() for s in self.sessions}
-        for session in self.sessions:
-            # the shape the run history and the panel read: {kind, node_id, node_title, summary: {...}}
-            others = [{"kind": s.feature.kind, "node_id": s.feature.node_id, "node_title": s.feature.node_title,
-                       "summary": summaries[id(s)]} for s in self.sessions if s is not session and summaries[id(s)]]
-            if session.publish(status, others):
-                return
+        if self.header is not None:
+            stats_store.run_finished(self.header, status, [session.report() for session in self.sessions])
 
 
 def _outer_sample(executor, *args, **kwargs):

@@ -1,22 +1,28 @@
-"""Cache statistics out of a run: a log line, websocket events to the client that queued the prompt, and a bounded
-history of runs served over HTTP.
+"""Run statistics: a log line, websocket events to the client that queued the prompt, and a bounded history of runs
+served over HTTP. Every sampling run with any of this pack's features has one entry; each feature contributes its own
+part (a ``FeatureReport``) when the run ends (``nodes.features.RunSession``).
 
 Events (``PromptServer.send_sync``, to the prompt's client only):
-  * ``omni_hooks.step``: after every model evaluation; ``{run_id, prompt_id, node_id, node_title, workflow_id,
-    sampler_node_id, kind, model, threshold, started_at, step, total_steps, computed, seconds, branches: [{branch,
-    computed, reason, metric, threshold}]}`` (at most ``STEP_BRANCHES_LIMIT`` branches, ``branches_omitted`` counts
-    the rest);
+  * ``omni_hooks.step``: after every model evaluation of a cache; ``{run_id, prompt_id, node_id, node_title,
+    workflow_id, sampler_node_id, kind, model, threshold, started_at, step, total_steps, computed, seconds, branches:
+    [{branch, computed, reason, metric, threshold}]}`` (at most ``STEP_BRANCHES_LIMIT`` branches,
+    ``branches_omitted`` counts the rest);
   * ``omni_hooks.run``: when a run ends (also after an error or interrupt); the history entry below.
 Routes (registered at import, so also under ``/api``):
   * ``GET /omni_hooks/runs?prompt_id=<id>&limit=<n>&detail=<0|1>``: ``{"runs": [entry, ...]}``, newest first;
     ``detail=0`` leaves out ``evaluations`` and ``timeline`` (what a list of runs needs);
   * ``GET /omni_hooks/runs/{run_id}``: one entry, 404 if unknown.
 An entry: ``{run_id, prompt_id, node_id, node_title, workflow_id, sampler_node_id, kind, model, threshold, status,
-started_at, finished_at, summary, detail, evaluations, timeline}``: ``summary`` as ``CacheRunStats.summary()`` (over
-every evaluation); ``detail`` says what the per-evaluation part holds: ``"evaluations"`` (every record, ``timeline``
-None), ``"timeline"`` (a run too long to keep each record: ``evaluations`` is empty and ``timeline`` is
-``CacheRunStats.timeline()``) or ``"summary"`` (neither fits: both empty). ``node_title`` is the node's title in the
-prompt (``_meta.title``) and ``workflow_id`` the id of the UI workflow it was queued from, when the client sent them.
+started_at, finished_at, summary, detail, evaluations, timeline}``, plus ``features`` (``[{kind, node_id, node_title,
+summary, headline}]``: one card per feature that reports one, e.g. CPU Offload, Sequence Parallel) and the features'
+top-level fields (``world_size``). The run's node (``node_id``, ``kind``) is its cache's, else its sequence-parallel
+or offload node's. With a cache, ``model`` and ``threshold`` are the cache's, ``summary`` is
+``CacheRunStats.summary()`` (over every evaluation) and ``detail`` says what the per-evaluation part holds:
+``"evaluations"`` (every record, ``timeline`` None), ``"timeline"`` (a run too long to keep each record:
+``evaluations`` is empty and ``timeline`` is ``CacheRunStats.timeline()``) or ``"summary"`` (neither fits: both
+empty). Without a cache, ``summary`` is None, ``evaluations`` empty and ``threshold`` None: the cards say what ran.
+``node_title`` is the node's title in the prompt (``_meta.title``) and ``workflow_id`` the id of the UI workflow it
+was queued from, when the client sent them.
 
 Everything sent or served is valid JSON (``omni_hooks.stats.json_safe``: non-finite numbers become "NaN",
 "Infinity", "-Infinity"). Sizes are bounded: an entry is at most ``ENTRY_BYTES_LIMIT`` of JSON (so is the run event),
@@ -33,10 +39,10 @@ import json
 import logging
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..omni_hooks.stats import json_safe
+from ..omni_hooks.stats import CacheRunStats, json_safe
 
 log = logging.getLogger("OmniHooks")
 
@@ -98,8 +104,10 @@ def _executing() -> tuple[str | None, str | None]:
 
 def _prompt_context(prompt_id: str | None, node_id: str | None) -> tuple[str | None, str | None]:
     """(the node's title in the prompt, the id of the UI workflow it came from) of a running prompt, if known."""
+    if prompt_id is None:  # not a prompt's run (a script, a sequence-parallel worker rank): no server to ask
+        return None, None
     queue = getattr(_server(), "prompt_queue", None)
-    if queue is None or prompt_id is None:
+    if queue is None:
         return None, None
     try:
         running, _ = queue.get_current_queue_volatile()
@@ -117,47 +125,87 @@ def _prompt_context(prompt_id: str | None, node_id: str | None) -> tuple[str | N
     return None, None
 
 
-def _header(session) -> dict[str, Any]:
-    return {"run_id": session.run_id, "prompt_id": session.prompt_id, "node_id": session.feature.node_id,
-            "node_title": getattr(session, "node_title", None) or session.feature.node_title,
-            "workflow_id": getattr(session, "workflow_id", None), "sampler_node_id": session.sampler_node_id,
-            "kind": session.stats.kind, "model": session.stats.model, "threshold": session.stats.threshold,
-            "started_at": getattr(session, "started_at", None)}
+@dataclass(frozen=True)
+class RunHeader:
+    """Which run this is: the fields its events and its entry start with. The run's node is its cache's, else that
+    of the feature the run lifecycle names (``RunSession.open``)."""
+
+    run_id: str
+    prompt_id: str | None
+    node_id: str | None
+    node_title: str | None     # the node's title in the prompt, else the node's own title
+    workflow_id: str | None
+    sampler_node_id: str | None
+    kind: str                  # the node's feature kind ("teacache", "offload", ...)
+    started_at: float
 
 
-def run_started(session) -> None:
-    session.run_id = f"run-{next(_run_numbers)}"
-    session.prompt_id, session.sampler_node_id = _executing()
-    session.node_title, session.workflow_id = _prompt_context(session.prompt_id, session.feature.node_id)
-    session.started_at = time.time()
+@dataclass
+class FeatureReport:
+    """What one feature contributes to its run's entry (``FeatureSession.report``, when the run has ended)."""
+
+    kind: str
+    node_id: str | None
+    node_title: str
+    card: dict[str, Any] | None = None     # its summary: one item of the entry's ``features`` (a card in the panel)
+    headline: str | None = None            # what it did in a few words (the panel's list of runs)
+    fields: dict[str, Any] = field(default_factory=dict)  # top-level fields of the entry, e.g. ``world_size``
+    stats: CacheRunStats | None = None     # a cache's statistics: the entry's model, threshold, summary, evaluations
+
+    @classmethod
+    def of(cls, feature, **parts: Any) -> "FeatureReport":
+        """The report of ``feature`` (an ``AppliedFeature``) with ``parts``."""
+        return cls(kind=feature.kind, node_id=feature.node_id, node_title=feature.node_title, **parts)
+
+    def feature_entry(self) -> dict[str, Any]:
+        """Its item of the entry's ``features``: ``{kind, node_id, node_title, summary[, headline]}``."""
+        item = {"kind": self.kind, "node_id": self.node_id, "node_title": self.node_title, "summary": self.card}
+        if self.headline:
+            item["headline"] = self.headline
+        return item
 
 
-def step_finished(session, record) -> None:
-    """After every model evaluation (hot path): one small message, no tensor access."""
+def _cache_fields(stats: CacheRunStats) -> dict[str, Any]:
+    return {"kind": stats.kind, "model": stats.model, "threshold": stats.threshold}
+
+
+def run_started(feature) -> RunHeader:
+    """A run whose node left ``feature`` (an ``AppliedFeature``) has started: its header (a new ``run_id``)."""
+    prompt_id, sampler_node_id = _executing()
+    title, workflow_id = _prompt_context(prompt_id, feature.node_id)
+    return RunHeader(run_id=f"run-{next(_run_numbers)}", prompt_id=prompt_id, node_id=feature.node_id,
+                     node_title=title or feature.node_title, workflow_id=workflow_id, sampler_node_id=sampler_node_id,
+                     kind=feature.kind, started_at=time.time())
+
+
+def step_finished(header: RunHeader, stats: CacheRunStats, record) -> None:
+    """After every model evaluation of a cache (hot path): one small message, no tensor access."""
     branches = [asdict(b) for b in record.branches[:STEP_BRANCHES_LIMIT]]
-    event = {**_header(session), "step": record.step, "total_steps": record.total_steps,
+    event = {**asdict(header), **_cache_fields(stats), "step": record.step, "total_steps": record.total_steps,
              "computed": record.computed, "seconds": record.seconds, "branches": branches}
     if len(record.branches) > STEP_BRANCHES_LIMIT:
         event["branches_omitted"] = len(record.branches) - STEP_BRANCHES_LIMIT
     _send(STEP_EVENT, json_safe(event))
 
 
-def bounded_entry(header: dict[str, Any], stats, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def bounded_entry(header: dict[str, Any], stats: CacheRunStats | None,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON-safe history entry of a run, at most ``ENTRY_BYTES_LIMIT`` bytes of JSON.
 
-    Every evaluation while they fit in ``DETAIL_BYTES_LIMIT``; else a timeline of ``TIMELINE_BINS`` bins; else
-    (thousands of branches) the summary alone, with long lists cut; ``detail`` says which. ``extra`` (further
-    top-level fields, e.g. other features' summaries) is kept unless it alone breaks the bound, then each of its
-    fields becomes None and a warning says so.
+    A cache's statistics (``stats``; None for a run without a cache: ``summary`` None, no evaluations): every
+    evaluation while they fit in ``DETAIL_BYTES_LIMIT``; else a timeline of ``TIMELINE_BINS`` bins; else (thousands
+    of branches) the summary alone, with long lists cut; ``detail`` says which. ``extra`` (further top-level fields,
+    e.g. the features' cards) is kept unless it alone breaks the bound, then each of its fields becomes None and a
+    warning says so.
     """
-    entry = json_safe({**header, **(extra or {}), "summary": stats.summary(), "detail": "evaluations",
-                       "timeline": None})
-    evaluations = stats.to_dict()["evaluations"]
+    summary = stats.summary() if stats is not None else None
+    entry = json_safe({**header, **(extra or {}), "summary": summary, "detail": "evaluations", "timeline": None})
+    evaluations = stats.to_dict()["evaluations"] if stats is not None else []
     if json_bytes(evaluations) <= DETAIL_BYTES_LIMIT:
         entry["evaluations"] = evaluations
     else:
         entry.update(detail="timeline", evaluations=[], timeline=stats.timeline(TIMELINE_BINS))
-    if json_bytes(entry) > ENTRY_BYTES_LIMIT:
+    if stats is not None and json_bytes(entry) > ENTRY_BYTES_LIMIT:
         summary = entry["summary"]
         entry.update(detail="summary", evaluations=[], timeline=None)
         summary["warnings"] = [w[:500] for w in summary["warnings"][:20]]
@@ -166,17 +214,32 @@ def bounded_entry(header: dict[str, Any], stats, extra: dict[str, Any] | None = 
     if json_bytes(entry) > ENTRY_BYTES_LIMIT:
         for key in extra or {}:
             entry[key] = None
-        entry["summary"]["warnings"].append(f"the run's {', '.join(extra or {})} statistics were too large to keep")
+        warning = f"the run's {', '.join(extra or {})} statistics were too large to keep"
+        if entry["summary"] is not None:
+            entry["summary"]["warnings"].append(warning)
+        else:
+            log.warning("OmniHooks: %s", warning)
     return entry
 
 
-def run_finished(session, status: str = "success", extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Log, keep and publish the run's entry (``bounded_entry``; ``extra``: further top-level fields)."""
-    stats = session.stats
-    if stats.evaluations:
+def run_finished(header: RunHeader, status: str, reports: list[FeatureReport]) -> dict[str, Any]:
+    """Log, keep and publish the run's entry from every feature's report (``bounded_entry``).
+
+    A cache's report gives the entry's ``model``, ``threshold``, ``summary`` and per-evaluation part; every report
+    with a card is an item of ``features``; every report's ``fields`` are top-level fields.
+    """
+    stats = next((r.stats for r in reports if r.stats is not None), None)
+    if stats is not None and stats.evaluations:
         log.info("OmniHooks %s", stats.log_line())
-    header = {**_header(session), "status": status, "finished_at": time.time()}
-    entry = bounded_entry(header, stats, extra)
+    head = {**asdict(header), "model": "", "threshold": None, **(_cache_fields(stats) if stats else {}),
+            "status": status, "finished_at": time.time()}
+    extra: dict[str, Any] = {}
+    for report in reports:
+        extra.update(report.fields)
+    cards = [r.feature_entry() for r in reports if r.card]
+    if cards:
+        extra["features"] = cards
+    entry = bounded_entry(head, stats, extra)
     size = json_bytes(entry)
     with _lock:
         _history[entry["run_id"]] = entry

@@ -1,4 +1,5 @@
-// OmniHooks cache statistics: a sidebar tab answering "is it working, where, and why", and a badge on Apply nodes.
+// OmniHooks statistics: a sidebar tab answering "is it working, where, and why" for every run with one of our nodes
+// (a cache's steps; CPU Offload's and Sequence Parallel's cards), and a badge on Apply nodes.
 // Listens to "omni_hooks.step"/"omni_hooks.run" (nodes/stats_store.py) from setup(), so no early event is lost;
 // loads GET /omni_hooks/runs on start (history survives a page reload). Every string is set as textContent.
 // The logic lives in stats_model.js (tested with node --test); this file only draws it.
@@ -6,8 +7,9 @@ import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import {
   REASONS, RUN_EVENT, STEP_EVENT, applyRun, applyStep, badgeFor, branchExplanation, branchOrder, cellReason, counters, createState,
-  describeCell, featureCards, formatBytes, formatPercent, formatSeconds, formatSpeedup, formatValue, formatWhen, lanes,
-  legend, plotData, progress, selectRun, shownRun, SKIP_REASONS, speedupBasis, stepTicks, UNSET_WORKFLOW_ID, warnings,
+  describeCell, featureCards, featuresTitle, formatBytes, formatPercent, formatSeconds, formatSpeedup, formatValue,
+  formatWhen, isCacheRun, lanes, legend, plotData, progress, runNumbers, selectRun, shownRun, SKIP_REASONS,
+  speedupBasis, stepTicks, UNSET_WORKFLOW_ID, warnings,
 } from "./stats_model.js";
 
 const APPLY_NODES = new Set(["OmniHooks.ApplyTeaCache", "OmniHooks.ApplyMagCache"]);
@@ -90,8 +92,8 @@ function headerView(run) {
       run.node_id != null ? [" ", el("span", { class: "omni-node-id" }, `#${run.node_id}`)] : null),
     el("div", { class: "omni-meta omni-meta-what" }, bits.join(" · ")),
     el("div", { class: "omni-meta omni-meta-when" },
-      el("span", { class: "omni-threshold" }, `threshold ${formatValue(threshold)}`),
-      ` · ${formatWhen(run)}`,
+      isCacheRun(run) ? [el("span", { class: "omni-threshold" }, `threshold ${formatValue(threshold)}`), " · "] : null,
+      formatWhen(run),
       run.world_size > 1 ? ` · ${run.world_size} devices` : "", " ",
       el("span", { class: `omni-status omni-status-${status}` },
         run.finished ? status : `running ${progress(run)}`.trim())));
@@ -204,9 +206,10 @@ function featuresView(run) {
   const cards = featureCards(run);
   if (!cards.length) return null;
   return el("div", { class: "omni-section omni-features" },
-    el("div", { class: "omni-section-title" }, "Other features in this run"),
+    el("div", { class: "omni-section-title" }, featuresTitle(run)),
     cards.map((card) => el("div", { class: "omni-card omni-feature" },
       el("div", { class: "omni-card-title" }, card.title),
+      card.headline ? el("div", { class: "omni-card-headline" }, card.headline) : null,
       el("dl", { class: "omni-kv" }, card.rows.map(([k, v]) => [el("dt", {}, k), el("dd", {}, v)])))));
 }
 
@@ -234,8 +237,9 @@ function runView(run, width) {
   const list = run.loaded ? lanes(run, Math.max(8, Math.floor(width / CELL_MIN_PX))) : [];
   return el("div", { class: "omni-run-view", "data-run": run.run_id },
     warnings(run).length ? el("div", { class: "omni-warnings" }, warnings(run).map((w) => el("div", { class: "omni-warning" }, `⚠ ${w}`))) : null,
-    headerView(run), headlineView(run),
-    run.loaded ? stripsView(run, list) : el("div", { class: "omni-note" }, "loading the steps of this run…"),
+    headerView(run), isCacheRun(run) ? headlineView(run) : null,
+    !isCacheRun(run) ? null
+      : run.loaded ? stripsView(run, list) : el("div", { class: "omni-note" }, "loading the steps of this run…"),
     list.length ? plotView(list, width) : null,
     featuresView(run), detailsView(run));
 }
@@ -244,7 +248,6 @@ function runsView(shown) {
   const list = el("div", { class: "omni-section omni-recent" }, el("div", { class: "omni-section-title" }, "Recent runs"));
   const runs = el("div", { class: "omni-runs" });
   for (const run of state.runs) {
-    const c = counters(run);
     const where = [workflowName(run.workflow_id) || "API prompt", run.kind, formatWhen(run)].filter(Boolean).join(" · ");
     runs.append(el("button", {
       class: `omni-run${run === shown ? " omni-selected" : ""}`, "data-run": run.run_id, type: "button",
@@ -252,7 +255,7 @@ function runsView(shown) {
     },
     el("div", { class: "omni-run-line" },
       el("span", { class: "omni-run-title" }, `${run.node_title ?? run.kind} #${run.node_id ?? "?"}`),
-      el("span", { class: "omni-run-numbers" }, run.finished ? `${c.reused}/${c.evaluations} · ${formatSpeedup(c.speedup)}` : `running ${progress(run)}`)),
+      el("span", { class: "omni-run-numbers" }, runNumbers(run))),
     el("div", { class: "omni-run-sub" }, where + (run.finished && run.status && run.status !== "success" ? ` · ${run.status}` : ""))));
   }
   list.append(state.runs.length ? runs : el("div", { class: "omni-empty" }, "none yet"));
@@ -261,8 +264,9 @@ function runsView(shown) {
 
 function emptyView() {
   return el("div", { class: "omni-empty" },
-    "No cache runs yet. Put Apply TeaCache or Apply MagCache between your model loader and the sampler and queue "
-    + "the workflow: every step's decision (computed or reused, and why) shows up here while it runs.");
+    "No runs yet. Put Apply TeaCache or Apply MagCache between your model loader and the sampler and queue "
+    + "the workflow: every step's decision (computed or reused, and why) shows up here while it runs. Runs with CPU "
+    + "Offload or Sequence Parallel show what those did.");
 }
 
 function render() {

@@ -1,6 +1,7 @@
-// Pure logic of the OmniHooks cache-statistics panel: no DOM, no ComfyUI imports (tested with node --test).
-// Events come from nodes/stats_store.py: "omni_hooks.step" after each model evaluation, "omni_hooks.run" at the end
-// of a run (the history entry). Numbers that are not finite arrive as the text "NaN", "Infinity" or "-Infinity".
+// Pure logic of the OmniHooks statistics panel: no DOM, no ComfyUI imports (tested with node --test).
+// Events come from nodes/stats_store.py: "omni_hooks.step" after each model evaluation of a cache, "omni_hooks.run"
+// at the end of every run with one of our nodes (the history entry; a run without a cache has no cache summary, only
+// its features' cards). Numbers that are not finite arrive as the text "NaN", "Infinity" or "-Infinity".
 
 export const STEP_EVENT = "omni_hooks.step";
 export const RUN_EVENT = "omni_hooks.run";
@@ -389,19 +390,48 @@ export function warnings(run) {
   return [];
 }
 
-/** Further features of the run (offload, sequence parallel, ...): a title and key/value rows each. */
+/** Whether the run has a cache's numbers (steps seen, or a finished cache's summary); a run of CPU Offload or
+ * Sequence Parallel alone has only its features' cards. */
+export function isCacheRun(run) {
+  return (run?.records?.length ?? 0) > 0 || !!run?.timeline
+    || (!!run?.summary && typeof run.summary === "object" && Number.isFinite(run.summary.evaluations));
+}
+
+function features(run) {
+  return (Array.isArray(run?.features) ? run.features : []).filter((f) => f && typeof f === "object");
+}
+
+/** The run's features other than its cache (offload, sequence parallel, ...), or every feature of a run without
+ * one: a title, the feature's headline (may be "") and key/value rows each. */
 export function featureCards(run) {
-  return (Array.isArray(run?.features) ? run.features : []).filter((f) => f && typeof f === "object").map((f) => ({
+  return features(run).map((f) => ({
     title: [f.kind ?? "feature", f.node_title, f.node_id != null ? `#${f.node_id}` : null].filter(Boolean).join(" · "),
+    headline: typeof f.headline === "string" ? f.headline : "",
     rows: Object.entries(f.summary && typeof f.summary === "object" ? f.summary : {})
       .map(([k, v]) => [k.replace(/_/g, " "), formatField(k, v)]),
   }));
 }
 
-/** A summary value by what its key says it holds: "..._bytes" as a size, "..._seconds" as a duration. */
+/** The heading over the feature cards. */
+export function featuresTitle(run) {
+  return isCacheRun(run) ? "Other features in this run" : "What this run did";
+}
+
+/** The numbers of a run in the list of recent runs: a cache's reuse and speedup, else its features' headlines. */
+export function runNumbers(run) {
+  if (!run?.finished) return `running ${progress(run)}`.trim();
+  if (isCacheRun(run)) {
+    const c = counters(run);
+    return `${c.reused}/${c.evaluations} · ${formatSpeedup(c.speedup)}`;
+  }
+  return features(run).map((f) => f.headline).filter((h) => typeof h === "string" && h).join(" · ");
+}
+
+/** A summary value by what its key says it holds: "..._bytes" or "bytes_..." as a size, "..._seconds" as a
+ * duration. */
 function formatField(key, v) {
   if (typeof v === "number" && Number.isFinite(v)) {
-    if (/(^|_)bytes$/.test(key)) return formatBytes(v);
+    if (/(^|_)bytes($|_)/.test(key)) return formatBytes(v);
     if (/(^|_)seconds$/.test(key)) return formatSeconds(v);
   }
   return formatValue(v);

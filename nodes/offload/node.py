@@ -36,6 +36,7 @@ from .. import families
 from ..families import detect_for_node, model_input
 from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, LoadRequest, attach_feature, \
     register_feature
+from ..stats_store import FeatureReport
 from .placement import BlockFootprint, OffloadPlan, Promotion, block_tensors, gib, plan_offload
 
 log = logging.getLogger("OmniHooks")
@@ -267,6 +268,13 @@ class OffloadSession(FeatureSession):
             "notes": [*summary["notes"], *self.notes],
         })
         return summary
+
+    def report(self) -> FeatureReport:
+        """Its summary as the run's card, headed by the blocks offloaded and the bytes moved."""
+        summary = self.summary()
+        headline = (f"{summary['blocks_offloaded']}/{summary['blocks_total']} blocks offloaded, "
+                    f"{gib(summary['bytes_moved'])} moved" if summary["active"] else "nothing offloaded")
+        return FeatureReport.of(self.feature, card=summary, headline=headline)
 
     def log_line(self) -> str:
         node = f"node #{self.feature.node_id}, " if self.feature.node_id else ""

@@ -27,6 +27,7 @@ from ...omni_hooks.sequence_parallel import SequenceParallelConfig
 from . import group as sp_group
 from ..families import FAMILIES, ModelFamily, detect
 from ..features import FEATURES_KEY, AppliedFeature, Category, FeatureSpec, attach_feature, register_feature
+from ..stats_store import FeatureReport
 from .shard import ATTENTION_OVERRIDE, KIND, ShardSession
 from .protocol import (OPTIONS_SLOT, SequenceParallelError, check_picklable, is_collective_failure,
                           tensor_signature)
@@ -197,6 +198,18 @@ class SequenceParallelSession(ShardSession):
         return {"world_size": group.world_size, "ulysses_degree": ulysses, "ring_degree": ring, "cfg_degree": cfg,
                 "backend": group.backend, "local_devices": list(group.devices),
                 "calls": self.calls, "bytes_sent": self.runtime.stats.bytes_sent if self.runtime else 0}
+
+    def report(self) -> FeatureReport:
+        """Its summary as the run's card, headed by the devices and degrees; ``world_size`` also at the top (the
+        panel's header shows it on a cache's run)."""
+        summary = self.summary()
+        if summary is None:  # the run ended before the model was sharded
+            return FeatureReport.of(self.feature)
+        degrees = f"ulysses {summary['ulysses_degree']} × ring {summary['ring_degree']}"
+        if summary["cfg_degree"] > 1:
+            degrees += f" × cfg {summary['cfg_degree']}"
+        return FeatureReport.of(self.feature, card=summary, headline=f"{summary['world_size']} devices ({degrees})",
+                                fields={"world_size": summary["world_size"]})
 
 
 register_feature(FeatureSpec(KIND, Category.SEQUENCE_PARALLEL, SequenceParallelSession))

@@ -343,6 +343,33 @@ def test_a_run_that_reused_nothing_warns_at_the_top(page, comfy):
     screenshot(page, "stats_panel_warning.png")
 
 
+def test_a_run_with_cpu_offload_alone_shows_its_own_card(page, comfy):
+    """No cache: no reuse numbers, strips or threshold; the offload's card with its headline (the server runs on the
+    CPU, so there is nothing to offload to), and the headline in the list of runs."""
+    from omnitest.graphs import tiny_wan_graph
+
+    open_panel(page)
+    graph = tiny_wan_graph([("OmniHooks.CPUOffload", {"blocks_to_offload": -1, "prefetch_blocks": 1,
+                                                     "pin_memory": "auto", "vram_budget_gb": 0.0})], steps=4)
+    graph.set_nonce(time.monotonic_ns())
+    _, run = run_in_page(page, comfy, graph, "offload only")
+    assert run["kind"] == "offload" and run["summary"] is None
+    wait_for_run(page, run["run_id"])
+    view = page.locator(f".omni-run-view[data-run='{run['run_id']}']")
+    for absent in (".omni-headline", ".omni-strips", ".omni-plot", ".omni-threshold", ".omni-warnings"):
+        assert view.locator(absent).count() == 0, absent
+    assert view.locator(".omni-node-title").inner_text().startswith("CPU Offload")
+    assert view.locator(".omni-features .omni-section-title").text_content() == "What this run did"
+    card = view.locator(".omni-feature")
+    assert card.locator(".omni-card-title").inner_text() == "offload · CPU Offload · #10"
+    assert card.locator(".omni-card-headline").inner_text() == "nothing offloaded"
+    rows = dict(zip(card.locator("dt").all_inner_texts(), card.locator("dd").all_inner_texts()))
+    assert rows["status"] == "success" and rows["bytes moved"] == "0 B" and rows["active"] == "no"
+    listed = page.locator(f".omni-run[data-run='{run['run_id']}'] .omni-run-numbers")
+    assert listed.inner_text() == "nothing offloaded"
+    screenshot(page, "stats_panel_offload_only.png")
+
+
 def test_an_overflowing_metric_keeps_the_panel_live_and_the_history_valid_json(page, comfy, comfy_server):
     open_panel(page)
     prompt_id, run = run_in_page(page, comfy, teacache_graph(threshold=1.0, calibration=OVERFLOW, steps=12), "overflow")

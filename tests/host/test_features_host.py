@@ -86,6 +86,9 @@ def env(user_dir):
         def end_call(self, context):
             ToySession.log.append(f"end toy blocks_run={context.blocks_run}")
 
+        def summary(self):
+            return {"calls": self.calls, "block_runs": self.block_runs}
+
         def close(self, status):
             super().close(status)
             dm = self.patcher.model.diffusion_model
@@ -100,6 +103,7 @@ def env(user_dir):
         tiny = tiny_models
         case = tiny_models.build_case("wan21_t2v")
         module = features
+        store = pack_module("nodes.stats_store")
         Session = ToySession
         Settings = ToySettings
 
@@ -155,6 +159,9 @@ def test_errors_and_interrupts_undo_load_time_and_run_actions(env, baseline, fai
     with pytest.raises(expected):
         env.tiny.sample(env.case, model=patched, steps=4, cfg=3.0)
     assert env.Session.log[-1] == ("close error" if failure == "error" else "close interrupted")
+    entry = env.store.recent_runs(1)[0]  # the failed run has its entry too
+    assert (entry["kind"], entry["status"]) == (TOY, "error" if failure == "error" else "interrupted")
+    assert entry["features"][0]["summary"]["calls"] == 2
     assert module_state(env.case.diffusion_model) == state_before
     assert not hasattr(env.case.diffusion_model, MARKER)
     assert torch.equal(env.tiny.sample(env.case, steps=4, cfg=3.0), out_before)
@@ -173,6 +180,25 @@ def test_sessions_run_in_the_defined_order_whatever_the_node_order(env, baseline
     assert 0 < computed < len(ends) == 6  # first and last computed, the rest reused
     assert session.block_runs == computed * len(env.case.diffusion_model.blocks)
     assert module_state(env.case.diffusion_model) == state_before
+
+
+def test_every_run_publishes_one_entry_made_of_its_features_reports(env, baseline):
+    """A run without a cache is the entry of its feature (its node, its card); with a cache, the entry is the cache's
+    (its node, numbers and steps) with the other feature's card beside them."""
+    env.tiny.sample(env.case, model=env.toy(env.case.patcher), steps=4, cfg=3.0)
+    (session,) = env.Session.instances
+    entry = env.store.recent_runs(1)[0]
+    assert {k: entry[k] for k in ("kind", "node_id", "node_title", "status", "summary", "threshold", "evaluations")} \
+        == {"kind": TOY, "node_id": "t1", "node_title": "Toy Feature", "status": "success", "summary": None,
+            "threshold": None, "evaluations": []}
+    assert entry["features"] == [{"kind": TOY, "node_id": "t1", "node_title": "Toy Feature",
+                                  "summary": {"calls": 4, "block_runs": session.block_runs}}]
+    env.tiny.sample(env.case, model=env.toy(env.teacache(env.case.patcher, threshold=1e9), node_id="t2"), steps=6,
+                    cfg=3.0)
+    entry = env.store.recent_runs(1)[0]
+    assert (entry["kind"], entry["node_title"], entry["summary"]["evaluations"]) == ("teacache", "Apply TeaCache", 6)
+    assert len(entry["evaluations"]) == 6 and entry["threshold"] == 1e9
+    assert [(f["kind"], f["node_id"], f["summary"]["calls"]) for f in entry["features"]] == [(TOY, "t2", 6)]
 
 
 def test_one_pair_of_wrappers_drives_every_feature(env):

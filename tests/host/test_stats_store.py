@@ -2,8 +2,6 @@
 long runs summarised, every published message bounded."""
 from __future__ import annotations
 
-import types
-
 import collections
 import json
 import math
@@ -33,18 +31,23 @@ def store(monkeypatch):
     return store
 
 
-def finished_run(store, evaluations: int, threshold: float = 0.2, metric: float = 0.1, branches=("cond", "uncond"),
-                 extra=None) -> dict:
+def applied(kind: str, category: str, title: str, node_id: str):
     from omnitest.pack import pack_module
 
     features = pack_module("nodes.features")
+    return features.AppliedFeature(kind, features.Category(category), title, node_id, None)
+
+
+def finished_run(store, evaluations: int, threshold: float = 0.2, metric: float = 0.1, branches=("cond", "uncond"),
+                 reports=()) -> dict:
+    """A cache's run as the run lifecycle publishes it: its header, a step event per evaluation, and the cache's
+    report with ``reports`` (other features') at the end."""
+    from omnitest.pack import pack_module
+
     stats_mod = pack_module("omni_hooks.stats")
     stats = stats_mod.CacheRunStats(kind="teacache", model="tiny", threshold=threshold)
-    # what stats_store reads of a cache's session (nodes.caches.CacheSession): its feature and statistics
-    session = types.SimpleNamespace(
-        feature=features.AppliedFeature("teacache", features.Category.CACHE, "Apply TeaCache", "10", None),
-        stats=stats)
-    store.run_started(session)
+    feature = applied("teacache", "cache", "Apply TeaCache", "10")
+    header = store.run_started(feature)
     for i in range(evaluations):
         computed = i % 3 == 0
         record = stats_mod.EvaluationRecord(
@@ -52,8 +55,8 @@ def finished_run(store, evaluations: int, threshold: float = 0.2, metric: float 
             branches=[stats_mod.BranchDecision(b, computed, "threshold" if computed else "reuse", metric, threshold)
                       for b in branches])
         stats.record(record)
-        store.step_finished(session, record)
-    return store.run_finished(session, "success", extra=extra)
+        store.step_finished(header, stats, record)
+    return store.run_finished(header, "success", [*reports, store.FeatureReport.of(feature, stats=stats)])
 
 
 def test_an_infinite_threshold_is_sent_and_kept_as_strict_json(store):
@@ -109,14 +112,40 @@ def test_thousands_of_branches_fall_back_to_the_summary_and_cut_step_events(stor
     assert step["branches_omitted"] == 3000 - store.STEP_BRANCHES_LIMIT
 
 
-def test_extra_fields_travel_with_the_entry_and_never_break_its_bound(store):
-    features = [{"kind": "offload", "node_id": "12", "node_title": "CPU Offload", "summary": {"moved_bytes": 10}}]
-    entry = finished_run(store, 5, extra={"features": features, "world_size": 1})
-    assert entry["features"] == features and entry["world_size"] == 1
-    huge = [{"kind": "offload", "summary": {"log": "x" * store.ENTRY_BYTES_LIMIT}}]
-    entry = finished_run(store, 5, extra={"features": huge})
+def test_other_features_reports_travel_with_the_entry_and_never_break_its_bound(store):
+    offload = store.FeatureReport("offload", "12", "CPU Offload", card={"moved_bytes": 10}, headline="2/4 blocks")
+    sp = store.FeatureReport("sequence_parallel", "13", "Sequence Parallel", card={"calls": 3},
+                             fields={"world_size": 2})
+    entry = finished_run(store, 5, reports=[offload, sp])
+    assert entry["features"] == [
+        {"kind": "offload", "node_id": "12", "node_title": "CPU Offload", "summary": {"moved_bytes": 10},
+         "headline": "2/4 blocks"},
+        {"kind": "sequence_parallel", "node_id": "13", "node_title": "Sequence Parallel", "summary": {"calls": 3}}]
+    assert entry["world_size"] == 2
+    assert (entry["kind"], entry["node_id"], entry["model"], entry["summary"]["evaluations"]) == ("teacache", "10",
+                                                                                                  "tiny", 5)
+    huge = store.FeatureReport("offload", "12", "CPU Offload", card={"log": "x" * store.ENTRY_BYTES_LIMIT})
+    entry = finished_run(store, 5, reports=[huge])
     assert entry["features"] is None and store.json_bytes(entry) <= store.ENTRY_BYTES_LIMIT
     assert any("features statistics were too large" in w for w in entry["summary"]["warnings"])
+
+
+def test_a_run_without_a_cache_is_an_entry_of_its_features_cards(store):
+    feature = applied("offload", "offload", "CPU Offload", "12")
+    header = store.run_started(feature)
+    report = store.FeatureReport.of(feature, card={"blocks_offloaded": 3, "bytes_moved": 2048},
+                                    headline="3/4 blocks offloaded")
+    entry = store.run_finished(header, "interrupted", [report])
+    assert {k: entry[k] for k in ("kind", "node_id", "node_title", "status", "model", "threshold", "summary",
+                                  "evaluations", "timeline")} == {
+        "kind": "offload", "node_id": "12", "node_title": "CPU Offload", "status": "interrupted", "model": "",
+        "threshold": None, "summary": None, "evaluations": [], "timeline": None}
+    assert entry["features"] == [report.feature_entry()] and entry["features"][0]["summary"]["bytes_moved"] == 2048
+    assert store.recent_runs(1) == [entry] and store.get_run(header.run_id) == entry
+    assert [data for event, data in store.sent] == [entry]  # the run event; no step events without a cache
+    huge = store.FeatureReport.of(feature, card={"log": "x" * store.ENTRY_BYTES_LIMIT})
+    entry = store.run_finished(store.run_started(feature), "success", [huge])
+    assert entry["features"] is None and store.json_bytes(entry) <= store.ENTRY_BYTES_LIMIT
 
 
 def test_the_list_without_detail_drops_evaluations(store):

@@ -2,7 +2,7 @@
 
 The test server runs with ``--cpu``: there is nothing to offload to, so the node must change nothing and say so in
 the log line it writes after every sampling run ("OmniHooks CPU Offload (node #10, ...): nothing to offload to: ...")
-and, when a cache runs with it, in the ``features`` of that cache run's entry at ``/omni_hooks/runs``.
+and in the ``features`` of the run's entry at ``/omni_hooks/runs`` (its own entry when no cache runs with it).
 The real offload path on ComfyUI's loaded weights is exercised in-process (tests/host/offload/test_offload_host.py).
 """
 from __future__ import annotations
@@ -110,6 +110,31 @@ def test_cpu_offload_alone_gives_the_plain_latent_and_says_there_is_nothing_to_o
         assert line["node"] == "10" and line["status"] == "success", line.group(0)
         assert line["rest"].startswith("nothing to offload to: ComfyUI runs this model on the CPU"), line.group(0)
         assert "changes nothing" in line["rest"]
+
+
+def test_a_run_with_cpu_offload_alone_has_its_own_entry_in_the_run_history(comfy):
+    """A run with CPU Offload and no cache is listed at /omni_hooks/runs (and by its run id): the offload node, the
+    sampler, the status and the offload's card with what it did; the original sampler's run, with no node of ours,
+    has no entry."""
+    graph = tiny_wan_graph([offload(blocks_to_offload=40)], steps=STEPS, compare_original=True, nonce=fresh_nonce())
+    result = comfy.run(graph.prompt())
+    (entry,) = comfy.get_json("/omni_hooks/runs", {"prompt_id": result.prompt_id})["runs"]
+    assert {k: entry[k] for k in ("prompt_id", "node_id", "node_title", "sampler_node_id", "kind", "status",
+                                  "summary", "threshold", "evaluations")} == {
+        "prompt_id": result.prompt_id, "node_id": "10", "node_title": "CPU Offload", "sampler_node_id": "4",
+        "kind": "offload", "status": "success", "summary": None, "threshold": None, "evaluations": []}
+    assert entry["started_at"] <= entry["finished_at"]
+    (card,) = entry["features"]
+    assert {k: card[k] for k in ("kind", "node_id", "node_title", "headline")} == {
+        "kind": "offload", "node_id": "10", "node_title": "CPU Offload", "headline": "nothing offloaded"}
+    summary = card["summary"]
+    assert summary["status"] == "success" and summary["active"] is False and summary["bytes_moved"] == 0
+    # one model call per step (cond and uncond batched) or two (split), every one computed: no cache skips here
+    assert summary["calls_computed"] in (STEPS, 2 * STEPS) and summary["calls_skipped"] == 0
+    assert any(n.startswith("nothing to offload to") for n in summary["notes"]), summary["notes"]
+    assert comfy.get_json(f"/omni_hooks/runs/{entry['run_id']}") == entry
+    listed = comfy.get_json("/omni_hooks/runs", {"detail": "0", "limit": "5"})["runs"]
+    assert entry["run_id"] in [e["run_id"] for e in listed]
 
 
 @pytest.mark.parametrize("order", ["offload first", "teacache first"])

@@ -86,6 +86,13 @@ def test_two_ranks_give_the_one_process_latent_and_leave_the_original_model_alon
     assert psnr_db(result.latent("5"), baseline) >= MIN_PSNR_DB
     assert torch.equal(result.latent("7"), baseline)  # the loader's MODEL, sampled in the same prompt
     assert len(worker_pids(comfy_server)) == 1  # rank 1, kept for the next prompt
+    # the run without a cache has its own entry: the Sequence Parallel node's, with its card (the original has none)
+    (entry,) = comfy.get_json("/omni_hooks/runs", {"prompt_id": result.prompt_id})["runs"]
+    assert (entry["kind"], entry["node_id"], entry["sampler_node_id"], entry["status"], entry["summary"],
+            entry["world_size"]) == ("sequence_parallel", "10", "4", "success", None, 2)
+    (card,) = entry["features"]
+    assert card["node_id"] == "10" and card["summary"]["world_size"] == 2 and card["summary"]["calls"] > 0
+    assert card["headline"].startswith("2 devices (ulysses "), card["headline"]
 
 
 def test_with_apply_teacache_the_skips_equal_one_process_and_the_run_says_two_devices(comfy, comfy_server, models):

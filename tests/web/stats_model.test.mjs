@@ -4,8 +4,8 @@ import { test } from "node:test";
 
 import {
   applyRun, applyStep, badgeFor, binCells, branchCells, branchExplanation, cellReason, counters, createState,
-  describeCell, escapeHtml, featureCards, formatBytes, formatPercent, formatSeconds, formatSpeedup, formatValue, formatWhen, lanes,
-  legend, plotData, progress, selectRun, shownRun, speedupBasis, stepTicks, warnings,
+  describeCell, escapeHtml, featureCards, featuresTitle, formatBytes, formatPercent, formatSeconds, formatSpeedup, formatValue,
+  formatWhen, isCacheRun, lanes, legend, plotData, progress, runNumbers, selectRun, shownRun, speedupBasis, stepTicks, warnings,
 } from "../../web/stats_model.js";
 
 const header = (run_id, extra = {}) => ({
@@ -182,7 +182,7 @@ test("other features' summaries become key/value cards", () => {
     { kind: "offload", node_id: "12", node_title: "CPU Offload", summary: { moved_bytes: 1024, peak_seconds: 0.123456, streams: [1, 2], note: null } },
     null, "junk",
   ] });
-  assert.deepEqual(cards, [{ title: "offload · CPU Offload · #12",
+  assert.deepEqual(cards, [{ title: "offload · CPU Offload · #12", headline: "",
     rows: [["moved bytes", "1.0 KB"], ["peak seconds", "0.12 s"], ["streams", "1, 2"], ["note", "–"]] }]);
   assert.deepEqual(featureCards({}), []);
 });
@@ -218,4 +218,47 @@ test("formatting and escaping", () => {
   assert.equal(formatSeconds(0.0012), "1.2 ms");
   assert.equal(formatSeconds(2.345), "2.35 s");
   assert.equal(escapeHtml(`<img src=x onerror="a">&'`), "&lt;img src=x onerror=&quot;a&quot;&gt;&amp;&#39;");
+});
+
+test("a run without a cache (CPU Offload alone) is its feature's card, with its headline in the list", () => {
+  const s = createState();
+  const offload = { kind: "offload", node_id: "20", node_title: "CPU Offload", headline: "3/4 blocks offloaded, 0.50 GiB moved",
+    summary: { blocks_offloaded: 3, blocks_total: 4, bytes_moved: 536870912, status: "success" } };
+  // the entry as nodes/stats_store.py publishes it for a run without a cache
+  applyRun(s, { run_id: "r-off", prompt_id: "p2", node_id: "20", node_title: "CPU Offload", workflow_id: "wf-a",
+    sampler_node_id: "3", kind: "offload", model: "", threshold: null, status: "success", started_at: 2000,
+    finished_at: 2003, summary: null, detail: "evaluations", evaluations: [], timeline: null, features: [offload] });
+  const run = shownRun(s);
+  assert.equal(run.run_id, "r-off");
+  assert.equal(isCacheRun(run), false);
+  assert.equal(run.loaded, true);
+  assert.deepEqual(lanes(run), []);
+  assert.deepEqual(warnings(run), []);  // "nothing was reused" is for caches
+  assert.equal(featuresTitle(run), "What this run did");
+  assert.deepEqual(featureCards(run), [{ title: "offload · CPU Offload · #20", headline: offload.headline,
+    rows: [["blocks offloaded", "3"], ["blocks total", "4"], ["bytes moved", "512.0 MB"], ["status", "success"]] }]);
+  assert.equal(runNumbers(run), "3/4 blocks offloaded, 0.50 GiB moved");
+  // Sequence Parallel with the offload: both headlines, and the world size the header shows
+  applyRun(s, { run_id: "r-sp", node_id: "30", node_title: "Sequence Parallel", kind: "sequence_parallel", started_at: 2010,
+    status: "success", summary: null, world_size: 2, features: [offload,
+      { kind: "sequence_parallel", node_id: "30", node_title: "Sequence Parallel", headline: "2 devices (ulysses 2 × ring 1)",
+        summary: { world_size: 2 } }] });
+  assert.equal(shownRun(s).world_size, 2);
+  assert.equal(runNumbers(shownRun(s)), "3/4 blocks offloaded, 0.50 GiB moved · 2 devices (ulysses 2 × ring 1)");
+});
+
+test("a cache's run stays a cache run: its numbers in the list, the other features under their own title", () => {
+  const s = createState();
+  feed(s, "r1", [true, false]);
+  assert.equal(isCacheRun(shownRun(s)), true);
+  assert.equal(runNumbers(shownRun(s)), "running step 2/4");
+  applyRun(s, { ...header("r1"), status: "success", finished_at: 1001, features: [{ kind: "offload", headline: "x", summary: {} }],
+    summary: { evaluations: 2, computed: 1, reused: 1, hit_rate: 0.5, model_seconds: 0.2, estimated_seconds_saved: 0.2,
+      estimated_speedup: 2 } });
+  assert.equal(runNumbers(shownRun(s)), "1/2 · 2.00×");
+  assert.equal(featuresTitle(shownRun(s)), "Other features in this run");
+  // listed without detail (GET /omni_hooks/runs?detail=0): the summary alone says it was a cache's run
+  const listed = createState();
+  applyRun(listed, { ...header("r9"), status: "error", summary: { evaluations: 0, computed: 0, reused: 0 }, evaluations: [] });
+  assert.equal(isCacheRun(shownRun(listed)), true);
 });

@@ -58,9 +58,9 @@ def test_the_variant_lists_offer_only_files_the_cache_can_use(env):
     env.files.save("teacache", "usable", {"family": "wan", "coefficients": [0, 0, 0, 1, 0]})
     env.files.save("teacache", "three-coefficients", {"family": "wan", "coefficients": [0, 1, 0]})
     env.files.save("magcache", "empty-curve", {"family": "wan", "mag_ratios": []})
-    tea = env.caches.variant_options(env.teacache.TEACACHE)
+    tea = env.teacache.TEACACHE.variant_options()
     assert "calibration: usable" in tea and "calibration: three-coefficients" not in tea
-    assert "calibration: empty-curve" not in env.caches.variant_options(env.magcache.MAGCACHE)
+    assert "calibration: empty-curve" not in env.magcache.MAGCACHE.variant_options()
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf])

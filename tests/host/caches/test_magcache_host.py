@@ -173,7 +173,7 @@ def test_calibrate_writes_a_file_that_apply_magcache_offers_and_skips_with(env, 
     assert all(0 <= c <= 2 for c in data["cos_dist"]["cond"])
     assert data["interleaved"][:4] == [data["mag_ratios"]["cond"][0], data["mag_ratios"]["uncond"][0],
                                        data["mag_ratios"]["cond"][1], data["mag_ratios"]["uncond"][1]]
-    assert "calibration: tiny wan mag" in pack_module("nodes.caches.base").variant_options(env.magcache.MAGCACHE)
+    assert "calibration: tiny wan mag" in env.magcache.MAGCACHE.variant_options()
     assert env.calibration_files.load("magcache", "tiny wan mag")["mag_ratios"] == data["mag_ratios"]
     # every step was computed: the calibration run equals plain sampling
     assert torch.equal(out_latent["samples"], env.tiny.sample(wan, steps=steps, cfg=3.0))
