@@ -163,15 +163,15 @@ class StackCacheRun:
         size = batch // call.chunk
         decisions = self.decide_branches(call, head, args, kwargs, hidden, size)
         step, total = call.context.step, call.context.total_steps
-        if self.few_step is not None and self.few_step.applies(total):
-            self.stats.few_step_note = self.few_step.describe(total)
-            if self.few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
-                decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == "reuse" else d for d in decisions]
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
             if decisions[i].reason == "reuse" and (
                     st.previous_residual is None or st.residual_input_shape != hidden[i * size:(i + 1) * size].shape):
                 decisions[i] = Decision("shape" if st.previous_residual is not None else "first", decisions[i].metric)
+        if self.few_step is not None and self.few_step.applies(total):
+            self.stats.few_step_note = self.few_step.describe(total)
+            if self.few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
+                decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == "reuse" else d for d in decisions]
         local_compute = any(d.reason != "reuse" for d in decisions)
         agreement = call.context.rank.agreement
         # under sequence parallelism every rank must take the same path, or one waits in a collective forever
