@@ -69,9 +69,9 @@ REQUIRES_NODE = {"sequence_parallel_magcache_flux2_dev": "EmptyFlux2LatentImage"
 # TeaCache's published threshold and coefficients picked from the model, MagCache's defaults with the published curve
 # ('auto', or the Wan 2.2 A14B part of each expert); a calibrate node has none.
 TEACACHE_RECOMMENDED = {"rel_l1_thresh": -1, "start_percent": 0, "end_percent": 1, "cache_device": "compute device",
-                        "model_variant": "auto"}
+                        "model_variant": "auto", "forecast": "off"}
 MAGCACHE_DEFAULTS = {"threshold": 0.06, "max_skip_steps": 2, "retention_ratio": 0.2, "start_percent": 0,
-                     "end_percent": 1, "cache_device": "compute device"}
+                     "end_percent": 1, "cache_device": "compute device", "forecast": "off"}
 EXPECTED_CACHES = {
     "teacache_wan21_t2v": [(APPLY, TEACACHE_RECOMMENDED)],
     "teacache_flux_dev_t2i": [(APPLY, TEACACHE_RECOMMENDED)],
