@@ -40,6 +40,7 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 from ..omni_hooks.stats import CacheRunStats, json_safe
@@ -139,6 +140,11 @@ class RunHeader:
     kind: str                  # the node's feature kind ("teacache", "offload", ...)
     started_at: float
 
+    @cached_property
+    def fields(self) -> dict[str, Any]:
+        """Its fields as a dict, made once: every step's event starts with them (do not mutate)."""
+        return asdict(self)
+
 
 @dataclass
 class FeatureReport:
@@ -181,7 +187,7 @@ def run_started(feature) -> RunHeader:
 def step_finished(header: RunHeader, stats: CacheRunStats, record) -> None:
     """After every model evaluation of a cache (hot path): one small message, no tensor access."""
     branches = [asdict(b) for b in record.branches[:STEP_BRANCHES_LIMIT]]
-    event = {**asdict(header), **_cache_fields(stats), "step": record.step, "total_steps": record.total_steps,
+    event = {**header.fields, **_cache_fields(stats), "step": record.step, "total_steps": record.total_steps,
              "computed": record.computed, "seconds": record.seconds, "branches": branches}
     if len(record.branches) > STEP_BRANCHES_LIMIT:
         event["branches_omitted"] = len(record.branches) - STEP_BRANCHES_LIMIT
@@ -231,7 +237,7 @@ def run_finished(header: RunHeader, status: str, reports: list[FeatureReport]) -
     stats = next((r.stats for r in reports if r.stats is not None), None)
     if stats is not None and stats.evaluations:
         log.info("OmniHooks %s", stats.log_line())
-    head = {**asdict(header), "model": "", "threshold": None, **(_cache_fields(stats) if stats else {}),
+    head = {**header.fields, "model": "", "threshold": None, **(_cache_fields(stats) if stats else {}),
             "status": status, "finished_at": time.time()}
     extra: dict[str, Any] = {}
     for report in reports:

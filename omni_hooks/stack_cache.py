@@ -169,7 +169,8 @@ class StackCacheRun:
                     st.previous_residual is None or st.residual_input_shape != hidden[i * size:(i + 1) * size].shape):
                 decisions[i] = Decision("shape" if st.previous_residual is not None else "first", decisions[i].metric)
         if self.few_step is not None and self.few_step.applies(total):
-            self.stats.few_step_note = self.few_step.describe(total)
+            if self.stats.few_step_note is None:  # once per run: the run's step count does not change
+                self.stats.few_step_note = self.few_step.describe(total)
             if self.few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
                 decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == "reuse" else d for d in decisions]
         local_compute = any(d.reason != "reuse" for d in decisions)
