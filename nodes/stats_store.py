@@ -37,6 +37,7 @@ import collections
 import itertools
 import json
 import logging
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -74,11 +75,13 @@ def dumps(value: Any) -> str:
 
 
 def _server():
-    try:
-        from server import PromptServer
-    except Exception:  # not inside a ComfyUI server (tests, scripts)
-        return None
-    return getattr(PromptServer, "instance", None)
+    """ComfyUI's running ``PromptServer``, or None outside a server (tests, scripts, a sequence-parallel worker).
+
+    Looked up where ComfyUI's ``main.py`` imported it, never imported here: outside a server the import fails, and a
+    failed import is attempted (compiled) again on every call, milliseconds per run."""
+    module = sys.modules.get("server")
+    prompt_server = getattr(module, "PromptServer", None)
+    return getattr(prompt_server, "instance", None)
 
 
 def _send(event: str, data: dict[str, Any]) -> None:
