@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import errno
+import functools
 import gc
 import logging
 import os
@@ -23,15 +24,17 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequenceParallelMesh
+from ...omni_hooks.sequence_parallel.links import PeerLinks
+from .control import ControlError, ControlServer
 from .protocol import (
-    POLL_S,
     Command,
-    ControlChannel,
+    CommandRefused,
     GroupInfo,
     SequenceParallelError,
     Timeouts,
@@ -43,7 +46,6 @@ from .protocol import (
     init_group,
     missing_ranks,
     publish_group,
-    wait_for,
 )
 
 log = logging.getLogger("OmniHooks")
@@ -144,9 +146,10 @@ class SequenceParallelGroup:
         self.timeouts = Timeouts.from_env()
         self.processes: list[subprocess.Popen] = []
         self.commands: dist.PrefixStore | None = None
-        self.channel: ControlChannel | None = None
-        self.on_channel = False  # a run's first "call" moves the commands to the channel, its "end" back to the store
+        self.control: ControlServer | None = None
+        self.links: PeerLinks | None = None
         self.serial = 0
+        self._unanswered: functools.partial | None = None  # the wait for the answers to the last command, until run
         self.weights_key: tuple | None = None
         self.serial_of_weights: int | None = None  # the "load" command whose weights the workers hold
         self._meshes: dict[tuple[int, int, int], SequenceParallelMesh] = {}  # (ulysses, ring, cfg)
@@ -159,14 +162,20 @@ class SequenceParallelGroup:
         if dist.is_initialized():
             raise SequenceParallelError("Sequence Parallel: torch.distributed is already initialised in this process "
                                         "by something else; run ComfyUI without it")
-        # rank 0 hosts the store; its port must be known before the workers start
-        listener = _listening_socket(s.host, s.port)
+        # rank 0 hosts the store and the control connections; their ports must be known before the workers start
+        self.control = ControlServer(_listening_socket(s.host, 0))
+        try:
+            listener = _listening_socket(s.host, s.port)
+        except BaseException:
+            self.control.close()
+            raise
         self.port = listener.getsockname()[1]
         self._store = dist.TCPStore(s.host, self.port, world_size=None, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=self.timeouts.join_s),
                                     master_listen_fd=listener.detach())  # the store owns (and closes) it
         self.commands = command_store(self._store)
-        info = GroupInfo(s.world_size, s.backend, self.timeouts, uuid.uuid4().hex)
+        direct_links = s.backend == "gloo" and not s.remote_ranks and all(d == "cpu" for d in s.devices)
+        info = GroupInfo(s.world_size, s.backend, self.timeouts, uuid.uuid4().hex, self.control.port, direct_links)
         publish_group(self.commands, info)
         for rank in range(1, len(s.devices)):
             command = [sys.executable, str(WORKER_SCRIPT), "--join", f"{s.host}:{self.port}", "--rank", str(rank),
@@ -175,21 +184,26 @@ class SequenceParallelGroup:
             self.processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL))
         try:
             self._wait_for_ranks(comfyui_root)
-            init_group(self._store, 0, info)
-            self.channel = ControlChannel(self.timeouts.ack_s)
+            self.links = init_group(self._store, 0, info)
         except BaseException:
             self.close(broken=True)
             raise
 
     def _wait_for_ranks(self, comfyui_root: Path) -> None:
-        """Until every worker rank claimed its rank: a local worker that exits first, or the join timeout, fails."""
+        """Until every worker rank claimed its rank and connected: a local worker that exits first, or the join timeout,
+        fails."""
         s = self.settings
         if s.remote_ranks:
             log.warning("OmniHooks Sequence Parallel: waiting %.0f s for %d remote rank(s) at %s:%d; start them with\n"
                         "  %s", self.timeouts.join_s, s.remote_ranks, s.host, self.port,
                         remote_worker_command(s, self.port, str(comfyui_root)))
         deadline = time.monotonic() + self.timeouts.join_s
-        while missing := missing_ranks(self.commands, s.world_size):
+        while True:
+            self.control.accept_waiting(s.world_size)
+            missing = sorted(set(missing_ranks(self.commands, s.world_size)) | set(self.control.missing(s.world_size)))
+            if not missing:
+                self.control.stop_listening()
+                return
             exited = {rank: code for rank, code in self.exit_codes().items() if code is not None}
             if exited:
                 raise SequenceParallelError(
@@ -211,11 +225,12 @@ class SequenceParallelGroup:
         Idle workers get the "exit" command (remote ones leave on it) and ``EXIT_GRACE_S`` before they are killed.
         ``broken``: a call stopped mid-way, so workers may be blocked in a collective or hung: local ones are killed
         at once; remote ones fail their collective when the process group goes and exit."""
-        if self.commands is not None:
+        if self.control is not None:
             try:
-                self._send_exit(broken)
-            except Exception as exc:  # the store or channel may be unusable: killing below still ends the local workers
+                self._send_exit()
+            except Exception as exc:  # killing below still ends the local workers
                 log.warning("OmniHooks Sequence Parallel: could not send exit to the workers: %r", exc)
+            self.control.close()  # a worker that did not read the exit reads the connection's end and leaves
         deadline = time.monotonic() + (0.0 if broken else EXIT_GRACE_S)
         for p in self.processes:
             try:
@@ -224,9 +239,13 @@ class SequenceParallelGroup:
                 p.kill()  # also ends a stopped (SIGSTOP) process
                 p.wait(timeout=10)
         self.processes = []
+        if self.links is not None:
+            self.links.close()
+            self.links = None
         _destroy_process_group(self.settings.backend, broken, self.timeouts.collective_s)
         self._meshes.clear()
-        self.channel, self.on_channel = None, False
+        self._unanswered = None
+        self.control = None
         self.commands = None
         self._store = None
         self.weights_key = None
@@ -243,8 +262,8 @@ class SequenceParallelGroup:
                          for rank, code in self.exit_codes().items()) or "none"
 
     def explain(self, error: BaseException) -> SequenceParallelError:
-        """A clear error for a model call that failed in a collective: which ranks broke it and how (waits
-        ``STALL_S`` to tell hung ranks from busy ones)."""
+        """A clear error for a model call that failed in a collective or on a control connection: which ranks broke it
+        and how (waits ``STALL_S`` to tell hung ranks from busy ones)."""
         try:
             found = diagnose(self.commands, self.settings.world_size, self.exit_codes) if self.commands else {}
         except Exception as exc:  # the diagnosis is a courtesy; the original error stays the cause
@@ -258,7 +277,8 @@ class SequenceParallelGroup:
                   " (remote ranks rejoin it by themselves)")
         return SequenceParallelError(
             f"Sequence Parallel: a model call failed across the {self.settings.world_size} ranks: {what}. The group is "
-            f"closed; the next run restarts the workers{remote}. torch.distributed said: {error}")
+            f"closed; the next run restarts the workers{remote}. "
+            f"{'The control connection' if isinstance(error, ControlError) else 'torch.distributed'} said: {error}")
 
     # -- commands -------------------------------------------------------------------------------------------------
 
@@ -266,76 +286,71 @@ class SequenceParallelGroup:
         serial = self.serial + 1
         return serial, encode(Command(op, serial, dict(header, op=op, serial=serial), payload))
 
-    def _send_exit(self, broken: bool) -> None:
-        """The "exit" command, unanswered, where the workers wait: on the channel during a run (unless the call broke:
-        the workers are not reading it), else on the store."""
+    def _send_exit(self) -> None:
+        """The "exit" command, unanswered, to every worker that takes it (one blocked in a collective of a call that
+        broke never reads it: local ones are killed, remote ones leave when the process group goes)."""
         serial, data = self._encode("exit", {}, None)
         self.serial = serial
-        if self.on_channel:
-            if not broken and self.alive():
-                self.channel.send(serial, data)
-        else:
-            self.commands.set(f"cmd/{serial}", data)
+        self.control.broadcast_quietly(serial, data, timeout_s=1.0)
 
     def command(self, op: str, header: dict, payload=None) -> None:
-        """Send command ``op`` to every worker and wait until each accepted it (header checked, data prepared).
+        """Send command ``op`` to every worker and wait until each accepted it (``send_command``, then its wait)."""
+        self.send_command(op, header, payload)()
 
-        A command that cannot be encoded sends nothing. A worker that refuses it, or does not answer within
-        ``ack_s``, fails it with a ``SequenceParallelError``; when the channel broke (a rank gone or stopped) that
-        error names the rank and the group is closed (the next run starts a fresh one)."""
+    def send_command(self, op: str, header: dict, payload=None) -> Callable[[], None]:
+        """Send command ``op`` to every worker; returns the wait for their answers (``await_answers``), which this rank
+        calls before its first collective of the command: the workers check the command while it computes.
+
+        A command that cannot be encoded sends nothing. The answers of an earlier command not waited for yet are
+        waited for first."""
+        if self._unanswered is not None:
+            self._unanswered()
         if not self.alive():
             raise SequenceParallelError(f"Sequence Parallel: a worker process died ({self._exit_codes()}); it is "
                                         "restarted on the next run")
         serial, data = self._encode(op, header, payload)  # may raise: nothing sent
-        if self.on_channel:
-            refused = self._command_on_channel(serial, data)
-        else:
-            refused = self._command_on_store(op, serial, data)
-        self.serial = serial
-        self.on_channel = op == "call" or (self.on_channel and op != "end")
-        if refused:  # the first refusal's reason, from the store
-            rank = refused[0]
-            key = f"ack/{serial}/{rank}"
-            answer = self.commands.get(key).decode() if self.commands.check([key]) else "(no reason given)"
-            self.commands.delete_key(key)
-            raise SequenceParallelError(f"Sequence Parallel: rank {rank} refused {op!r}:\n{answer}")
-
-    def _command_on_store(self, op: str, serial: int, data: bytes) -> list[int]:
-        """Post on the store and wait for every worker's answer (polled); the ranks that refused."""
-        self.commands.set(f"cmd/{serial}", data)
-        if serial > 1:
-            self.commands.delete_key(f"cmd/{serial - 1}")
-        deadline = time.monotonic() + self.timeouts.ack_s
-        for rank in range(1, self.settings.world_size):
-            key = f"ack/{serial}/{rank}"
-            while not wait_for(self.commands, key, POLL_S):
-                if not self.alive() or time.monotonic() > deadline:
-                    raise SequenceParallelError(
-                        f"Sequence Parallel: rank {rank} did not accept command {op!r} within "
-                        f"{self.timeouts.ack_s:.0f} s (local workers: {self._exit_codes()})")
-            if self.commands.get(key) == b"ok":
-                self.commands.delete_key(key)
-            else:
-                return [rank]
-        return []
-
-    def _command_on_channel(self, serial: int, data: bytes) -> list[int]:
-        """Send on the channel and gather every rank's answer; the ranks that refused (or took another serial)."""
+        self._unanswered = functools.partial(self.await_answers, serial, op)
         try:
-            self.channel.send(serial, data)
-            answers = self.channel.answer(serial, True)
-        except Exception as exc:  # a rank exited, stopped or hung: the channel is out of step for good
-            explained = self.explain(exc)
-            discard(self)
-            raise explained from exc
-        return [rank for rank, (taken, ok) in enumerate(answers) if rank and not (ok and taken == serial)]
+            self.control.send(serial, data, self.timeouts.ack_s)
+        except ControlError as exc:
+            self._fail(exc)
+        self.serial = serial
+        return self._unanswered
+
+    def await_answers(self, serial: int, op: str) -> None:
+        """Until every worker accepted command ``serial`` (header checked, data prepared); at most once per command.
+
+        A worker that refuses it fails it with a ``CommandRefused`` (and the group is closed when another worker
+        accepted it: that one went on to the command's collectives). A worker that does not answer within ``ack_s``,
+        or whose connection ended, fails it with an error naming the rank, and the group is closed (the next run starts
+        a fresh one)."""
+        if self._unanswered is None or self._unanswered.args[0] != serial:
+            return
+        self._unanswered = None
+        try:
+            refusals = self.control.answers(serial, self.timeouts.ack_s)
+        except ControlError as exc:
+            self._fail(exc)
+        if refusals:
+            rank = min(refusals)
+            every_worker = len(refusals) == self.settings.world_size - 1
+            if not every_worker:
+                discard(self)
+            raise CommandRefused(f"Sequence Parallel: rank {rank} refused {op!r}:\n{refusals[rank]}", every_worker)
+
+    def _fail(self, error: ControlError) -> NoReturn:
+        """A rank exited, stopped or hung: the group is out of step for good; closed, with an error naming the rank."""
+        self._unanswered = None
+        explained = self.explain(error)
+        discard(self)
+        raise explained from error
 
     def mesh(self, config: SequenceParallelConfig) -> SequenceParallelMesh:
         """The mesh of these degrees, built on every rank at once (the hybrid creates subgroups collectively)."""
         key = (config.ulysses_degree, config.ring_degree, config.cfg_degree)
         if key not in self._meshes:
             self.command("mesh", {"ulysses": key[0], "ring": key[1], "cfg": key[2]})
-            self._meshes[key] = SequenceParallelMesh.from_config(config)
+            self._meshes[key] = SequenceParallelMesh.from_config(config, self.links)
         return self._meshes[key]
 
     def sync_weights(self, patcher, family: str) -> None:

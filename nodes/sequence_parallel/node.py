@@ -29,8 +29,8 @@ from ..families import FAMILIES, ModelFamily, detect
 from ..features import FEATURES_KEY, AppliedFeature, Category, FeatureSpec, attach_feature, register_feature
 from ..stats_store import FeatureReport
 from .shard import ATTENTION_OVERRIDE, KIND, ShardSession
-from .protocol import (OPTIONS_SLOT, SequenceParallelError, check_picklable, is_collective_failure,
-                          tensor_signature)
+from .protocol import (OPTIONS_SLOT, CommandRefused, SequenceParallelError, check_picklable, is_collective_failure,
+                       tensor_signature)
 
 log = logging.getLogger("OmniHooks")
 
@@ -158,12 +158,17 @@ class SequenceParallelSession(ShardSession):
         header = {"signature": tensor_signature((call_args, call_kwargs)), "degrees": self.degrees,
                   "weights": self.group.serial_of_weights, "run": self.run_id}
         try:
-            self.group.command("call", header, (call_args, call_kwargs, sent, features))
+            answers = self.group.send_command("call", header, (call_args, call_kwargs, sent, features))
         except (pickle.PicklingError, TypeError, AttributeError):
             check_picklable(sent, self.feature.describe())  # names the option that cannot be sent
             raise
         self.calls += 1
         super().before_call(args, kwargs, transformer_options)
+        self.runtime.gate.hold(answers)  # the workers check the call while this rank computes up to its first exchange
+
+    def call_output(self, output: Any) -> Any:
+        self.runtime.gate.release()  # a call whose every exchange was skipped still hears every worker's answer
+        return super().call_output(output)
 
     def explain_failure(self, error: Exception) -> Exception | None:
         """A call that stopped mid-way (a rank failed, rank 0 raised or was interrupted) leaves the workers blocked in
@@ -173,6 +178,8 @@ class SequenceParallelSession(ShardSession):
         group = self.group
         if group is None or group is not sp_group.active_group():
             return None
+        if isinstance(error, CommandRefused) and error.every_worker:
+            return None  # no rank went on to the call: the group is in step, the run's close ends it
         explained = group.explain(error) if is_collective_failure(error) else None
         sp_group.close_group(broken=True)
         self.group = None  # gone: the run's close has no workers to end the run with

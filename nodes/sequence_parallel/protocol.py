@@ -1,24 +1,16 @@
 """What rank 0 (the ComfyUI process) and its sequence-parallel workers say to each other, and how a rank joins.
 
-A command (``Command``: op, serial, header, payload) goes to every worker; each checks its header (op, serial, plan,
-tensor shapes) and answers "ok" or its error BEFORE any collective of the command, so a mismatch is an error on rank
-0, never a hang. Tensors (weights, forwards) then go through torch.distributed collectives, whose process-group
-timeout bounds every wait. Commands travel two ways:
+A command (``Command``: op, serial, header, payload) goes to every worker over its control connection (``control``:
+one TCP connection per worker, nothing polls); each checks its header (op, serial, plan, tensor shapes) and answers
+"ok" or its error BEFORE any collective of the command, so a mismatch is an error on rank 0, never a hang. Tensors
+(weights) then go through torch.distributed collectives, whose process-group timeout bounds every wait; a model
+call's own tensors travel in its command, as raw bytes after its pickle (``encode``).
 
-- Between runs, through the rendezvous ``TCPStore``: rank 0 puts command ``n`` under ``cmd/<n>`` and each worker
-  answers ``ack/<n>/<rank>``. A worker polls it, so it idles between prompts for as long as it likes (no collective
-  is pending that could time out), and notices a local parent that is gone.
-- During a run, from its first "call" to its "end", through the ``ControlChannel`` (a gloo group of every rank beside
-  the data group): rank 0 broadcasts a fixed header (serial, length) and the command's bytes, every rank answers in
-  one all-gather. Nothing polls: a model call's control costs a loopback round trip, not a 10 ms poll. A refusal's
-  text still goes to ``ack/<n>/<rank>`` in the store (read only then).
-
-Both sides switch alike: the command after a "call" travels on the channel, the command after an "end" on the store.
-
-How a rank joins: rank 0 publishes the group (``GroupInfo``: world size, backend, timeouts) under ``group`` before any
-worker starts; a worker reads it, checks the world size it was told, claims its rank (``join/<rank>``; a rank
-claimed twice is an error) and starts its heartbeat (``beat/<rank>``, a counter); rank 0 waits until every rank has
-claimed (failing fast when a local worker exits, and after the join timeout naming the ranks missing) and only then
+How a rank joins: rank 0 publishes the group (``GroupInfo``: world size, backend, timeouts, the port of its control
+connections) in the rendezvous ``TCPStore`` under ``group`` before any worker starts; a worker reads it, checks the
+world size it was told, claims its rank (``join/<rank>``; a rank claimed twice is an error), starts its heartbeat
+(``beat/<rank>``, a counter) and opens its control connection; rank 0 waits until every rank has claimed and
+connected (failing fast when a local worker exits, and after the join timeout naming the ranks missing) and only then
 does everyone call ``init_process_group``. A worker whose command fails mid-collective leaves its traceback under
 ``error/<rank>``. With the heartbeats and those errors rank 0 says which rank broke a call (``diagnose``).
 
@@ -39,15 +31,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ...omni_hooks.sequence_parallel.links import PeerLinkError, PeerLinks
+
 STORE_PREFIX = "omnihooks_sp/"
-POLL_S = 0.5
 #: a worker adds 1 to ``beat/<rank>`` this often, from a thread of its own (a stopped or dead process stops beating)
 BEAT_S = 0.25
 #: ``diagnose`` calls a rank not responding when its heartbeat did not move for this long
 STALL_S = 1.5
-#: how long a worker waits on the control channel for rank 0's next command within a run (a model call, or the run's
-#: end): the sampler's own work between two calls, never a prompt's idle time (that wait is on the store)
-RUN_IDLE_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -58,8 +48,8 @@ class Timeouts:
     ``join_s`` (``OMNIHOOKS_SP_JOIN_TIMEOUT_S``): every rank has joined within this, or the start fails (remote ranks
     are started by hand). ``collective_s`` (``OMNIHOOKS_SP_COLLECTIVE_TIMEOUT_S``): a collective (weights, one
     forward's exchanges) waiting longer than this raises on every rank still alive: it bounds how long a hung rank
-    holds a run. ``ack_s`` (``OMNIHOOKS_SP_ACK_TIMEOUT_S``): every worker accepts a command within this (on the store
-    or on the control channel, whose rank 0 side times out after it).
+    holds a run. ``ack_s`` (``OMNIHOOKS_SP_ACK_TIMEOUT_S``): every worker answers a command within this (a worker
+    that does not, stopped or hung, fails the command).
     """
 
     join_s: float = 120.0
@@ -96,66 +86,26 @@ class GroupInfo:
     backend: str
     timeouts: Timeouts
     group_id: str  # a rank that rejoins waits for a group other than the one it served
+    control_port: int  # where rank 0 accepts the control connections (on the group's address)
+    direct_links: bool = False  # every rank a CPU process on this machine: per-call exchanges over ``PeerLinks``
 
 #: stands for the call's transformer_options in the arguments sent (the options travel separately, filtered)
 OPTIONS_SLOT = "<omnihooks transformer_options>"
-
-
-class ControlChannel:
-    """The per-call control of a run: a gloo process group of every rank (created collectively, after the default
-    group and before any mesh), beside the data group. gloo whatever the data backend: the header and the bytes live
-    on the CPU, and a group of its own keeps control out of the data collectives' order.
-
-    Each rank sets its own timeout (a gloo group's timeout is local to the rank): rank 0 ``Timeouts.ack_s``, so a
-    worker that does not take or answer a command (stopped, hung) fails the command in bounded time; a worker
-    ``RUN_IDLE_S``, as it waits here for rank 0's next call. A rank that exits closes its connections: the others'
-    pending operation fails at once."""
-
-    #: the first broadcast of a command: 16 bytes of header and the command's first bytes (a call of a small model
-    #: fits whole: one broadcast)
-    INLINE_BYTES = 64 * 1024
-
-    def __init__(self, timeout_s: float):
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        self.world_size = dist.get_world_size(self.group)
-
-    def send(self, serial: int, data: bytes) -> None:
-        """Rank 0: command ``serial``'s bytes to every worker: one broadcast of ``INLINE_BYTES`` (the header, serial and
-        length, then the bytes), and a second one of the rest when the command is longer."""
-        block = torch.zeros(self.INLINE_BYTES, dtype=torch.uint8)
-        block[:16].view(torch.int64).copy_(torch.tensor([serial, len(data)]))
-        first = min(len(data), self.INLINE_BYTES - 16)
-        if first:
-            block[16:16 + first] = torch.frombuffer(bytearray(data[:first]), dtype=torch.uint8)
-        dist.broadcast(block, src=0, group=self.group)
-        if len(data) > first:
-            dist.broadcast(torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8), src=0, group=self.group)
-
-    def receive(self) -> tuple[int, bytes]:
-        """A worker: the next command's serial and bytes (blocks until rank 0 sends one)."""
-        block = torch.empty(self.INLINE_BYTES, dtype=torch.uint8)
-        dist.broadcast(block, src=0, group=self.group)
-        serial, size = block[:16].view(torch.int64).tolist()
-        first = min(size, self.INLINE_BYTES - 16)
-        data = block[16:16 + first].numpy().tobytes()
-        if size > first:
-            rest = torch.empty(size - first, dtype=torch.uint8)
-            dist.broadcast(rest, src=0, group=self.group)
-            data += rest.numpy().tobytes()
-        return serial, data
-
-    def answer(self, serial: int, ok: bool) -> list[tuple[int, bool]]:
-        """Every rank: each rank's answer to command ``serial`` (the serial it took, whether it accepted), by rank."""
-        mine = torch.tensor([serial, int(ok)], dtype=torch.int64)
-        answers = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(answers, mine, group=self.group)
-        return [(int(a[0]), bool(a[1])) for a in answers]
 
 
 class SequenceParallelError(Exception):
     """A sequence-parallel group failed (a rank died, hung, refused a command, raised or never joined).
 
     Not a RuntimeError: the run lifecycle reads a RuntimeError out of a session's ``install`` as a hook conflict."""
+
+
+class CommandRefused(SequenceParallelError):
+    """A worker refused a command (its header did not match what it holds). ``every_worker``: all of them refused, so
+    none went on to the command's collectives and the group is still in step."""
+
+    def __init__(self, message: str, every_worker: bool):
+        super().__init__(message)
+        self.every_worker = every_worker
 
 
 @dataclass(frozen=True)
@@ -206,11 +156,13 @@ def encode(command: Command) -> bytes:
     return b"".join(parts)
 
 
-def decode(data: bytes) -> Command:
+def decode(data: bytes | bytearray) -> Command:
+    """``encode``'s command; its tensors share ``data`` when it is a bytearray (else a copy of it)."""
     size = int.from_bytes(data[:8], "little")
     outer = loads(data[8:8 + size])
     fields = loads(outer["body"], rename=(outer["package"], PACKAGE))
-    buffer, offset = bytearray(data), 8 + size  # writable: the tensors share it
+    buffer = data if isinstance(data, bytearray) else bytearray(data)  # writable: the tensors share it
+    offset = 8 + size
 
     def tensor(value: _TensorSlot) -> torch.Tensor:
         nonlocal offset
@@ -224,16 +176,6 @@ def decode(data: bytes) -> Command:
 
     fields["payload"] = _map(fields["payload"], _TensorSlot, tensor)
     return Command(**fields)
-
-
-def wait_for(store: dist.Store, key: str, poll_s: float) -> bool:
-    """True once ``key`` is in ``store``; False after ``poll_s`` without it (quietly, unlike ``store.wait``)."""
-    deadline = time.monotonic() + poll_s
-    while not store.check([key]):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def dumps(value: Any) -> bytes:
@@ -304,13 +246,15 @@ def check_picklable(options: dict, where: str) -> None:
 def publish_group(commands: dist.Store, info: GroupInfo) -> None:
     """Rank 0, before any worker starts: what joining ranks read (``commands``: the prefixed store)."""
     commands.set("group", dumps({"world_size": info.world_size, "backend": info.backend,
-                                 "timeouts": asdict(info.timeouts), "group_id": info.group_id}))
+                                 "timeouts": asdict(info.timeouts), "group_id": info.group_id,
+                                 "control_port": info.control_port, "direct_links": info.direct_links}))
 
 
 def read_group(commands: dist.Store) -> GroupInfo:
     """A worker: rank 0's ``GroupInfo`` (waits up to the store's timeout for rank 0 to publish it)."""
     data = loads(commands.get("group"))
-    return GroupInfo(data["world_size"], data["backend"], Timeouts(**data["timeouts"]), data["group_id"])
+    return GroupInfo(data["world_size"], data["backend"], Timeouts(**data["timeouts"]), data["group_id"],
+                     data["control_port"], data["direct_links"])
 
 
 def claim_rank(commands: dist.Store, rank: int, world_size: int | None, info: GroupInfo) -> None:
@@ -332,14 +276,18 @@ def missing_ranks(commands: dist.Store, world_size: int) -> list[int]:
     return [rank for rank in range(1, world_size) if not commands.check([f"join/{rank}"])]
 
 
-def init_group(store: dist.Store, rank: int, info: GroupInfo) -> None:
-    """Join the default process group through ``store`` (every rank has claimed its rank; rank 0 hosts the store)."""
+def init_group(store: dist.Store, rank: int, info: GroupInfo) -> PeerLinks | None:
+    """Join the default process group through ``store`` (every rank has claimed its rank; rank 0 hosts the store),
+    then connect the direct links when the group has them."""
     dist.init_process_group(info.backend, store=store, rank=rank, world_size=info.world_size,
                             timeout=datetime.timedelta(seconds=info.timeouts.collective_s))
+    if not info.direct_links:
+        return None
+    return PeerLinks.connect(command_store(store), rank, info.world_size, info.timeouts.collective_s)
 
 
 def command_store(store: dist.Store) -> dist.PrefixStore:
-    """The store of this protocol's keys (commands, acks, joins, heartbeats, errors) inside the rendezvous store."""
+    """The store of this protocol's keys (the group, joins, heartbeats, errors) inside the rendezvous store."""
     return dist.PrefixStore(STORE_PREFIX, store)
 
 
@@ -421,8 +369,9 @@ def describe_exit(code: int) -> str:
 
 
 def is_collective_failure(error: BaseException) -> bool:
-    """Whether ``error`` came out of torch.distributed (a failed or timed-out collective, a closed connection)."""
-    if isinstance(error, dist.DistError):
+    """Whether ``error`` came out of an exchange between the ranks (torch.distributed or the direct links: a failed or
+    timed-out collective, a closed connection)."""
+    if isinstance(error, (dist.DistError, PeerLinkError)):
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and any(mark in text for mark in ("gloo", "NCCL", "c10d", "ProcessGroup"))

@@ -15,6 +15,7 @@ import comfy.model_patcher
 import torch
 
 from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequenceParallelMesh
+from ...omni_hooks.sequence_parallel.links import PeerLinks
 from ..families import family_named
 from ..features import AppliedFeature, RunSession, run_call
 from .shard import KIND, ShardSession
@@ -30,6 +31,7 @@ class WorkerRank:
         self.patcher: comfy.model_patcher.ModelPatcher | None = None
         self.family = None
         self.meshes: dict[tuple[int, int, int], SequenceParallelMesh] = {}  # (ulysses, ring, cfg)
+        self.links: PeerLinks | None = None  # the group's direct links, if it has them
         self.weights_serial: int | None = None
         self.degrees: tuple[int, int, int] | None = None  # of the call being run
         self.run: RunSession | None = None
@@ -53,15 +55,15 @@ class WorkerRank:
     def execute(self, command: Command) -> None:
         if command.op == "mesh":
             key = (command.header["ulysses"], command.header["ring"], command.header["cfg"])
-            self.meshes[key] = SequenceParallelMesh.from_config(SequenceParallelConfig(*key))
+            self.meshes[key] = SequenceParallelMesh.from_config(SequenceParallelConfig(*key), self.links)
         elif command.op == "load":
             broadcast_tensors(list(self.patcher.model.diffusion_model.state_dict().values()))
             self.weights_serial = command.serial
         elif command.op == "call":
             self.degrees = tuple(command.header["degrees"])
             args, kwargs, options, _ = to_device(command.payload, self.device)
-            args = tuple(options if a == OPTIONS_SLOT else a for a in args)
-            kwargs = {k: options if v == OPTIONS_SLOT else v for k, v in kwargs.items()}
+            args = tuple(options if _is_options_slot(a) else a for a in args)
+            kwargs = {k: options if _is_options_slot(v) else v for k, v in kwargs.items()}
             dm = self.patcher.model.diffusion_model
             with torch.inference_mode():
                 run_call(self.run, dm, dm.forward, args, kwargs, options)
@@ -97,6 +99,10 @@ class WorkerRank:
         self.family = family_named(payload["family"])
         self.patcher = comfy.model_patcher.ModelPatcher(base_model, load_device=self.device,
                                                         offload_device=torch.device("cpu"))
+
+
+def _is_options_slot(value) -> bool:
+    return isinstance(value, str) and value == OPTIONS_SLOT  # never compared with a tensor (an element-wise op)
 
 
 class WorkerShardSession(ShardSession):

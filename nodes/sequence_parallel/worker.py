@@ -136,8 +136,8 @@ def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
     import torch
     import torch.distributed as dist
 
-    from .protocol import (RUN_IDLE_S, ControlChannel, Heartbeat, claim_rank, command_store, dumps, init_group,
-                           is_collective_failure, read_group)
+    from .control import ControlClient
+    from .protocol import Heartbeat, claim_rank, command_store, dumps, init_group, is_collective_failure, read_group
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     commands = command_store(store)
@@ -153,9 +153,11 @@ def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
     worker = WorkerRank(args.device)
     claim_rank(commands, args.rank, args.world_size, info)
     heartbeat = Heartbeat(*_address(args), args.rank, info.timeouts.join_s)
+    control = None
     try:
-        init_group(store, args.rank, info)
-        inbox = _Inbox(args, commands, ControlChannel(RUN_IDLE_S))
+        control = ControlClient(_address(args)[0], info.control_port, args.rank, info.timeouts.join_s)
+        worker.links = init_group(store, args.rank, info)
+        inbox = _Inbox(args, control)
         while True:
             command = inbox.next()
             if command is None:
@@ -170,44 +172,42 @@ def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
                 commands.set(f"error/{args.rank}", dumps(traceback.format_exc()))
                 traceback.print_exc()
                 return 2, info.group_id  # a collective failed: the group is broken, rank 0 closes it
+    except (ConnectionError, EOFError) as exc:
+        # rank 0 closed the control connection (ComfyUI exited or closed the group)
+        print(f"Sequence Parallel worker rank {args.rank}: rank 0 is gone ({exc})", file=sys.stderr)
+        return 1, info.group_id
     except Exception as exc:
         if not is_collective_failure(exc):
             raise
-        # rank 0's store or channel went away (ComfyUI exited or closed the group)
         print(f"Sequence Parallel worker rank {args.rank}: rank 0 is gone ({exc})", file=sys.stderr)
         return 1, info.group_id
     finally:
+        if control is not None:
+            control.close()
+        if worker.links is not None:
+            worker.links.close()
         heartbeat.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 class _Inbox:
-    """Where this worker takes rank 0's commands (``protocol``'s two ways: the store between runs, the control channel
-    from a run's first "call" to its "end") and answers them."""
+    """Where this worker takes rank 0's commands (its control connection) and answers them."""
 
-    def __init__(self, args: argparse.Namespace, commands, channel):
-        self.args, self.commands, self.channel = args, commands, channel
+    def __init__(self, args: argparse.Namespace, control):
+        self.args, self.control = args, control
         self.serial = 0  # of the last command taken
-        self.on_channel = False
 
     def next(self):
         """The next command (None: the local parent is gone)."""
-        from .protocol import POLL_S, decode, wait_for
+        from .protocol import decode
 
         self.serial += 1
-        if self.on_channel:
-            _, data = self.channel.receive()
-        else:
-            key = f"cmd/{self.serial}"
-            while not wait_for(self.commands, key, POLL_S):
-                if _parent_gone(self.args.parent_pid):
-                    return None
-            data = self.commands.get(key)
-        return decode(data)
+        received = self.control.receive(give_up=lambda: _parent_gone(self.args.parent_pid))
+        return None if received is None else decode(received[1])
 
     def answer(self, command, worker) -> bool:
-        """Check ``command`` (``worker.prepare``) and answer rank 0 where it waits; whether it was accepted."""
+        """Check ``command`` (``worker.prepare``) and answer rank 0; whether it was accepted."""
         error = None
         try:
             if command.serial != self.serial or command.header.get("serial") != self.serial:
@@ -215,14 +215,7 @@ class _Inbox:
             worker.prepare(command)
         except Exception:
             error = traceback.format_exc()
-        key = f"ack/{self.serial}/{self.args.rank}"
-        if error is not None:
-            self.commands.set(key, error)
-        if self.on_channel:
-            self.channel.answer(self.serial, error is None)
-        elif error is None:
-            self.commands.set(key, "ok")
-        self.on_channel = command.op == "call" or (self.on_channel and command.op != "end")
+        self.control.answer(self.serial, error)
         return error is None
 
 

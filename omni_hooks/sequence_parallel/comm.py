@@ -8,6 +8,7 @@ tensors, so the accounting of a real model size (docs/benchmarks.md) comes from 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,26 @@ class CommStats:
         return {kind: CommRecord(r.calls, r.bytes_sent) for kind, r in self.by_kind.items()}
 
 
+class ExchangeGate:
+    """What must happen on this rank before its next exchange, once: e.g. a host that sent a call to the other ranks
+    checks that each accepted it, while this rank already computes up to its first collective. Every communicator of
+    a runtime shares one gate; its first real collective after ``hold`` runs the check (which may raise: then no
+    collective of the call has started on this rank)."""
+
+    def __init__(self) -> None:
+        self._pending: Callable[[], None] | None = None
+
+    def hold(self, check: Callable[[], None]) -> None:
+        """Run ``check`` before the next exchange (replacing a check not run yet)."""
+        self._pending = check
+
+    def release(self) -> None:
+        """Run the pending check, if any, now."""
+        check, self._pending = self._pending, None
+        if check is not None:
+            check()
+
+
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
@@ -62,12 +83,16 @@ class PendingShift:
 
 
 class Communicator:
-    """The collectives of one group. A group of one sends nothing and returns its input."""
+    """The collectives of one group. A group of one sends nothing and returns its input. Before any real collective
+    the ``gate``'s pending check runs. A group with ``links`` (``PeerLinks``) exchanges over them, else through
+    torch.distributed."""
 
-    def __init__(self, group: RankGroup, stats: CommStats, simulated: bool = False):
+    def __init__(self, group: RankGroup, stats: CommStats, simulated: bool = False,
+                 gate: ExchangeGate | None = None):
         self.group = group
         self.stats = stats
         self.simulated = simulated
+        self.gate = gate if gate is not None else ExchangeGate()
 
     @property
     def size(self) -> int:
@@ -84,8 +109,16 @@ class Communicator:
         x = x.contiguous()
         self.stats.add(kind, _nbytes(x) * (size - 1) // size)
         out = torch.empty_like(x)
-        if not self.simulated:
+        if self.simulated:
+            return out
+        self.gate.release()
+        links, me = self.group.links, self.group.rank
+        if links is None:
             dist.all_to_all_single(out, x, group=self.group.process_group)
+            return out
+        out[me] = x[me]
+        others = [i for i in range(size) if i != me]
+        links.exchange({self.group.ranks[i]: x[i] for i in others}, {self.group.ranks[i]: out[i] for i in others})
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int, kind: str) -> torch.Tensor:
@@ -98,8 +131,16 @@ class Communicator:
             shape = list(x.shape)
             shape[dim] *= size
             return x.new_empty(shape)
+        x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group.process_group)
+        self.gate.release()
+        links, me = self.group.links, self.group.rank
+        if links is None:
+            dist.all_gather(parts, x, group=self.group.process_group)
+        else:
+            parts[me] = x
+            others = [i for i in range(size) if i != me]
+            links.exchange({self.group.ranks[i]: x for i in others}, {self.group.ranks[i]: parts[i] for i in others})
         return torch.cat(parts, dim)
 
     def start_shift(self, x: torch.Tensor, kind: str) -> PendingShift:
@@ -110,6 +151,10 @@ class Communicator:
         if self.simulated:
             return PendingShift(received, [])
         group = self.group
+        self.gate.release()
+        if group.links is not None:  # at once: the next member's send does not wait for this rank's receive
+            group.links.exchange({group.global_rank(group.rank + 1): x}, {group.global_rank(group.rank - 1): received})
+            return PendingShift(received, [])
         ops = [dist.P2POp(dist.isend, x, peer=group.global_rank(group.rank + 1), group=group.process_group),
                dist.P2POp(dist.irecv, received, peer=group.global_rank(group.rank - 1), group=group.process_group)]
         return PendingShift(received, dist.batch_isend_irecv(ops))
@@ -121,7 +166,17 @@ class Communicator:
             return out
         # a reduction's payload per rank, as for a ring all-reduce: 2·(n-1)/n of the tensor
         self.stats.add(kind, 2 * _nbytes(x) * (self.size - 1) // self.size)
-        if not self.simulated:
+        if self.simulated:
+            return out
+        self.gate.release()
+        links, me = self.group.links, self.group.rank
+        if links is None:
             reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
             dist.all_reduce(out, op=reduce_op, group=self.group.process_group)
-        return out
+            return out
+        parts = [torch.empty_like(out) for _ in range(self.size)]
+        parts[me] = out
+        others = [i for i in range(self.size) if i != me]
+        links.exchange({self.group.ranks[i]: out for i in others}, {self.group.ranks[i]: parts[i] for i in others})
+        stacked = torch.stack(parts)  # reduced in member order: every member gets the same bits
+        return stacked.sum(0) if op == "sum" else stacked.amax(0)

@@ -10,7 +10,7 @@ from ..context import RankView
 from .attention import SequenceParallelAttention
 from .batch import call_batch, gather_output, split_call
 from .cache_sync import GroupAgreement
-from .comm import CommStats, Communicator
+from .comm import CommStats, Communicator, ExchangeGate
 from .config import SequenceParallelConfig
 from .mesh import SequenceParallelMesh
 from .plan import SequenceParallelSelfAttention
@@ -33,11 +33,12 @@ class _Layout:
     """The communicators of one mesh (a cfg half's, or the whole world's) and its cache agreement: ``mean`` over the
     ranks that compute the same part of the batch, ``any`` over ``any_comm`` (every rank of the world)."""
 
-    def __init__(self, mesh: SequenceParallelMesh, stats: CommStats, any_comm: Communicator | None = None):
+    def __init__(self, mesh: SequenceParallelMesh, stats: CommStats, gate: ExchangeGate,
+                 any_comm: Communicator | None = None):
         simulated = mesh.simulated
-        self.sp_comm = Communicator(mesh.sp, stats, simulated)
-        self.ulysses_comm = Communicator(mesh.ulysses, stats, simulated)
-        self.ring_comm = Communicator(mesh.ring, stats, simulated)
+        self.sp_comm = Communicator(mesh.sp, stats, simulated, gate)
+        self.ulysses_comm = Communicator(mesh.ulysses, stats, simulated, gate)
+        self.ring_comm = Communicator(mesh.ring, stats, simulated, gate)
         self.agreement = GroupAgreement(self.sp_comm, mesh.device, any_comm)
 
 
@@ -62,6 +63,8 @@ class SequenceParallelRuntime:
     * ``attention``: the attention entry for the host's attention-override seam (see ``SequenceParallelAttention``);
     * ``rank_view()``: the ``RankView`` to put into each ``CallContext``, so caches decide alike on every rank.
 
+    ``gate`` (``ExchangeGate``): a check the host wants run before this rank's next collective.
+
     Per call facts: ``padding`` maps a shard group (None: the default sequence) to the length its last split padded;
     ``active_site`` is the self-attention site whose forward is running. One runtime serves one thread.
 
@@ -81,14 +84,15 @@ class SequenceParallelRuntime:
             raise ValueError(f"SequenceParallelRuntime: mesh of {self.mesh.sp.size} ranks for a config of "
                              f"{config.sequence_parallel_size}")
         self.stats = CommStats()
+        self.gate = ExchangeGate()
         whole = self.mesh.whole
         if (config.cfg_degree > 1) != (whole is not None):
             raise ValueError(f"SequenceParallelRuntime: cfg_degree {config.cfg_degree} needs a mesh built for it "
                              "(SequenceParallelMesh.from_config of the same config)")
-        self._whole = _Layout(whole, self.stats) if whole is not None else None
+        self._whole = _Layout(whole, self.stats, self.gate) if whole is not None else None
         world_comm = self._whole.sp_comm if self._whole is not None else None
-        self._split = _Layout(self.mesh, self.stats, any_comm=world_comm)
-        self.cfg_comm = Communicator(self.mesh.cfg, self.stats) if self.mesh.cfg is not None else None
+        self._split = _Layout(self.mesh, self.stats, self.gate, any_comm=world_comm)
+        self.cfg_comm = Communicator(self.mesh.cfg, self.stats, gate=self.gate) if self.mesh.cfg is not None else None
         self._layout = self._whole or self._split
         self.whole_call: tuple[tuple, dict] | None = None
         self._part_batch: int | None = None

@@ -126,36 +126,35 @@ def test_a_worker_killed_or_hung_mid_call_gives_a_clear_error_in_bounded_time_an
         assert group.active_group() is not first
 
 
-def test_a_header_a_worker_refuses_on_the_control_channel_is_an_error_on_rank_0_not_a_hang(
+def test_a_header_a_worker_refuses_on_its_control_connection_is_an_error_on_rank_0_not_a_hang(
         sp, wan, ports_before, monkeypatch):
-    """The run's second model call travels on the control channel (its first moved the commands there); its header
-    announces a tensor the call does not carry: the worker refuses before any collective, rank 0 raises at once (not
-    after the ack or collective timeout), the workers leave on the "exit" sent on the channel, and the next run works."""
+    """The run's second model call announces a tensor the call does not carry: the worker refuses it before any
+    collective, and rank 0, which went on computing while the worker checked, raises at its first exchange at once
+    (not after the ack or collective timeout); the workers leave on the "exit" and the next run works."""
     from omnitest.tiny_models import sample
 
     node, group, protocol = sp
     case, reference = wan
     model = _with_sp(node, case)
-    real_signature, calls, on_channel = node.tensor_signature, [0], []
+    real_signature, calls = node.tensor_signature, [0]
 
     def announcing_one_tensor_more(value):
         calls[0] += 1
         if calls[0] == 2:
-            on_channel.append(group.active_group().on_channel)
             return real_signature(value) + [((1,), "torch.float32")]
         return real_signature(value)
 
-    with deadline(TEST_DEADLINE_S, "a refused header on the control channel"):
+    with deadline(TEST_DEADLINE_S, "a refused header"):
         sample(case, model)
         first = group.active_group()
         workers = list(first.processes)
         monkeypatch.setattr(node, "tensor_signature", announcing_one_tensor_more)
         started = time.monotonic()
-        with pytest.raises(protocol.SequenceParallelError) as failure:
+        with pytest.raises(protocol.CommandRefused) as failure:
             sample(case, model)
         waited = time.monotonic() - started
         monkeypatch.undo()
-        assert on_channel == [True]
+        assert calls[0] == 2
         message = str(failure.value)
         assert "rank 1 refused 'call'" in message and "do not match its header" in message, message
         assert waited < float(TIMEOUTS["OMNIHOOKS_SP_ACK_TIMEOUT_S"]) / 2, waited  # answered, not timed out

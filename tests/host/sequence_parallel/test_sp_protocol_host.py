@@ -44,3 +44,82 @@ def test_a_commands_tensors_come_back_equal_and_in_place(protocol):
     assert got.payload[0][1] == protocol.OPTIONS_SLOT and got.payload[1]["name"] == "x"
     assert got.payload[2]["uuids"] == ["a", "b"] and got.payload[3] == (1, 2)
     assert isinstance(got.payload[0], tuple) and isinstance(got.payload[1]["context"], list)
+
+
+# -- control connections ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def control():
+    """Rank 0's control server with workers 1 and 2 connected (clients in this process); closed after the test."""
+    import socket
+
+    from omnitest.pack import pack_module
+
+    module = pack_module("nodes.sequence_parallel.control")
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = module.ControlServer(listener)
+    clients = {rank: module.ControlClient("127.0.0.1", server.port, rank, timeout_s=5) for rank in (1, 2)}
+    extra = module.ControlClient("127.0.0.1", server.port, 1, timeout_s=5)  # rank 1 again: not taken
+    deadline = __import__("time").monotonic() + 10
+    while server.missing(3) and __import__("time").monotonic() < deadline:
+        server.accept_waiting(3)
+    server.stop_listening()
+    yield module, server, clients
+    extra.close()
+    for client in clients.values():
+        client.close()
+    server.close()
+
+
+def test_a_command_reaches_every_worker_and_their_answers_come_back_by_rank(control):
+    module, server, clients = control
+    assert server.missing(3) == [] and sorted(server.links) == [1, 2]
+    payload = bytes(range(256)) * 1000  # more than one packet
+    server.send(7, payload, timeout_s=5)
+    for rank, client in clients.items():
+        serial, data = client.receive(give_up=lambda: False)
+        assert (serial, bytes(data)) == (7, payload)
+        client.answer(7, None if rank == 1 else "Traceback ...\nValueError: no mesh")
+    assert server.answers(7, timeout_s=5) == {2: "Traceback ...\nValueError: no mesh"}
+
+
+def test_a_worker_that_does_not_answer_is_named_after_the_timeout(control):
+    import time
+
+    module, server, clients = control
+    server.send(1, b"call", timeout_s=5)
+    clients[1].receive(give_up=lambda: False)
+    clients[1].answer(1, None)  # rank 2 never answers
+    started = time.monotonic()
+    with pytest.raises(module.ControlError, match="rank 2 did not answer command 1 within") as failure:
+        server.answers(1, timeout_s=0.5)
+    assert failure.value.rank == 2 and time.monotonic() - started < 5
+
+
+def test_a_worker_that_left_or_answered_another_command_is_named_at_once(control):
+    module, server, clients = control
+    server.send(3, b"call", timeout_s=5)
+    clients[1].answer(2, None)  # out of step
+    with pytest.raises(module.ControlError, match="rank 1 answered command 2 to command 3"):
+        server.answers(3, timeout_s=20)
+    clients[1].receive(give_up=lambda: False)
+    clients[2].close()
+    try:
+        server.send(4, b"call", timeout_s=5)  # may already fail at rank 2, or be buffered by the kernel
+    except module.ControlError as exc:
+        assert exc.rank == 2 and "closed its control connection" in str(exc)
+        return
+    clients[1].receive(give_up=lambda: False)
+    clients[1].answer(4, None)
+    with pytest.raises(module.ControlError, match="rank 2 closed its control connection"):
+        server.answers(4, timeout_s=20)
+
+
+def test_an_idle_worker_waits_until_told_to_give_up(control):
+    import time
+
+    _, _, clients = control
+    checks = []
+    started = time.monotonic()
+    assert clients[1].receive(give_up=lambda: checks.append(1) or len(checks) >= 2) is None
+    assert len(checks) == 2 and time.monotonic() - started >= 0.9  # one check every POLL_S (0.5 s)
