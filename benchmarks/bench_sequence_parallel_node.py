@@ -79,17 +79,20 @@ def main() -> int:
                      f"{n} ranks, {name}": parallel(n, ulysses_degree=str(ulysses), ring_degree=str(n // ulysses)),
                      f"{n} ranks, ring": parallel(n, ulysses_degree="1", ring_degree=str(n)),
                      f"{n} ranks, cfg parallel": parallel(n, cfg_parallel=True)}
-    control = [0.0]  # seconds rank 0 spent in the group's commands (send, every worker's answer)
-    send = group.SequenceParallelGroup.command
+    control = [0.0]  # seconds rank 0 spent in the group's commands (sending one, waiting for every worker's answer)
+    untimed = {name: getattr(group.SequenceParallelGroup, name) for name in ("send_command", "await_answers")}
 
-    def timed_command(self, *a, **kw):
-        start = time.perf_counter()
-        try:
-            return send(self, *a, **kw)
-        finally:
-            control[0] += time.perf_counter() - start
+    def timed(method):
+        def run(self, *a, **kw):
+            start = time.perf_counter()
+            try:
+                return method(self, *a, **kw)
+            finally:
+                control[0] += time.perf_counter() - start
+        return run
 
-    group.SequenceParallelGroup.command = timed_command
+    for name, method in untimed.items():
+        setattr(group.SequenceParallelGroup, name, timed(method))
     calls = [0]
     counter = case.patcher.model.diffusion_model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     times: dict[str, list[float]] = {name: [] for runs in blocks.values() for name in runs}
@@ -123,7 +126,8 @@ def main() -> int:
                 free, total = torch.cuda.mem_get_info(i)
                 in_use.append((total - free) / 2**30)
     finally:
-        group.SequenceParallelGroup.command = send
+        for name, method in untimed.items():
+            setattr(group.SequenceParallelGroup, name, method)
         counter.remove()
         group.close_group()
     load_after = os.getloadavg()[0]
