@@ -4,13 +4,15 @@ ComfyUI in this process (rank 0) samples a Wan 2.1 model built from ComfyUI's ow
 size) with ComfyUI's KSampler, once without the node and through the node's session (Ulysses, ring, CFG parallel) at
 each ``--ranks`` (the pack starts N - 1 local worker processes, sends them the weights, and every call is split across
 the ranks). Rounds are interleaved; the table gives the median round (and the best); the first run of each (worker
-start, weight transfer) is a warm-up and not timed. "control" is rank 0's time in the group's commands (the call sent,
-every worker's answer: the control path alone), per model call. "added per call" is the median step's time over 1 rank's, divided
-by the model calls per step: at a tiny shape (``--dim 256 --layers 1 --frames 1 --size 8``) compute is near zero and
-it is what the control path (command, answers, the call's setup on every rank) costs per model call.
+start, weight transfer) is a warm-up and not timed. "control" is rank 0's time in the group's commands (encoding and
+sending the call, waiting for every worker's answer: the control path alone), per model call. "added per call" is the
+median step's time over 1 rank's, divided by the model calls per step: at a tiny shape (``--dim 256 --layers 1
+--frames 1 --size 8``) compute is near zero and it is what the control path, the call's setup on every rank and the
+model's own exchanges cost per model call.
 
-CPU (default): gloo ranks, one thread each. CUDA (``--devices cuda``, at least N GPUs): NCCL ranks; adds rank 0's peak
-memory (``torch.cuda.max_memory_allocated``) and each GPU's memory in use after the run (device-wide, all processes).
+CPU (default): gloo ranks, one thread each, whose per-call exchanges go over the direct links (the weights over
+gloo). CUDA (``--devices cuda``, at least N GPUs): NCCL ranks; adds rank 0's peak memory
+(``torch.cuda.max_memory_allocated``) and each GPU's memory in use after the run (device-wide, all processes).
 
 Run: .venv/bin/python benchmarks/bench_sequence_parallel_node.py [--ranks 2 4] [--devices cpu|cuda]
 (needs a ComfyUI checkout: COMFYUI_PATH or ~/ComfyUI; prints markdown for docs/benchmarks.md)
@@ -132,7 +134,8 @@ def main() -> int:
         group.close_group()
     load_after = os.getloadavg()[0]
     median = {name: statistics.median(t) for name, t in times.items()}
-    device = torch.cuda.get_device_name(0) if args.devices == "cuda" else "CPU, 1 thread per rank, gloo on loopback"
+    device = (torch.cuda.get_device_name(0) if args.devices == "cuda"
+              else "CPU, 1 thread per rank, per-call exchanges over direct loopback links")
     print(f"Wan 2.1 (ComfyUI's WanModel, random weights) dim {args.dim}, {heads} heads, {args.layers} blocks, "
           f"{tokens} video tokens, batch 2 (cond + uncond), {args.steps} euler steps ({calls_per_step:g} model "
           f"call(s) per step), float32; {device}; median (best) of {args.repeats} interleaved rounds per world size; "

@@ -44,6 +44,7 @@ from .protocol import (
     diagnose,
     encode,
     init_group,
+    is_collective_failure,
     missing_ranks,
     publish_group,
 )
@@ -282,14 +283,14 @@ class SequenceParallelGroup:
 
     # -- commands -------------------------------------------------------------------------------------------------
 
-    def _encode(self, op: str, header: dict, payload) -> tuple[int, bytes]:
+    def _encode(self, op: str, header: dict, payload) -> tuple[int, bytes, list[torch.Tensor]]:
         serial = self.serial + 1
-        return serial, encode(Command(op, serial, dict(header, op=op, serial=serial), payload))
+        return serial, *encode(Command(op, serial, dict(header, op=op, serial=serial), payload))
 
     def _send_exit(self) -> None:
         """The "exit" command, unanswered, to every worker that takes it (one blocked in a collective of a call that
         broke never reads it: local ones are killed, remote ones leave when the process group goes)."""
-        serial, data = self._encode("exit", {}, None)
+        serial, data, _ = self._encode("exit", {}, None)
         self.serial = serial
         self.control.broadcast_quietly(serial, data, timeout_s=1.0)
 
@@ -299,7 +300,10 @@ class SequenceParallelGroup:
 
     def send_command(self, op: str, header: dict, payload=None) -> Callable[[], None]:
         """Send command ``op`` to every worker; returns the wait for their answers (``await_answers``), which this rank
-        calls before its first collective of the command: the workers check the command while it computes.
+        calls before its first collective of the command: the workers check the command while it computes. A command
+        with tensors too large to travel in it (``protocol.BROADCAST_BYTES``) is waited for at once, and those tensors
+        broadcast over the process group (the workers need them before they can compute); the wait returned then
+        does nothing.
 
         A command that cannot be encoded sends nothing. The answers of an earlier command not waited for yet are
         waited for first."""
@@ -308,14 +312,23 @@ class SequenceParallelGroup:
         if not self.alive():
             raise SequenceParallelError(f"Sequence Parallel: a worker process died ({self._exit_codes()}); it is "
                                         "restarted on the next run")
-        serial, data = self._encode(op, header, payload)  # may raise: nothing sent
+        serial, data, broadcast = self._encode(op, header, payload)  # may raise: nothing sent
         self._unanswered = functools.partial(self.await_answers, serial, op)
         try:
             self.control.send(serial, data, self.timeouts.ack_s)
         except ControlError as exc:
             self._fail(exc)
         self.serial = serial
-        return self._unanswered
+        if not broadcast:
+            return self._unanswered
+        self._unanswered()
+        try:
+            broadcast_tensors(broadcast)
+        except Exception as exc:
+            if not is_collective_failure(exc):
+                raise
+            self._fail(exc)
+        return _answered
 
     def await_answers(self, serial: int, op: str) -> None:
         """Until every worker accepted command ``serial`` (header checked, data prepared); at most once per command.
@@ -338,7 +351,7 @@ class SequenceParallelGroup:
                 discard(self)
             raise CommandRefused(f"Sequence Parallel: rank {rank} refused {op!r}:\n{refusals[rank]}", every_worker)
 
-    def _fail(self, error: ControlError) -> NoReturn:
+    def _fail(self, error: Exception) -> NoReturn:
         """A rank exited, stopped or hung: the group is out of step for good; closed, with an error naming the rank."""
         self._unanswered = None
         explained = self.explain(error)
@@ -371,6 +384,10 @@ class SequenceParallelGroup:
         self.command("load", header, payload)
         broadcast_tensors(list(state.values()))
         self.weights_key, self.serial_of_weights = key, self.serial
+
+
+def _answered() -> None:
+    """The wait of a command whose answers were waited for already."""
 
 
 def computed_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -111,13 +111,15 @@ class CommandRefused(SequenceParallelError):
 @dataclass(frozen=True)
 class Command:
     """One message from rank 0. ``op``: "mesh", "load", "call" or "exit"; ``serial``: its number (1, 2, ...);
-    ``header``: what every worker checks before any collective; ``payload``: the op's data (pickled with tensors on
-    CPU)."""
+    ``header``: what every worker checks before any collective; ``payload``: the op's data (pickled, its tensors as
+    raw bytes). ``broadcast``: on a worker, the payload's tensors too large for the command, in the order rank 0
+    broadcasts them once every worker accepted it (``encode``)."""
 
     op: str
     serial: int
     header: dict
     payload: Any = None
+    broadcast: tuple[torch.Tensor, ...] = ()
 
 
 # This pack's import name in this process: ComfyUI imports it under its folder's name, a worker under another one.
@@ -125,6 +127,9 @@ PACKAGE = __name__.rsplit(".nodes.", 1)[0]
 
 
 _ALIGN = 16  # each tensor's bytes start at a multiple of this in an encoded command
+#: a tensor of more bytes than this does not travel in the command: rank 0 broadcasts it over the process group once
+#: every worker accepted the command (NCCL between GPUs: no copy through the CPU; one message per rank in a tree)
+BROADCAST_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -136,28 +141,44 @@ class _TensorSlot:
     dtype: str  # "float32", ...
 
 
-def encode(command: Command) -> bytes:
-    """A command as bytes: an 8-byte length, a pickle, then the raw bytes of every tensor of the payload (moved to the
-    CPU). Tensors never go through pickle (its tensor reduction costs about a millisecond a call). Objects of this
+@dataclass(frozen=True)
+class _BroadcastSlot:
+    """Stands for the ``index``-th tensor rank 0 broadcasts after the command."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def encode(command: Command) -> tuple[bytes, list[torch.Tensor]]:
+    """A command as bytes, and the payload's tensors of more than ``BROADCAST_BYTES`` (broadcast after it, in this
+    order). The bytes: an 8-byte length, a pickle, then the raw bytes of every other tensor of the payload (moved to
+    the CPU). Tensors never go through pickle (its tensor reduction costs about a millisecond a call). Objects of this
     pack (a feature's settings) are pickled under this process's package name, which travels with them so the
     receiver maps it to its own (``decode``)."""
-    tensors: list[torch.Tensor] = []
+    inline: list[torch.Tensor] = []
+    broadcast: list[torch.Tensor] = []
 
-    def slot(tensor: torch.Tensor) -> _TensorSlot:
-        tensors.append(tensor.detach().cpu().contiguous())
-        return _TensorSlot(len(tensors) - 1, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+    def slot(tensor: torch.Tensor) -> _TensorSlot | _BroadcastSlot:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if tensor.numel() * tensor.element_size() > BROADCAST_BYTES:
+            broadcast.append(tensor.detach())
+            return _BroadcastSlot(len(broadcast) - 1, tuple(tensor.shape), dtype)
+        inline.append(tensor.detach().cpu().contiguous())
+        return _TensorSlot(len(inline) - 1, tuple(tensor.shape), dtype)
 
     payload = map_tensors(command.payload, slot)
     body = dumps({"op": command.op, "serial": command.serial, "header": command.header, "payload": payload})
     head = dumps({"package": PACKAGE, "body": body})
     parts = [len(head).to_bytes(8, "little"), head]
-    for tensor in tensors:
+    for tensor in inline:
         parts += [bytes(-sum(map(len, parts)) % _ALIGN), tensor.reshape(-1).view(torch.uint8).numpy().tobytes()]
-    return b"".join(parts)
+    return b"".join(parts), broadcast
 
 
-def decode(data: bytes | bytearray) -> Command:
-    """``encode``'s command; its tensors share ``data`` when it is a bytearray (else a copy of it)."""
+def decode(data: bytes | bytearray, device: torch.device | str = "cpu") -> Command:
+    """``encode``'s command; its tensors share ``data`` when it is a bytearray (else a copy of it). The tensors rank
+    0 broadcasts after it are made empty on ``device`` (the command's ``broadcast``), to be received in place."""
     size = int.from_bytes(data[:8], "little")
     outer = loads(data[8:8 + size])
     fields = loads(outer["body"], rename=(outer["package"], PACKAGE))
@@ -174,8 +195,14 @@ def decode(data: bytes | bytearray) -> Command:
         offset += count
         return flat.view(dtype).reshape(value.shape)
 
-    fields["payload"] = _map(fields["payload"], _TensorSlot, tensor)
-    return Command(**fields)
+    broadcast: dict[int, torch.Tensor] = {}
+
+    def received(value: _BroadcastSlot) -> torch.Tensor:
+        broadcast[value.index] = torch.empty(value.shape, dtype=getattr(torch, value.dtype), device=device)
+        return broadcast[value.index]
+
+    fields["payload"] = _map(_map(fields["payload"], _TensorSlot, tensor), _BroadcastSlot, received)
+    return Command(**fields, broadcast=tuple(broadcast[i] for i in range(len(broadcast))))
 
 
 def dumps(value: Any) -> bytes:

@@ -204,7 +204,7 @@ class _Inbox:
 
         self.serial += 1
         received = self.control.receive(give_up=lambda: _parent_gone(self.args.parent_pid))
-        return None if received is None else decode(received[1])
+        return None if received is None else decode(received[1], self.args.device)
 
     def answer(self, command, worker) -> bool:
         """Check ``command`` (``worker.prepare``) and answer rank 0; whether it was accepted."""

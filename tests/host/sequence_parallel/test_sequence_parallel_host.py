@@ -61,3 +61,27 @@ def test_a_worker_killed_between_runs_is_replaced_by_the_next_run(sp):
     worker.wait(timeout=10)
     assert psnr_db(sample(case, _with_sp(node, case)), reference) >= MIN_PSNR_DB
     assert group._current is not first and group._current.alive()
+
+
+def test_tensors_too_large_for_a_command_are_broadcast_and_the_result_is_the_same(sp, monkeypatch):
+    """A real call's latent is megabytes: rank 0 broadcasts it over the process group after the workers accepted the
+    call. Forced here for every tensor of the tiny model's calls."""
+    from omnitest.pack import pack_module
+    from omnitest.tiny_models import build_case, sample
+
+    node, group = sp
+    protocol = pack_module("nodes.sequence_parallel.protocol")
+    case = build_case("wan21_t2v")
+    reference = sample(case)
+    sent = []
+    encode = protocol.encode
+
+    def counting(command):
+        data, broadcast = encode(command)
+        sent.append(len(broadcast))
+        return data, broadcast
+
+    monkeypatch.setattr(protocol, "BROADCAST_BYTES", 0)
+    monkeypatch.setattr(group, "encode", counting)
+    assert psnr_db(sample(case, _with_sp(node, case)), reference) >= MIN_PSNR_DB
+    assert max(sent) >= 3  # each call's latent, timestep and context went by broadcast

@@ -163,6 +163,25 @@ def test_a_header_a_worker_refuses_on_its_control_connection_is_an_error_on_rank
         assert psnr_db(sample(case, model), reference) >= MIN_PSNR_DB
 
 
+def test_workers_idle_between_prompts_longer_than_every_timeout_and_serve_the_next_run(
+        sp, wan, ports_before, monkeypatch):
+    """Between prompts a worker waits for rank 0's next command with no timeout: a pause longer than the collective
+    and answer timeouts leaves the same group serving."""
+    from omnitest.tiny_models import sample
+
+    node, group, _ = sp
+    case, reference = wan
+    monkeypatch.setenv("OMNIHOOKS_SP_ACK_TIMEOUT_S", "2")
+    model = _with_sp(node, case)
+    with deadline(TEST_DEADLINE_S, "idle between prompts"):
+        sample(case, model)
+        first = group.active_group()
+        time.sleep(COLLECTIVE_TIMEOUT_S + 1)
+        assert first.alive()
+        assert psnr_db(sample(case, model), reference) >= MIN_PSNR_DB
+        assert group.active_group() is first and first.alive()
+
+
 def test_an_interrupt_between_steps_leaves_the_workers_idle_and_the_group_serving(sp, wan, ports_before):
     import comfy.model_management as mm
     from omnitest.tiny_models import sample

@@ -33,7 +33,8 @@ def test_a_commands_tensors_come_back_equal_and_in_place(protocol):
     kwargs = {"context": [torch.arange(5), torch.zeros(0, 4)], "mask": torch.tensor([True, False]), "name": "x"}
     options = {"sigmas": torch.randn(7).to(torch.float16)[::2], "uuids": ["a", "b"]}
     command = protocol.Command("call", 3, {"serial": 3}, (args, kwargs, options, (1, 2)))
-    data = protocol.encode(command)
+    data, broadcast = protocol.encode(command)
+    assert broadcast == []  # every tensor small enough to travel in the command
     assert len(data) < 2000  # the tensors' bytes are not pickled (pickled, six tensors take about 2,500)
     got = protocol.decode(data)
     assert (got.op, got.serial, got.header) == ("call", 3, {"serial": 3})
@@ -44,6 +45,23 @@ def test_a_commands_tensors_come_back_equal_and_in_place(protocol):
     assert got.payload[0][1] == protocol.OPTIONS_SLOT and got.payload[1]["name"] == "x"
     assert got.payload[2]["uuids"] == ["a", "b"] and got.payload[3] == (1, 2)
     assert isinstance(got.payload[0], tuple) and isinstance(got.payload[1]["context"], list)
+
+
+def test_a_tensor_too_large_for_the_command_is_left_to_the_broadcast_and_received_in_place(protocol):
+    import torch
+
+    large = torch.randn(protocol.BROADCAST_BYTES // 4 + 1)  # one float more than the command carries
+    wide = torch.randn(protocol.BROADCAST_BYTES // 2 + 1, dtype=torch.bfloat16)
+    small = torch.arange(6).reshape(2, 3)
+    data, broadcast = protocol.encode(protocol.Command("call", 1, {}, ((large, small), {"x": wide})))
+    assert len(data) < 2000 and len(broadcast) == 2
+    # in the payload's order, not copied (broadcast from where they are: a GPU tensor from the GPU)
+    assert [t.data_ptr() for t in broadcast] == [large.data_ptr(), wide.data_ptr()]
+    got = protocol.decode(data, "cpu")
+    (received, received_small), kwargs = got.payload
+    assert torch.equal(received_small, small)
+    assert [(t.shape, t.dtype) for t in got.broadcast] == [(large.shape, torch.float32), (wide.shape, torch.bfloat16)]
+    assert got.broadcast[0] is received and got.broadcast[1] is kwargs["x"]  # filled in place by the broadcast
 
 
 # -- control connections ------------------------------------------------------------------------------------------
