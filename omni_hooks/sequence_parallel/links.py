@@ -1,8 +1,8 @@
 """Direct connections between the CPU ranks of one machine, for sequence parallelism's per-call exchanges.
 
 A gloo collective hands each message through torch's process-group thread and gloo's own I/O thread on both sides:
-between two processes that compute in turn on a small machine that is 0.5 to 1 ms per collective, more than the
-exchange of a few kilobytes itself. ``PeerLinks`` moves the same bytes over one TCP connection per pair of ranks, from
+between two processes that compute in turn on a small machine that is a few hundred microseconds per collective, and
+milliseconds whenever one of those threads wakes late, far more than the exchange of a few kilobytes itself. ``PeerLinks`` moves the same bytes over one TCP connection per pair of ranks, from
 the calling thread: an exchange is a few system calls. A ``RankGroup`` with links has its ``Communicator`` exchange
 over them (CPU tensors); everything else (a model's weights, NCCL) stays on torch.distributed.
 

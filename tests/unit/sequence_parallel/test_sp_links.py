@@ -10,7 +10,8 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -30,6 +31,17 @@ def connected(world: int, timeout_s: float = 10.0) -> list[PeerLinks]:
         return [f.result(timeout=DEADLINE_S) for f in futures]
 
 
+@contextmanager
+def linked(world: int, timeout_s: float = 10.0) -> Iterator[list[PeerLinks]]:
+    """``world`` connected ranks' links, closed afterwards."""
+    made = connected(world, timeout_s)
+    try:
+        yield made
+    finally:
+        for link in made:
+            link.close()
+
+
 def on_every_rank(links: list[PeerLinks], task: Callable[[Communicator], object]) -> list:
     """``task(communicator)`` on every rank at once (one thread each); the results in rank order."""
     world = len(links)
@@ -42,10 +54,8 @@ def on_every_rank(links: list[PeerLinks], task: Callable[[Communicator], object]
 
 @pytest.fixture(params=[2, 3], ids=["2 ranks", "3 ranks"])
 def links(request):
-    made = connected(request.param)
-    yield made
-    for link in made:
-        link.close()
+    with linked(request.param) as made:
+        yield made
 
 
 def data(rank: int, shape=(4, 5), dtype=torch.float32) -> torch.Tensor:
@@ -84,25 +94,17 @@ def test_all_reduce_gives_every_rank_the_same_bits(links):
 
 
 def test_large_messages_both_ways_at_once_do_not_wait_on_each_other():
-    two = connected(2)
-    try:  # 32 MiB each way: far more than the kernel buffers, so each rank must receive while it sends
+    with linked(2) as two:  # 32 MiB each way: more than the kernel buffers, so each rank receives while it sends
         got = on_every_rank(two, lambda c: c.all_gather(torch.full((8, 1024, 1024), float(c.group.rank)), 0, "x"))
         assert all(out.shape == (16, 1024, 1024) and out[:8].eq(0).all() and out[8:].eq(1).all() for out in got)
-    finally:
-        for link in two:
-            link.close()
 
 
 def test_a_peer_that_sends_nothing_fails_the_exchange_within_the_timeout_naming_it():
-    two = connected(2, timeout_s=0.5)
-    try:
+    with linked(2, timeout_s=0.5) as two:
         started = time.monotonic()
         with pytest.raises(PeerLinkError, match="rank 1: exchanged nothing for") as failure:
             two[0].exchange({1: data(0)}, {1: torch.empty(4, 5)})
         assert failure.value.rank == 1 and time.monotonic() - started < 5
-    finally:
-        for link in two:
-            link.close()
 
 
 def test_a_peer_that_closes_its_connection_fails_the_exchange_at_once():
@@ -116,21 +118,16 @@ def test_a_peer_that_closes_its_connection_fails_the_exchange_at_once():
 
 
 def test_a_message_of_another_length_is_an_error_not_a_misread():
-    two = connected(2, timeout_s=5)
-    try:
+    with linked(2, timeout_s=5) as two:
         sender = threading.Thread(target=lambda: two[1].exchange({0: data(1, shape=(3,))}, {}))
         sender.start()
         with pytest.raises(PeerLinkError, match="sent 12 bytes where 80 were expected"):
             two[0].exchange({}, {1: torch.empty(4, 5)})
         sender.join(timeout=DEADLINE_S)
-    finally:
-        for link in two:
-            link.close()
 
 
 def test_a_held_check_runs_once_before_the_first_exchange_and_a_failing_one_sends_nothing():
-    two = connected(2, timeout_s=1.0)
-    try:
+    with linked(2, timeout_s=1.0) as two:
         ran = []
 
         def task(comm: Communicator):
@@ -148,6 +145,3 @@ def test_a_held_check_runs_once_before_the_first_exchange_and_a_failing_one_send
             comm.all_gather(data(0), 0, "test")
         with pytest.raises(PeerLinkError, match="exchanged nothing"):  # rank 1 got nothing from rank 0
             two[1].exchange({}, {0: torch.empty(4, 5)})
-    finally:
-        for link in two:
-            link.close()
