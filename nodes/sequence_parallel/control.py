@@ -27,6 +27,8 @@ from ...omni_hooks.sequence_parallel.links import receive_exact
 POLL_S = 0.5
 #: how long a worker that connected gets to say its rank
 HELLO_S = 10.0
+#: how often rank 0, waiting for an answer, asks whether the worker can still give one
+CHECK_S = 0.25
 
 _HEADER = struct.Struct("<qq")
 
@@ -113,16 +115,26 @@ class ControlServer:
             except OSError as exc:
                 raise ControlError(rank, f"closed its control connection ({exc})") from None
 
-    def answers(self, serial: int, timeout_s: float) -> dict[int, str]:
+    def answers(self, serial: int, timeout_s: float,
+                unresponsive: Callable[[int], str | None] | None = None) -> dict[int, str]:
         """Every worker's answer to command ``serial``: the refusals (rank: text), empty when all accepted.
-        ControlError when a rank does not answer within ``timeout_s``, closed its connection or answered another
-        command."""
+        ControlError when a rank does not answer within ``timeout_s``, closed its connection, answered another command,
+        or, asked every ``CHECK_S`` while its answer is missing, ``unresponsive(rank)`` says why it will not answer
+        (exited, stopped: then in seconds, whatever ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
         refusals = {}
         for rank, sock in self.links.items():
-            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            def keep_waiting(rank: int = rank) -> bool:
+                why = unresponsive(rank) if unresponsive is not None else None
+                if why is not None:
+                    raise ControlError(rank, why)
+                return time.monotonic() < deadline
+
+            sock.settimeout(CHECK_S)
             try:
-                answered, text = receive_frame(sock)
+                answered, text = receive_frame(sock, keep_waiting)
+            except ControlError:
+                raise
             except socket.timeout:
                 raise ControlError(rank, f"did not answer command {serial} within {timeout_s:.0f} s") from None
             except (OSError, EOFError) as exc:

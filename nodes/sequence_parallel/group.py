@@ -33,9 +33,11 @@ from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequencePara
 from ...omni_hooks.sequence_parallel.links import PeerLinks
 from .control import ControlError, ControlServer
 from .protocol import (
+    STALL_S,
     Command,
     CommandRefused,
     GroupInfo,
+    HeartbeatWatch,
     SequenceParallelError,
     Timeouts,
     broadcast_tensors,
@@ -335,13 +337,23 @@ class SequenceParallelGroup:
 
         A worker that refuses it fails it with a ``CommandRefused`` (and the group is closed when another worker
         accepted it: that one went on to the command's collectives). A worker that does not answer within ``ack_s``,
-        or whose connection ended, fails it with an error naming the rank, and the group is closed (the next run starts
-        a fresh one)."""
+        whose connection ended, whose process exited or whose heartbeat stalled (in seconds, whatever ``ack_s``) fails
+        it with an error naming the rank, and the group is closed (the next run starts a fresh one)."""
         if self._unanswered is None or self._unanswered.args[0] != serial:
             return
         self._unanswered = None
+        watch = HeartbeatWatch(self.commands)
+
+        def unresponsive(rank: int) -> str | None:
+            code = self.exit_codes().get(rank)
+            if code is not None:
+                return f"exited before answering ({describe_exit(code)})"
+            if watch.stalled(rank):
+                return f"stopped responding before answering (no heartbeat for {STALL_S:.1f} s)"
+            return None
+
         try:
-            refusals = self.control.answers(serial, self.timeouts.ack_s)
+            refusals = self.control.answers(serial, self.timeouts.ack_s, unresponsive)
         except ControlError as exc:
             self._fail(exc)
         if refusals:

@@ -348,18 +348,37 @@ class Heartbeat:
         self._thread.join(timeout=5)
 
 
+class HeartbeatWatch:
+    """Which workers stopped beating: a rank whose ``beat/<rank>`` counter did not move for ``STALL_S`` since this
+    watch first read it, or since it last moved (a rank whose counter cannot be read counts as stalled)."""
+
+    def __init__(self, commands: dist.Store):
+        self.commands = commands
+        self._seen: dict[int, tuple[int, float]] = {}  # rank: (count, when it was first read at that count)
+
+    def stalled(self, rank: int) -> bool:
+        try:
+            count = self.commands.add(f"beat/{rank}", 0)
+        except Exception:
+            return True
+        now = time.monotonic()
+        seen = self._seen.get(rank)
+        if seen is None or seen[0] != count:
+            self._seen[rank] = (count, now)
+            return False
+        return now - seen[1] >= STALL_S
+
+
 def diagnose(commands: dist.Store, world_size: int,
              exit_codes: Callable[[], dict[int, int | None]]) -> dict[int, str]:
     """Why a call failed, per worker rank that is not healthy: exited (``exit_codes()``: the local workers' rank and
-    exit code, None while running; read last, as a killed process may take a moment to end), not responding (heartbeat stalled for ``STALL_S``: hung, stopped or gone) or raised (its
-    ``error/<rank>``, last line). Waits ``STALL_S``. Ranks not listed look healthy."""
+    exit code, None while running; read last, as a killed process may take a moment to end), not responding (heartbeat
+    stalled for ``STALL_S``: hung, stopped or gone) or raised (its ``error/<rank>``, last line). Waits ``STALL_S``.
+    Ranks not listed look healthy."""
     ranks = range(1, world_size)
-    beats = {}
+    watch = HeartbeatWatch(commands)
     for rank in ranks:
-        try:
-            beats[rank] = commands.add(f"beat/{rank}", 0)
-        except Exception:
-            beats[rank] = None
+        watch.stalled(rank)  # the counts to compare with
     time.sleep(STALL_S)
     found: dict[int, str] = {}
     codes = exit_codes()
@@ -368,7 +387,7 @@ def diagnose(commands: dist.Store, world_size: int,
         error = _reported_error(commands, rank)
         if code is not None:
             found[rank] = f"its process exited ({describe_exit(code)})"
-        elif beats[rank] is None or commands.add(f"beat/{rank}", 0) == beats[rank]:
+        elif watch.stalled(rank):
             found[rank] = f"it stopped responding (no heartbeat for {STALL_S:.1f} s: hung, stopped or disconnected)"
         if error is not None:
             found[rank] = f"{found[rank]}; it raised: {error}" if rank in found else f"it raised: {error}"

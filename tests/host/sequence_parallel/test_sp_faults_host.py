@@ -126,6 +126,42 @@ def test_a_worker_killed_or_hung_mid_call_gives_a_clear_error_in_bounded_time_an
         assert group.active_group() is not first
 
 
+def test_a_worker_stopped_before_it_answers_a_call_is_named_in_seconds_not_after_the_answer_timeout(
+        sp, wan, ports_before, monkeypatch):
+    """Rank 0 computes while the workers check a call; a worker stopped (SIGSTOP) before it answers is found by its
+    stalled heartbeat while rank 0 waits at its first exchange, not after ``OMNIHOOKS_SP_ACK_TIMEOUT_S``."""
+    from omnitest.tiny_models import sample
+
+    node, group, protocol = sp
+    case, reference = wan
+    model = _with_sp(node, case)
+    with deadline(TEST_DEADLINE_S, "worker stopped before answering"):
+        sample(case, model)
+        first = group.active_group()
+        worker = first.processes[0]
+        send, calls, fired_at = group.SequenceParallelGroup.send_command, [0], []
+
+        def stopping_the_worker_first(self, op, header, payload=None):
+            calls[0] += 1 if op == "call" else 0
+            if op == "call" and calls[0] == 2:
+                os.kill(worker.pid, signal.SIGSTOP)
+                fired_at.append(time.monotonic())
+            return send(self, op, header, payload)
+
+        monkeypatch.setattr(group.SequenceParallelGroup, "send_command", stopping_the_worker_first)
+        with pytest.raises(protocol.SequenceParallelError) as failure:
+            sample(case, model)
+        waited = time.monotonic() - fired_at[0]
+        monkeypatch.undo()
+        message = str(failure.value)
+        assert "rank 1:" in message and "stopped responding" in message, message
+        assert waited < float(TIMEOUTS["OMNIHOOKS_SP_ACK_TIMEOUT_S"]) / 2, waited  # the heartbeat, not the timeout
+        assert worker.poll() is not None and group.active_group() is None
+        del failure
+        gc.collect()
+        assert psnr_db(sample(case, model), reference) >= MIN_PSNR_DB
+
+
 def test_a_header_a_worker_refuses_on_its_control_connection_is_an_error_on_rank_0_not_a_hang(
         sp, wan, ports_before, monkeypatch):
     """The run's second model call announces a tensor the call does not carry: the worker refuses it before any

@@ -141,3 +141,22 @@ def test_an_idle_worker_waits_until_told_to_give_up(control):
     started = time.monotonic()
     assert clients[1].receive(give_up=lambda: checks.append(1) or len(checks) >= 2) is None
     assert len(checks) == 2 and time.monotonic() - started >= 0.9  # one check every POLL_S (0.5 s)
+
+
+def test_a_missing_answer_whose_worker_cannot_give_one_fails_in_seconds_whatever_the_timeout(control):
+    import time
+
+    module, server, clients = control
+    server.send(5, b"call", timeout_s=5)
+    clients[1].receive(give_up=lambda: False)
+    clients[1].answer(5, None)
+    asked = []
+
+    def unresponsive(rank):  # rank 2 "stopped" (its heartbeat stalled) after two checks
+        asked.append(rank)
+        return "stopped responding before answering" if len(asked) >= 3 else None
+
+    started = time.monotonic()
+    with pytest.raises(module.ControlError, match="rank 2 stopped responding before answering"):
+        server.answers(5, timeout_s=60, unresponsive=unresponsive)
+    assert set(asked) == {2} and time.monotonic() - started < 5
