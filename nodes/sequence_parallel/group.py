@@ -33,7 +33,7 @@ from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequencePara
 from ...omni_hooks.sequence_parallel.links import PeerLinks
 from .control import ControlError, ControlServer
 from .protocol import (
-    STALL_S,
+    ANSWER_STALL_S,
     Command,
     CommandRefused,
     GroupInfo,
@@ -342,14 +342,14 @@ class SequenceParallelGroup:
         if self._unanswered is None or self._unanswered.args[0] != serial:
             return
         self._unanswered = None
-        watch = HeartbeatWatch(self.commands)
+        watch = HeartbeatWatch(self.commands, ANSWER_STALL_S)
 
         def unresponsive(rank: int) -> str | None:
             code = self.exit_codes().get(rank)
             if code is not None:
                 return f"exited before answering ({describe_exit(code)})"
             if watch.stalled(rank):
-                return f"stopped responding before answering (no heartbeat for {STALL_S:.1f} s)"
+                return f"stopped responding before answering (no heartbeat for {ANSWER_STALL_S:.1f} s)"
             return None
 
         try:

@@ -38,6 +38,9 @@ STORE_PREFIX = "omnihooks_sp/"
 BEAT_S = 0.25
 #: ``diagnose`` calls a rank not responding when its heartbeat did not move for this long
 STALL_S = 1.5
+#: rank 0, waiting for a command's answers, gives up on a worker whose heartbeat did not move for this long (longer
+#: than ``STALL_S``: this verdict ends the run, so a thread scheduled late on a busy machine must not trigger it)
+ANSWER_STALL_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -349,11 +352,12 @@ class Heartbeat:
 
 
 class HeartbeatWatch:
-    """Which workers stopped beating: a rank whose ``beat/<rank>`` counter did not move for ``STALL_S`` since this
+    """Which workers stopped beating: a rank whose ``beat/<rank>`` counter did not move for ``stall_s`` since this
     watch first read it, or since it last moved (a rank whose counter cannot be read counts as stalled)."""
 
-    def __init__(self, commands: dist.Store):
+    def __init__(self, commands: dist.Store, stall_s: float = STALL_S):
         self.commands = commands
+        self.stall_s = stall_s
         self._seen: dict[int, tuple[int, float]] = {}  # rank: (count, when it was first read at that count)
 
     def stalled(self, rank: int) -> bool:
@@ -366,7 +370,7 @@ class HeartbeatWatch:
         if seen is None or seen[0] != count:
             self._seen[rank] = (count, now)
             return False
-        return now - seen[1] >= STALL_S
+        return now - seen[1] >= self.stall_s
 
 
 def diagnose(commands: dist.Store, world_size: int,
