@@ -154,7 +154,8 @@ class SequenceParallelSession(ShardSession):
         slot = lambda v: OPTIONS_SLOT if v is transformer_options else v  # noqa: E731
         call_args = tuple(slot(a) for a in args)
         call_kwargs = {k: slot(v) for k, v in kwargs.items()}
-        features = tuple(transformer_options.get(FEATURES_KEY, ()))
+        # the run's features open the workers' run at its first call; later calls need not carry them
+        features = tuple(transformer_options.get(FEATURES_KEY, ())) if self.calls == 0 else None
         header = {"signature": tensor_signature((call_args, call_kwargs)), "degrees": self.degrees,
                   "weights": self.group.serial_of_weights, "run": self.run_id}
         try:

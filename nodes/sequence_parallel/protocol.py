@@ -155,8 +155,8 @@ class _BroadcastSlot:
 
 def encode(command: Command) -> tuple[bytes, list[torch.Tensor]]:
     """A command as bytes, and the payload's tensors of more than ``BROADCAST_BYTES`` (broadcast after it, in this
-    order). The bytes: an 8-byte length, a pickle, then the raw bytes of every other tensor of the payload (moved to
-    the CPU). Tensors never go through pickle (its tensor reduction costs about a millisecond a call). Objects of this
+    order). The bytes: this pack's import name and a pickle, each after its 8-byte length, then the raw bytes of
+    every other tensor of the payload (moved to the CPU). Tensors never go through pickle (its tensor reduction costs about a millisecond a call). Objects of this
     pack (a feature's settings) are pickled under this process's package name, which travels with them so the
     receiver maps it to its own (``decode``)."""
     inline: list[torch.Tensor] = []
@@ -171,9 +171,9 @@ def encode(command: Command) -> tuple[bytes, list[torch.Tensor]]:
         return _TensorSlot(len(inline) - 1, tuple(tensor.shape), dtype)
 
     payload = map_tensors(command.payload, slot)
+    package = PACKAGE.encode()
     body = dumps({"op": command.op, "serial": command.serial, "header": command.header, "payload": payload})
-    head = dumps({"package": PACKAGE, "body": body})
-    parts = [len(head).to_bytes(8, "little"), head]
+    parts = [len(package).to_bytes(8, "little"), package, len(body).to_bytes(8, "little"), body]
     for tensor in inline:
         parts += [bytes(-sum(map(len, parts)) % _ALIGN), tensor.reshape(-1).view(torch.uint8).numpy().tobytes()]
     return b"".join(parts), broadcast
@@ -182,11 +182,12 @@ def encode(command: Command) -> tuple[bytes, list[torch.Tensor]]:
 def decode(data: bytes | bytearray, device: torch.device | str = "cpu") -> Command:
     """``encode``'s command; its tensors share ``data`` when it is a bytearray (else a copy of it). The tensors rank
     0 broadcasts after it are made empty on ``device`` (the command's ``broadcast``), to be received in place."""
-    size = int.from_bytes(data[:8], "little")
-    outer = loads(data[8:8 + size])
-    fields = loads(outer["body"], rename=(outer["package"], PACKAGE))
+    view = memoryview(data)
+    size = int.from_bytes(view[:8], "little")
+    sender = bytes(view[8:8 + size]).decode()
+    offset = 16 + size + int.from_bytes(view[8 + size:16 + size], "little")
+    fields = loads(view[16 + size:offset], rename=(sender, PACKAGE))
     buffer = data if isinstance(data, bytearray) else bytearray(data)  # writable: the tensors share it
-    offset = 8 + size
 
     def tensor(value: _TensorSlot) -> torch.Tensor:
         nonlocal offset

@@ -50,6 +50,8 @@ class WorkerRank:
             if tuple(command.header["degrees"]) not in self.meshes:
                 raise ValueError(f"Sequence Parallel worker: no mesh for degrees {command.header['degrees']}")
             if command.header["run"] != self.run_id:
+                if applied is None:
+                    raise ValueError("Sequence Parallel worker: a call of a run whose first call it did not take")
                 self._open_run(command.header["run"], applied)
 
     def execute(self, command: Command) -> None:
