@@ -201,11 +201,13 @@ def decode(data: bytes | bytearray, device: torch.device | str = "cpu") -> Comma
 
     broadcast: dict[int, torch.Tensor] = {}
 
-    def received(value: _BroadcastSlot) -> torch.Tensor:
+    def filled(value: _TensorSlot | _BroadcastSlot) -> torch.Tensor:
+        if isinstance(value, _TensorSlot):
+            return tensor(value)
         broadcast[value.index] = torch.empty(value.shape, dtype=getattr(torch, value.dtype), device=device)
         return broadcast[value.index]
 
-    fields["payload"] = _map(_map(fields["payload"], _TensorSlot, tensor), _BroadcastSlot, received)
+    fields["payload"] = _map(fields["payload"], (_TensorSlot, _BroadcastSlot), filled)
     return Command(**fields, broadcast=tuple(broadcast[i] for i in range(len(broadcast))))
 
 
@@ -231,7 +233,7 @@ def loads(data: bytes, rename: tuple[str, str] | None = None) -> Any:
     return _RenamingUnpickler(io.BytesIO(data), rename).load()
 
 
-def _map(value: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+def _map(value: Any, kind: type | tuple[type, ...], fn: Callable[[Any], Any]) -> Any:
     """``value`` with every ``kind`` (in lists, tuples, dicts) replaced by ``fn`` of it."""
     if isinstance(value, kind):
         return fn(value)

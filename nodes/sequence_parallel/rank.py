@@ -62,9 +62,11 @@ class WorkerRank:
             broadcast_tensors(list(self.patcher.model.diffusion_model.state_dict().values()))
             self.weights_serial = command.serial
         elif command.op == "call":
-            broadcast_tensors(list(command.broadcast))  # the call's large tensors, received in place
+            if command.broadcast:
+                broadcast_tensors(list(command.broadcast))  # the call's large tensors, received in place
             self.degrees = tuple(command.header["degrees"])
-            args, kwargs, options, _ = to_device(command.payload, self.device)
+            payload = command.payload if self.device.type == "cpu" else to_device(command.payload, self.device)
+            args, kwargs, options, _ = payload
             args = tuple(options if _is_options_slot(a) else a for a in args)
             kwargs = {k: options if _is_options_slot(v) else v for k, v in kwargs.items()}
             dm = self.patcher.model.diffusion_model
