@@ -89,3 +89,25 @@ def rank_family_plan(case_name: str, unet_overrides: Optional[dict], ulysses: in
     exchanged = {kind: record.calls for kind, record in runtime.stats.snapshot().items()}
     sites = len(family.attention_sites(case.diffusion_model))
     return psnr_db(got, reference), bool((restored == reference).all()), sites, exchanged
+
+
+#: how close a 2-rank latent must be to the one-process latent
+MIN_PSNR_DB = 60.0
+
+
+def assert_plan_equals_one_process(rank_pool, case_name: str, unet_overrides: Optional[dict], ulysses: int,
+                                   ring: int, latent_shape: Optional[Sequence[int]], sites: int, timeout: float,
+                                   variant: Optional[str] = None) -> list[dict[str, int]]:
+    """``rank_family_plan`` on 2 ranks of ``rank_pool``, asserting on every rank: the latent within ``MIN_PSNR_DB``
+    of one process, the model restored after the plan is removed, ``sites`` attention sites, and the exchanges of its
+    degrees (the Ulysses all-to-all or the ring hop) and the output gather. Returns each rank's exchange calls by kind,
+    for a test's further checks."""
+    exchange = "ulysses_all_to_all" if ulysses > 1 else "ring_hop"
+    results = rank_pool(2).run(rank_family_plan, case_name, unet_overrides, ulysses, ring, latent_shape, variant,
+                               timeout=timeout)
+    for quality, restored, found, exchanged in results:
+        assert quality >= MIN_PSNR_DB
+        assert restored
+        assert found == sites
+        assert exchanged.get(exchange, 0) > 0 and exchanged.get("output_all_gather", 0) > 0
+    return [exchanged for *_, exchanged in results]

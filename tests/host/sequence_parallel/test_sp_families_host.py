@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from omnitest.sp_families import rank_family_plan
+from omnitest.sp_families import assert_plan_equals_one_process
 from omnitest.tiny_models import CASES
 
 pytestmark = pytest.mark.host
 
 TIMEOUT_S = 240
-MIN_PSNR_DB = 60.0
 
 
 @pytest.mark.parametrize("heads, ulysses, ring, latent_shape", [
@@ -23,10 +22,5 @@ MIN_PSNR_DB = 60.0
 ])
 def test_wan_plan_on_two_ranks_equals_one_process(rank_pool, heads, ulysses, ring, latent_shape):
     assert "wan21_t2v" in CASES
-    exchange = "ulysses_all_to_all" if ulysses > 1 else "ring_hop"
-    for quality, restored, sites, exchanged in rank_pool(2).run(rank_family_plan, "wan21_t2v", {"num_heads": heads},
-                                                                  ulysses, ring, latent_shape, timeout=TIMEOUT_S):
-        assert quality >= MIN_PSNR_DB
-        assert restored
-        assert sites == 2
-        assert exchanged.get(exchange, 0) > 0 and exchanged.get("output_all_gather", 0) > 0
+    assert_plan_equals_one_process(rank_pool, "wan21_t2v", {"num_heads": heads}, ulysses, ring, latent_shape, 2,
+                                   TIMEOUT_S)

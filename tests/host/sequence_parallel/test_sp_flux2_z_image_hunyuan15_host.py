@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from omnitest.sp_families import rank_family_plan
+from omnitest.sp_families import assert_plan_equals_one_process
 from omnitest.tiny_models import CASES
 
 pytestmark = pytest.mark.host
 
 TIMEOUT_S = 300
-MIN_PSNR_DB = 60.0
 ULYSSES, RING = (2, 1), (1, 2)
 _IMAGE_15_TOKENS = (1, 128, 3, 5)           # Flux 2: patch 1, 15 tokens, the last shard padded
 _VIDEO_15_TOKENS = (1, 32, 1, 3, 5)         # HunyuanVideo 1.5: patch 1x1x1, 15 tokens
@@ -36,11 +35,4 @@ def test_plan_on_two_ranks_equals_one_process(rank_pool, case, degrees, latent_s
 
     assert case in CASES
     tiny_models.build_case(case)  # skips on a ComfyUI without the model's class
-    ulysses, ring = degrees
-    exchange = "ulysses_all_to_all" if ulysses > 1 else "ring_hop"
-    for quality, restored, found, exchanged in rank_pool(2).run(rank_family_plan, case, None, ulysses, ring,
-                                                                latent_shape, timeout=TIMEOUT_S):
-        assert quality >= MIN_PSNR_DB
-        assert restored
-        assert found == sites
-        assert exchanged.get(exchange, 0) > 0 and exchanged.get("output_all_gather", 0) > 0
+    assert_plan_equals_one_process(rank_pool, case, None, *degrees, latent_shape, sites, TIMEOUT_S)

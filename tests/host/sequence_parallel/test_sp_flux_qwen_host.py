@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from omnitest.sp_families import rank_family_plan
+from omnitest.sp_families import assert_plan_equals_one_process
 from omnitest.tiny_models import CASES
 
 pytestmark = pytest.mark.host
 
 TIMEOUT_S = 240
-MIN_PSNR_DB = 60.0
 
 # One head needs RoPE axes that cover the whole head (hidden 64): the tiny Flux-layout configs have 2 heads of 32.
 _FLUX_ONE_HEAD = {"num_heads": 1, "axes_dim": [16, 24, 24]}
@@ -44,13 +43,8 @@ def test_joint_attention_plan_on_two_ranks_equals_one_process(rank_pool, case, o
                                                                sites):
     assert case in CASES
     ulysses, ring = degrees
-    exchange = "ulysses_all_to_all" if ulysses > 1 else "ring_hop"
-    for quality, restored, found, exchanged in rank_pool(2).run(rank_family_plan, case, overrides, ulysses, ring,
-                                                                latent_shape, timeout=TIMEOUT_S):
-        assert quality >= MIN_PSNR_DB
-        assert restored
-        assert found == sites
-        assert exchanged.get(exchange, 0) > 0 and exchanged.get("output_all_gather", 0) > 0
+    for exchanged in assert_plan_equals_one_process(rank_pool, case, overrides, ulysses, ring, latent_shape, sites,
+                                                    TIMEOUT_S):
         if ulysses > 1:  # the text tokens' output heads come back from the peer
             assert exchanged.get("ulysses_joint_all_gather", 0) > 0
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from omnitest.sp_families import family_plan_applied, rank_family_plan
+from omnitest.sp_families import MIN_PSNR_DB, assert_plan_equals_one_process, family_plan_applied
 from omnitest.tiny_models import CASES
 
 pytestmark = pytest.mark.host
 
 TIMEOUT_S = 240
-MIN_PSNR_DB = 60.0
 ONE_HEAD = {  # one attention head of the same width (HunyuanVideo's RoPE axes must cover the whole head)
     "hunyuan_video": {"num_heads": 1, "axes_dim": [16, 24, 24]},
     "ltxv": {"num_attention_heads": 1, "attention_head_dim": 64},
@@ -45,14 +44,9 @@ SITES = {"hunyuan_video": 2, "ltxv": 2}  # 1 double + 1 single block; attn1 of 2
 def test_plan_on_two_ranks_equals_one_process(rank_pool, case_name, one_head, padded, variant):
     assert case_name in CASES
     ulysses, ring = (1, 2) if one_head else (2, 1)
-    exchange = "ring_hop" if one_head else "ulysses_all_to_all"
-    for quality, restored, sites, exchanged in rank_pool(2).run(
-            rank_family_plan, case_name, ONE_HEAD[case_name] if one_head else None, ulysses, ring,
-            PADDED_LATENT[case_name] if padded else None, variant, timeout=TIMEOUT_S):
-        assert quality >= MIN_PSNR_DB
-        assert restored
-        assert sites == SITES[case_name]
-        assert exchanged.get(exchange, 0) > 0 and exchanged.get("output_all_gather", 0) > 0
+    for exchanged in assert_plan_equals_one_process(
+            rank_pool, case_name, ONE_HEAD[case_name] if one_head else None, ulysses, ring,
+            PADDED_LATENT[case_name] if padded else None, SITES[case_name], TIMEOUT_S, variant):
         assert (exchanged.get("key_mask_all_gather", 0) > 0) == (variant == "text_mask")
 
 
