@@ -5,6 +5,7 @@ Import only after ComfyUI's root is on ``sys.path`` (tests/host/conftest.py does
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 from types import ModuleType
 
@@ -30,7 +31,15 @@ def pack_module(name: str) -> ModuleType:
     return importlib.import_module(f"{PACKAGE}.{name}")
 
 
+def class_clone(node_cls, hidden_inputs: dict):
+    """``node_cls.PREPARE_CLASS_CLONE`` called as the host's executor calls it: ComfyUI 0.3.x passes the hidden inputs,
+    newer hosts a ``V3Data`` dict holding them under ``hidden_inputs`` (told apart by the method's parameter name)."""
+    parameter = next(iter(inspect.signature(node_cls.PREPARE_CLASS_CLONE).parameters))
+    if parameter == "hidden_inputs":
+        return node_cls.PREPARE_CLASS_CLONE(hidden_inputs)
+    return node_cls.PREPARE_CLASS_CLONE({"hidden_inputs": hidden_inputs})
+
+
 def run_node(node_cls, node_id: str = "7", **inputs):
     """Execute a V3 node the way ComfyUI's executor does (class clone with hidden inputs); returns its outputs."""
-    clone = node_cls.PREPARE_CLASS_CLONE({"UNIQUE_ID": node_id})
-    return clone.EXECUTE_NORMALIZED(**inputs).args
+    return class_clone(node_cls, {"UNIQUE_ID": node_id}).EXECUTE_NORMALIZED(**inputs).args
