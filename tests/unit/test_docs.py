@@ -95,9 +95,9 @@ def test_the_package_metadata_names_every_feature_the_nodes_offer(where):
 # ("#232", "&#39;") do not follow a space or "(" and are not citations.
 REFERENCE_SUFFIXES = {".py", ".md", ".js", ".mjs", ".json", ".toml", ".txt", ".sh", ".yml", ".yaml", ".cfg", ".ini"}
 REFERENCE_SKIP = (".venv/", ".hosts/", ".git/", "test-artifacts/")
-# The one path outside the repository that is no citation: where CI finds its copy of the oldest supported ComfyUI,
-# beside the checkout (.ci/run; OMNIHOOKS_OLDEST_COMFYUI overrides it).
-CI_HOST_PATH = (".ci/run", "../shared/hosts/ComfyUI-0.3.64")
+# The one path outside the repository that is no citation: the folder where CI finds its copies of the newest and the
+# oldest tested ComfyUI, beside the checkout (.ci/run; OMNIHOOKS_NEWEST_COMFYUI / OMNIHOOKS_OLDEST_COMFYUI override it).
+CI_HOST_PATH = (".ci/run", "../shared/hosts")
 THIS_FILE = Path(__file__).resolve().relative_to(ROOT).as_posix()  # states the rules, so it spells what it forbids
 FORBIDDEN_REFERENCES = {
     r"\.\./shared|\bshared/(reference|seeds)\b|(?<![\w~.])/(work|root|home)/": "a file outside the repository",
