@@ -1,5 +1,5 @@
-"""The pack's example workflows, checked against a running ComfyUI server (nothing is executed: the real model files
-are not here).
+"""The pack's example workflows, checked against a running ComfyUI server (the real model files are not here: only
+their video output is executed).
 
 Layout: ``example_workflows/<name>.json`` (UI format; ComfyUI 0.3.64 lists every ``*.json`` directly in that folder in
 its template browser, under the custom-node folder's name, and serves it with ``<name>.jpg`` as the thumbnail from
@@ -9,8 +9,10 @@ subfolder so the template browser does not offer it as a broken template).
 Every node type and widget value is checked against /object_info (see ``omnitest.workflows`` for how widgets_values
 map onto inputs, frontend-only control_after_generate widgets included), the UI and API files must describe the
 same graph, every sampler gets exactly one cache node (Apply TeaCache / Apply MagCache) between its model loader and
-itself (a calibrate node samples the loader's model directly), and queuing the API graph must fail only because the
-model files are missing. The Wan 2.2 A14B example must keep the layout of ComfyUI's own Wan 2.2 14B T2V template
+itself (a calibrate node samples the loader's model directly), queuing the API graph must fail only because the
+model files are missing, and each example's video output (CreateVideo, SaveVideo) runs with the inputs it ships. One
+set of files serves every host of the matrix: the checks read this server's node definitions and model what its
+frontend makes of a saved workflow (``omnitest.workflows``). The Wan 2.2 A14B example must keep the layout of ComfyUI's own Wan 2.2 14B T2V template
 (served by the server from the installed comfyui-workflow-templates package) with one Apply MagCache per expert.
 """
 from __future__ import annotations
