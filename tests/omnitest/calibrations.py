@@ -19,3 +19,10 @@ def write_calibration(base_dir: str | Path, kind: str, name: str, data: dict) ->
     path = folder / f"{name}.json"
     path.write_text(json.dumps(data))
     return path
+
+
+def why_not_offered(server_log: str, name: str) -> str | None:
+    """The pack's log line saying why it does not offer the calibration file ``name`` (None if it says nothing)."""
+    lines = [line for line in server_log.splitlines()
+             if "not offering calibration file" in line and f"/{name}.json:" in line]
+    return lines[-1] if lines else None

@@ -78,6 +78,49 @@ class PromptRejected(RuntimeError):
         super().__init__(f"prompt rejected (HTTP {status}): {json.dumps(body, indent=1)[:4000]}")
 
 
+@dataclass
+class NodeError:
+    """How the server refused a prompt for one node's input. ``rejected``: at ``/prompt``, by validation (newer
+    ComfyUI checks a combo value against its options there; ``message`` is the details, one line per error,
+    ``validation`` the (error type, input name, received value) of each); else an ``execution_error`` while running
+    the node (``message`` is its exception message, ``result`` the run)."""
+    node_id: str | None
+    node_type: str | None
+    message: str
+    rejected: bool
+    validation: list[tuple] = field(default_factory=list)
+    result: "RunResult | None" = None
+
+    def assert_nothing_ran_after(self, node_id: str) -> None:
+        """A rejected prompt runs nothing; an execution error stops before ``node_id`` and saves no file."""
+        if self.result is not None:
+            assert node_id not in self.result.executed_nodes and not self.result.output_files(), \
+                f"node {node_id} ran after the error"
+
+
+def assert_clear_node_error(error: NodeError, node_id: str, node_type: str, title: str, changed: Mapping[str, Any],
+                            fragments: Iterable[str], why_not_offered: str | None = None) -> None:
+    """``error`` names the node and the fix. An execution error: its message starts with the node's ``title`` and
+    holds every fragment. Rejected at /prompt: only the ``changed`` inputs, each a value not in the node's options,
+    named with its value; where that value is a file the pack did not offer, ``why_not_offered`` (the pack's log
+    line saying why) holds every fragment."""
+    assert (error.node_id, error.node_type) == (node_id, node_type), error
+    fragments = list(fragments)
+    if error.rejected:
+        assert error.validation, error
+        for kind, name, value in error.validation:
+            assert kind == "value_not_in_list" and name in changed and value == changed[name], error
+            assert f"{name}: " in error.message and str(value) in error.message, error.message
+        text = why_not_offered
+        if text is None:
+            return
+    else:
+        assert error.message.startswith(title), error.message
+        text = error.message
+    missing = [f for f in fragments if f not in text]
+    assert not missing, f"{missing} not in {text!r}"
+
+
 class PromptFailed(RuntimeError):
     """A queued prompt ended with ``execution_error`` or ``execution_interrupted`` (raised by ``run(check=True)``)."""
 
@@ -332,7 +375,8 @@ class ComfyServer:
     def import_times(self) -> dict[str, tuple[float, bool]]:
         """The "Import times for custom nodes" list of the current log: path -> (seconds, import_failed)."""
         result: dict[str, tuple[float, bool]] = {}
-        for m in re.finditer(r"^\s*([\d.]+) seconds( \(IMPORT FAILED\))?: (.+?)\s*$", self.log_text(), re.M):
+        text = re.sub(r"\x1b\[[0-9;]*m", "", self.log_text())  # newer ComfyUI logs '[INFO] ' in colour first
+        for m in re.finditer(r"^(?:\[\w+\])?\s*([\d.]+) seconds( \(IMPORT FAILED\))?: (.+?)\s*$", text, re.M):
             result[m.group(3)] = (float(m.group(1)), bool(m.group(2)))
         return result
 
@@ -607,6 +651,23 @@ class ComfyClient:
         if check and not result.ok:
             raise PromptFailed(result, self._log_tail())
         return result
+
+    def node_error(self, prompt: Mapping[str, Any], *, timeout: float = 120.0) -> "NodeError":
+        """Queue a prompt that must fail on one node's bad input; how the server refused it, at /prompt or while
+        executing (``AssertionError`` if it succeeded)."""
+        try:
+            result = self.run(prompt, timeout=timeout, check=False)
+        except PromptRejected as rejected:
+            assert len(rejected.node_errors) == 1, rejected
+            ((node_id, entry),) = rejected.node_errors.items()
+            errors = entry.get("errors", [])
+            return NodeError(node_id, entry.get("class_type"), "\n".join(e.get("details", "") for e in errors),
+                             rejected=True,
+                             validation=[(e.get("type"), e.get("extra_info", {}).get("input_name"),
+                                          e.get("extra_info", {}).get("received_value")) for e in errors])
+        assert result.status == "error", (result.status, result.types)
+        err = result.error
+        return NodeError(err["node_id"], err["node_type"], err["exception_message"], rejected=False, result=result)
 
     def history(self, prompt_id: str | None = None, timeout: float = 10.0) -> dict:
         """``/history/{id}`` entry (polls briefly until it exists), or the whole ``/history`` without an id."""

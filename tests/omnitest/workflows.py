@@ -14,6 +14,14 @@ node that is not saved in ``widgets_values`` but is sent with the prompt (``FRON
 "preview" text box of PreviewAny; the server ignores inputs a node does not declare). Upload widgets (``image_upload``
 & co.) are not modelled and raise.
 
+Newer frontends (1.49, with ComfyUI 0.33) add what newer servers declare: a dynamic combo
+(``COMFY_DYNAMICCOMBO_V3``) is a combo widget followed by the widgets of the option it holds, named
+``<input>.<sub input>`` (recursively), so the layout depends on the values (``widget_layout(info, values)``); a
+workflow saved with fewer values than widgets keeps the defaults of the missing optional ones (an optional input a
+newer ComfyUI added), and a node may have outputs a newer ComfyUI added after the saved ones. An API prompt may carry
+``<input>.<sub input>`` values an older server does not declare: servers ignore the inputs a node does not declare,
+so one prompt can serve both. ``same_prompt`` compares two prompts as one server runs them.
+
 ``validate_ui`` / ``validate_api`` return a list of problems (empty = valid); ``ui_to_api`` converts like the
 frontend's "Export (API)". ``missing_ok(input_name, value)`` decides which combo values may be absent from the
 server's options (model files the test server does not have).
@@ -29,6 +37,7 @@ FRONTEND_ONLY_NODES = frozenset({"Note", "MarkdownNote"})  # frontend-only: neve
 # with ``serialize = false`` (not in widgets_values) that graphToPrompt still puts into the prompt, before the inputs
 FRONTEND_SENT_WIDGETS: dict[str, dict[str, Any]] = {"PreviewAny": {"preview": ""}}
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
+DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"
 UPLOAD_KEYS = ("image_upload", "video_upload", "audio_upload", "animated_image_upload", "upload")
 ACTIVE_MODE = 0  # LiteGraph node modes: 0 always, 2 never (muted), 4 bypassed
 
@@ -46,6 +55,15 @@ class Widget:
     kind: str                 # INT, FLOAT, STRING, BOOLEAN, COMBO or CONTROL
     options: Mapping[str, Any] = field(default_factory=dict)
     choices: tuple | None = None
+    required: bool = True     # False: an optional input (a missing saved value keeps its default)
+    sub_inputs: Mapping[str, Any] | None = None   # a dynamic combo: option key -> its inputs ({"required": ...})
+
+    @property
+    def default(self) -> Any:
+        """The value a new node shows: the declared default, else a combo's first choice."""
+        if "default" in self.options or not self.choices:
+            return self.options.get("default")
+        return self.choices[0]
 
 
 def spec_kind(spec: list) -> tuple[str | None, dict, tuple | None]:
@@ -55,6 +73,8 @@ def spec_kind(spec: list) -> tuple[str | None, dict, tuple | None]:
         return "COMBO", options, tuple(type_)
     if type_ == "COMBO":
         return "COMBO", options, tuple(options.get("options", []))
+    if type_ == DYNAMIC_COMBO:
+        return "COMBO", options, tuple(o["key"] for o in options.get("options", []))
     if type_ in WIDGET_TYPES:
         return type_, options, None
     return None, options, None
@@ -69,19 +89,42 @@ def input_specs(info: Mapping[str, Any]) -> dict[str, tuple[str, list]]:
     return result
 
 
-def widget_layout(info: Mapping[str, Any]) -> list[Widget]:
+def _widgets(info: Mapping[str, Any], specs: Mapping[str, tuple[str, list]], prefix: str) -> list[Widget]:
     widgets = []
-    for name, (_, spec) in input_specs(info).items():
+    for name, (category, spec) in specs.items():
         kind, options, choices = spec_kind(spec)
         if kind is None or options.get("forceInput"):
             continue
         if any(options.get(k) for k in UPLOAD_KEYS):
             raise UnsupportedWidget(f"{info.get('name')}.{name}: upload widgets are not modelled")
-        widgets.append(Widget(name, name, kind, options, choices))
+        sub_inputs = ({o["key"]: o.get("inputs", {}) for o in options.get("options", [])}
+                      if spec[0] == DYNAMIC_COMBO else None)
+        widgets.append(Widget(prefix + name, prefix + name, kind, options, choices, category == "required",
+                              sub_inputs))
         control = options.get("control_after_generate", name in ("seed", "noise_seed") if kind == "INT" else False)
         if control and kind in ("INT", "COMBO"):
-            widgets.append(Widget(f"{name}.control_after_generate", None, "CONTROL", {}, CONTROL_VALUES))
+            widgets.append(Widget(f"{prefix}{name}.control_after_generate", None, "CONTROL", {}, CONTROL_VALUES))
     return widgets
+
+
+def _specs(inputs: Mapping[str, Any]) -> dict[str, tuple[str, list]]:
+    return {name: (category, spec) for category in ("required", "optional")
+            for name, spec in inputs.get(category, {}).items()}
+
+
+def widget_layout(info: Mapping[str, Any], values: list | None = None) -> list[Widget]:
+    """The node's widgets in order; a dynamic combo is followed by the widgets of the option it holds (the value at
+    its place in ``values``, else its default), as the frontend inserts them when the value is set."""
+    pending = _widgets(info, input_specs(info), "")
+    layout: list[Widget] = []
+    while pending:
+        widget = pending.pop(0)
+        layout.append(widget)
+        if widget.sub_inputs is not None:
+            held = values[len(layout) - 1] if values is not None and len(layout) <= len(values) else widget.default
+            inputs = widget.sub_inputs.get(held) if isinstance(held, str) else None
+            pending[:0] = _widgets(info, _specs(inputs or {}), widget.name + ".")
+    return layout
 
 
 def check_value(widget: Widget, value: Any, missing_ok: MissingOk | None = None) -> str | None:
@@ -216,13 +259,17 @@ def _validate_ui_node(node, info, where, missing_ok) -> list[str]:
     for name, (category, spec) in specs.items():
         if category == "required" and name not in widget_inputs and name not in linked:
             problems.append(f"{where}: required input {name} is not connected")
-    outputs = node.get("outputs", [])
-    if [o.get("type") for o in outputs] != list(info["output"]):
-        problems.append(f"{where}: outputs {[o.get('type') for o in outputs]} != server's {info['output']}")
+    saved_outputs = [o.get("type") for o in node.get("outputs", [])]
+    if saved_outputs != list(info["output"])[:len(saved_outputs)]:  # a newer ComfyUI may add outputs after them
+        problems.append(f"{where}: outputs {saved_outputs} != server's {info['output']}")
     values = node.get("widgets_values", [])
     if not isinstance(values, list):
         return problems + [f"{where}: widgets_values is not a list: {values!r}"]
-    if len(values) != len(layout):
+    layout = widget_layout(info, values)
+    optional_missing = [w.name for w in layout[len(values):] if not w.required]
+    required_missing = [w.name for w in layout[len(values):] if w.required
+                        and not any(w.name.startswith(name + ".") for name in optional_missing)]
+    if len(values) > len(layout) or required_missing:
         problems.append(f"{where}: {len(values)} widgets_values {values} for widgets {[w.name for w in layout]}")
         return problems
     for widget, value in zip(layout, values):
@@ -243,8 +290,10 @@ def ui_to_api(workflow: Mapping[str, Any], object_info: Mapping[str, Any]) -> di
         if node["type"] in FRONTEND_ONLY_NODES or node.get("mode", ACTIVE_MODE) != ACTIVE_MODE:
             continue
         info = object_info[node["type"]]
+        values = node.get("widgets_values", [])
+        layout = widget_layout(info, values)
         inputs: dict[str, Any] = {}
-        for widget, value in zip(widget_layout(info), node.get("widgets_values", [])):
+        for widget, value in zip(layout, [*values, *(w.default for w in layout[len(values):])]):
             if widget.input_name is not None:
                 inputs[widget.input_name] = value
         for inp in node.get("inputs", []):
@@ -254,8 +303,9 @@ def ui_to_api(workflow: Mapping[str, Any], object_info: Mapping[str, Any]) -> di
                 if nodes[src].get("mode", ACTIVE_MODE) != ACTIVE_MODE:
                     raise ValueError(f"node {node['id']}: input {inp['name']} comes from an inactive node {src}")
                 inputs[inp["name"]] = [str(src), links[lid][2]]
+        names = dict.fromkeys([*input_specs(info), *(w.input_name for w in layout if w.input_name)])
         ordered = {**FRONTEND_SENT_WIDGETS.get(node["type"], {}),
-                   **{name: inputs[name] for name in input_specs(info) if name in inputs}}
+                   **{name: inputs[name] for name in names if name in inputs}}
         prompt[str(node["id"])] = {"inputs": ordered, "class_type": node["type"],
                                    "_meta": {"title": node_title(node, object_info)}}
     return prompt
@@ -272,16 +322,16 @@ def validate_api(prompt: Mapping[str, Any], object_info: Mapping[str, Any],
         if info is None:
             problems.append(f"{where}: node type not on the server")
             continue
-        specs = input_specs(info)
-        widgets = {w.input_name: w for w in widget_layout(info) if w.input_name}
         inputs = node.get("inputs", {})
+        specs = expanded_specs(info, inputs)
+        widgets = {w.input_name: w for w in _widgets(info, specs, "") if w.input_name}
         sent_by_frontend = FRONTEND_SENT_WIDGETS.get(node.get("class_type"), {})
         for name in inputs:
             if name in sent_by_frontend and name not in specs:
                 if not isinstance(inputs[name], type(sent_by_frontend[name])):
                     problems.append(f"{where}: frontend widget {name}: {inputs[name]!r} is not "
                                     f"{type(sent_by_frontend[name]).__name__}")
-            elif name not in specs:
+            elif name not in specs and not _newer_sub_input(name, specs):
                 problems.append(f"{where}: unknown input {name!r}")
         for name, (category, spec) in specs.items():
             if name not in inputs:
@@ -309,6 +359,44 @@ def validate_api(prompt: Mapping[str, Any], object_info: Mapping[str, Any],
             else:
                 problems.append(f"{where}: input {name} ({spec[0]}) needs a link, got {value!r}")
     return problems
+
+
+def expanded_specs(info: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, tuple[str, list]]:
+    """input name -> (category, spec) as the server reads a prompt with these values: a dynamic combo's inputs are
+    followed by those of the option it holds (``<input>.<sub input>``, recursively)."""
+    result: dict[str, tuple[str, list]] = {}
+
+    def add(specs: Mapping[str, tuple[str, list]], prefix: str) -> None:
+        for name, (category, spec) in specs.items():
+            result[prefix + name] = (category, spec)
+            if spec[0] == DYNAMIC_COMBO:
+                widget = _widgets(info, {name: (category, spec)}, prefix)[0]
+                held = values.get(prefix + name, widget.default)
+                add(_specs(widget.sub_inputs.get(held) or {}) if isinstance(held, str) else {}, prefix + name + ".")
+
+    add(input_specs(info), "")
+    return result
+
+
+def _newer_sub_input(name: str, specs: Mapping[str, tuple[str, list]]) -> bool:
+    """``<input>.<sub input>`` of an input this (older) server declares as a plain one: what a newer ComfyUI makes a
+    dynamic combo. The server ignores it (servers ignore the inputs a node does not declare)."""
+    head = name.split(".", 1)[0]
+    return "." in name and head in specs and specs[head][1][0] != DYNAMIC_COMBO
+
+
+def as_run(prompt: Mapping[str, Any], object_info: Mapping[str, Any]) -> dict[str, dict]:
+    """A prompt as this server runs it: per node its class and the inputs it declares, an optional input left at its
+    default dropped (a missing optional input takes its default), titles left out."""
+    result = {}
+    for nid, node in prompt.items():
+        info = object_info[node["class_type"]]
+        specs = expanded_specs(info, node["inputs"])
+        defaults = {w.input_name: w.default for w in _widgets(info, specs, "") if w.input_name and not w.required}
+        result[nid] = {"class_type": node["class_type"],
+                       "inputs": {name: value for name, value in node["inputs"].items()
+                                  if name in specs and not (name in defaults and value == defaults[name])}}
+    return result
 
 
 def upstream(prompt: Mapping[str, Any], node_id: str, input_name: str) -> list[str]:

@@ -1,5 +1,5 @@
-"""The pack's example workflows, checked against a running ComfyUI server (nothing is executed: the real model files
-are not here).
+"""The pack's example workflows, checked against a running ComfyUI server (the real model files are not here: only
+their video output is executed).
 
 Layout: ``example_workflows/<name>.json`` (UI format; ComfyUI 0.3.64 lists every ``*.json`` directly in that folder in
 its template browser, under the custom-node folder's name, and serves it with ``<name>.jpg`` as the thumbnail from
@@ -9,8 +9,10 @@ subfolder so the template browser does not offer it as a broken template).
 Every node type and widget value is checked against /object_info (see ``omnitest.workflows`` for how widgets_values
 map onto inputs, frontend-only control_after_generate widgets included), the UI and API files must describe the
 same graph, every sampler gets exactly one cache node (Apply TeaCache / Apply MagCache) between its model loader and
-itself (a calibrate node samples the loader's model directly), and queuing the API graph must fail only because the
-model files are missing. The Wan 2.2 A14B example must keep the layout of ComfyUI's own Wan 2.2 14B T2V template
+itself (a calibrate node samples the loader's model directly), queuing the API graph must fail only because the
+model files are missing, and each example's video output (CreateVideo, SaveVideo) runs with the inputs it ships. One
+set of files serves every host of the matrix: the checks read this server's node definitions and model what its
+frontend makes of a saved workflow (``omnitest.workflows``). The Wan 2.2 A14B example must keep the layout of ComfyUI's own Wan 2.2 14B T2V template
 (served by the server from the installed comfyui-workflow-templates package) with one Apply MagCache per expert.
 """
 from __future__ import annotations
@@ -21,8 +23,8 @@ import tomllib
 import pytest
 
 from omnitest.server import PACK_DIR_NAME, REPO_ROOT, PromptRejected
-from omnitest.workflows import (ACTIVE_MODE, FRONTEND_ONLY_NODES, ui_to_api, upstream, validate_api, validate_ui,
-                                widget_layout)
+from omnitest.workflows import (ACTIVE_MODE, FRONTEND_ONLY_NODES, as_run, ui_to_api, upstream, validate_api,
+                                validate_ui, widget_layout)
 
 pytestmark = pytest.mark.server
 
@@ -158,7 +160,8 @@ def test_ui_workflow_matches_the_servers_node_definitions(object_info, stem):
     for node in nodes:
         if node["type"].startswith("OmniHooks."):
             assert node["properties"].get("cnr_id") == PACK_ID, node["properties"]
-        values = dict(zip([w.name for w in widget_layout(object_info[node["type"]])], node["widgets_values"]))
+        layout = widget_layout(object_info[node["type"]], node["widgets_values"])
+        values = dict(zip([w.name for w in layout], node["widgets_values"]))
         for model in node.get("properties", {}).get("models", []):
             inputs = [name for name, value in values.items() if value == model["name"]]
             assert inputs and all(MODEL_INPUTS.get(i) == model["directory"] for i in inputs), (node["type"], model)
@@ -175,7 +178,10 @@ def test_api_workflow_matches_the_servers_node_definitions(object_info, stem):
 @pytest.mark.parametrize("stem", UI_STEMS)
 def test_ui_and_api_versions_describe_the_same_graph(object_info, stem):
     skip_without_its_nodes(object_info, stem)
-    assert ui_to_api(load_ui(stem), object_info) == load_api(stem)
+    """What this host's frontend queues for the UI file is what this server runs for the API file (one API file
+    serves every host: an older server ignores the sub-inputs a newer one adds to an input, a newer one gives the
+    optional inputs it adds their defaults)."""
+    assert as_run(ui_to_api(load_ui(stem), object_info), object_info) == as_run(load_api(stem), object_info)
 
 
 def samplers_in_order(prompt: dict) -> list[str]:
@@ -347,3 +353,26 @@ def test_the_checks_catch_broken_workflows(object_info, stem):
     del broken[cache]["inputs"]["end_percent"]
     assert validate_api(broken, object_info, missing_model_ok)
     assert ui_to_api(_mutations(workflow)["values swapped"], object_info) != api
+
+
+VIDEO_STEMS = [s for s in API_STEMS if any(n["class_type"] == "SaveVideo" for n in load_api(s).values())]
+
+
+@pytest.mark.parametrize("stem", VIDEO_STEMS)
+def test_the_examples_video_output_runs_as_shipped(comfy, stem):
+    """The example's CreateVideo and SaveVideo, with the inputs the API file ships (core nodes whose inputs changed
+    across ComfyUI versions), run on this server and save a video; the decoded frames come from EmptyImage since the
+    real model files are not here."""
+    prompt = load_api(stem)
+    (save,) = [nid for nid, n in prompt.items() if n["class_type"] == "SaveVideo"]
+    create = prompt[save]["inputs"]["video"][0]
+    assert prompt[create]["class_type"] == "CreateVideo", prompt[create]
+    tail = {nid: json.loads(json.dumps(prompt[nid])) for nid in (create, save)}
+    tail["frames"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 5, "color": 0}}
+    tail[create]["inputs"]["images"] = ["frames", 0]
+    result = comfy.run(tail)
+    saved = [item for out in result.outputs.get(save, {}).values() if isinstance(out, list) for item in out
+             if isinstance(item, dict) and "filename" in item]
+    assert saved, result.outputs
+    path = comfy.output_dir / saved[0].get("subfolder", "") / saved[0]["filename"]
+    assert path.is_file() and path.stat().st_size > 0, path

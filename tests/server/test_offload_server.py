@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from omnitest.graphs import delay_output, fresh_nonce, tiny_wan_graph
+from omnitest.server import assert_clear_node_error
 
 pytestmark = pytest.mark.server
 
@@ -156,10 +157,10 @@ def test_cpu_offload_with_apply_teacache_gives_the_teacache_latent(comfy, comfy_
 
 
 def test_bad_pin_memory_and_two_offload_nodes_are_clear_errors(comfy):
-    result = comfy.run(tiny_wan_graph([offload(pin_memory="maybe")], steps=2, nonce=fresh_nonce()).prompt(),
-                       check=False)
-    assert result.status == "error" and result.error["node_id"] == "10", result.types
-    assert result.error["exception_message"].startswith("CPU Offload: unknown pin_memory 'maybe'")
+    error = comfy.node_error(tiny_wan_graph([offload(pin_memory="maybe")], steps=2, nonce=fresh_nonce()).prompt())
+    assert_clear_node_error(error, "10", OFFLOAD, "CPU Offload: ", {"pin_memory": "maybe"},
+                            ["unknown pin_memory 'maybe'"])
+    error.assert_nothing_ran_after("4")
     result = comfy.run(tiny_wan_graph([offload(), offload()], steps=2, nonce=fresh_nonce()).prompt(), check=False)
     assert result.status == "error" and result.error["node_id"] == "11", result.types
     message = result.error["exception_message"]

@@ -27,8 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from omnitest.calibrations import why_not_offered
 from omnitest.graphs import delay_output, fresh_nonce, tiny_wan_graph, unique_prefix
-from omnitest.server import PromptRejected
+from omnitest.server import PromptRejected, assert_clear_node_error
 
 pytestmark = pytest.mark.server
 
@@ -266,10 +267,15 @@ def bad_files(comfy_server):
 
 
 @pytest.mark.parametrize("inputs,fragments", BAD_INPUTS)
-def test_bad_input_is_a_clear_execution_error_naming_the_node(comfy, identity, bad_files, inputs, fragments):
+def test_bad_input_is_a_clear_error_naming_the_node(comfy, identity, bad_files, inputs, fragments):
+    """An execution error of Apply TeaCache, or (a value not among its options, which newer ComfyUI checks at /prompt)
+    a rejection naming the node and the input; a file not offered has the reason in the server log."""
     kwargs = dict(rel_l1_thresh=THRESH, model_variant=identity) | inputs
-    result = comfy.run(tiny_wan_graph([teacache(**kwargs)], steps=STEPS, nonce=fresh_nonce()).prompt(), check=False)
-    assert_node_error(result, "10", *fragments)
+    error = comfy.node_error(tiny_wan_graph([teacache(**kwargs)], steps=STEPS, nonce=fresh_nonce()).prompt())
+    file = inputs.get("model_variant", "").removeprefix("calibration: ")
+    why = why_not_offered(comfy.server.log_text(), file) if file in BAD_FILES else None
+    assert_clear_node_error(error, "10", APPLY, "Apply TeaCache", inputs, fragments, why)
+    error.assert_nothing_ran_after("4")
 
 
 @pytest.mark.parametrize("value,error_type", [(-2.0, "value_smaller_than_min"), (11.0, "value_bigger_than_max")])
