@@ -126,3 +126,37 @@ def test_a_wrapper_that_changes_the_call_makes_the_cache_compute_every_step_and_
     (warning,) = [w for w in summary["warnings"] if w.startswith("nothing was reused")]
     assert "_drops_argument.<locals>.forward: it changes the call to comfy.ldm.wan.model.WanAttentionBlock.forward: " \
            "'transformer_options' is not passed on" in warning
+
+
+def test_what_cannot_be_followed_is_said(env):
+    """The probe's own answers on toy forwards: a callable object, a forward reached only through an attribute."""
+    from omnitest.pack import pack_module
+
+    follow = pack_module("nodes.pass_through").follow
+    call = ((torch.zeros(1),), {"transformer_options": {}})
+    always_opaque = lambda f: True  # noqa: E731
+
+    class Block(torch.nn.Module):
+        def forward(self, x, transformer_options={}):
+            return x
+
+    original = Block.forward
+
+    class Forwarder:
+        def __call__(self, *args, **kwargs):
+            return original(*args, **kwargs)
+
+    followed = follow(Forwarder(), Block(), always_opaque, call)
+    assert followed.wrappers == () and "not a Python function" in followed.problem
+
+    def by_attribute(self, *args, **kwargs):
+        return type(self).kept(self, *args, **kwargs)
+
+    followed = follow(by_attribute, Block(), always_opaque, call)
+    assert followed.function is by_attribute and followed.problem == "it calls no function that could be followed"
+
+    def passes(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    followed = follow(passes, Block(), lambda f: f is not original, call)
+    assert followed.function is original and followed.problem is None and followed.wrappers[0].endswith(".passes")
