@@ -12,8 +12,9 @@ loaded diffusion model, without calling it and without changing anything:
     list of as many tensors as the plan has specs) and dims the plan's specs expect.
 
 A difference is drift: the run stops with a ``ModelDriftError`` before any hook is installed or any rank exchanges
-anything. What cannot be decided (a forward taking ``*args`` / ``**kwargs`` the family does not expect, so which
-arguments reach it is unknown) is not guessed: a cache then computes every step and its statistics say why. For the
+anything. A forward taking ``*args`` / ``**kwargs`` the family does not expect is followed when it is a wrapper that
+passes its call through (``nodes.pass_through``): the function it calls is checked in its place. What cannot be
+decided (such a forward that is no pass-through, so which arguments reach the block is unknown) is not guessed: a cache then computes every step and its statistics say why. For the
 sequence plan there is no such fallback (ranks that split on a guess may wait on each other forever): a plan input
 that cannot be checked is a difference.
 """
@@ -27,6 +28,7 @@ import torch
 
 from ..omni_hooks.sequence_parallel.plan import (ModuleForwardMetadata, ReplicatedTokens, resolve_submodules,
                                                 unwrap_module, validate_sp_plan)
+from . import pass_through
 from .families import ModelFamily, detect
 from .families.base import ForwardParameters
 
@@ -94,16 +96,21 @@ def check_model(family: ModelFamily, dm: torch.nn.Module, sequence_parallel: boo
                     else f"is a {type(stack).__name__}, not a ModuleList")
             report.differences.append(Finding(MODEL, f"the block stack {attr!r} {what}"))
             continue
-        for cls in dict.fromkeys(type(unwrap_module(block)) for block in stack):
-            _compare(report, MODEL, f"{attr}.* ({cls.__name__}.forward)", cls.forward, forward)
-    _compare(report, MODEL, f"the model call ({type(dm).__name__}.forward)", type(dm).forward, expects.call)
+        instances: dict[type, torch.nn.Module] = {}
+        for block in stack:
+            instances.setdefault(type(unwrap_module(block)), unwrap_module(block))
+        for cls, block in instances.items():
+            _compare(report, MODEL, f"{attr}.* ({cls.__name__}.forward)", cls.forward, forward, block)
+    _compare(report, MODEL, f"the model call ({type(dm).__name__}.forward)", type(dm).forward, expects.call, dm)
     if sequence_parallel and family.sequence_plan is not None:
         _check_plan(report, family, dm)
     return report
 
 
 def _signature_names(fn) -> tuple[list[inspect.Parameter], list[str]]:
-    parameters = list(inspect.signature(fn).parameters.values())[1:]  # an unbound method: drop self
+    parameters = list(pass_through.own_signature(fn).parameters.values())
+    if parameters and parameters[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        parameters = parameters[1:]  # an unbound method: drop self
     names = []
     for p in parameters:
         prefix = "*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else ""
@@ -111,17 +118,35 @@ def _signature_names(fn) -> tuple[list[inspect.Parameter], list[str]]:
     return parameters, names
 
 
-def _compare(report: DriftReport, scope: str, where: str, fn, expected: ForwardParameters) -> None:
+def _opaque(parameters: list[inspect.Parameter], names: list[str], expected: ForwardParameters) -> list[str]:
+    """The ``*args`` / ``**kwargs`` of a forward that the family does not expect there."""
+    return [name for p, name in zip(parameters, names)
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in expected.params]
+
+
+def _compare(report: DriftReport, scope: str, where: str, fn, expected: ForwardParameters,
+             instance: torch.nn.Module) -> None:
+    def opaque(f) -> bool:
+        try:
+            return bool(_opaque(*_signature_names(f), expected))
+        except (TypeError, ValueError):
+            return False
+
+    # a wrapper that passes its call through (other custom nodes, profilers) is not drift: check what it calls
+    followed = pass_through.follow(fn, instance, opaque, pass_through.sample_call(expected.params, expected.positions))
+    fn = followed.function
+    if followed.wrappers:
+        where = f"{where}, wrapped by {', '.join(followed.wrappers)},"
     try:
         parameters, names = _signature_names(fn)
     except (TypeError, ValueError) as e:
         report.undecided.append(Finding(scope, f"{where} has no readable signature ({e})"))
         return
-    opaque = [name for p, name in zip(parameters, names)
-              if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in expected.params]
-    if opaque:  # any argument may reach it through these: neither a loss nor a move can be told
-        report.undecided.append(Finding(scope, f"{where} takes {' and '.join(opaque)}, which OmniHooks does not "
-                                               f"know: what its calls pass cannot be checked"))
+    hidden = _opaque(parameters, names, expected)
+    if hidden:  # any argument may reach it through these: neither a loss nor a move can be told
+        report.undecided.append(Finding(scope, f"{where} takes {' and '.join(hidden)}, which OmniHooks does not "
+                                               f"know: what its calls pass cannot be checked "
+                                               f"({pass_through.qualified_name(fn)}: {followed.problem})"))
         return
     for name in expected.params:
         if name not in names:

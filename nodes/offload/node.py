@@ -78,10 +78,37 @@ def settings_for(model, blocks_to_offload: int, prefetch_blocks: int, pin_memory
                          f"{vram_budget_gb}")
     detected = detect_for_node(NODE_TITLE, model)
     blocks = detected.build_stack(model.model.diffusion_model).blocks
+    check_for_this_machine(model, len(blocks), blocks_to_offload, prefetch_blocks, vram_budget_gb)
     return OffloadSettings(blocks_to_offload=None if blocks_to_offload == AUTO else blocks_to_offload,
                            prefetch_blocks=prefetch_blocks, pin_memory=PIN_OPTIONS[pin_memory],
                            vram_budget_bytes=int(vram_budget_gb * 1024 ** 3) if vram_budget_gb > 0 else None,
                            model_label=detected.variant, block_count=len(blocks))
+
+
+def check_for_this_machine(model, block_count: int, blocks_to_offload: int, prefetch_blocks: int,
+                           vram_budget_gb: float) -> None:
+    """ValueError naming the node, the input and the fix for a value that cannot work with this MODEL on this machine
+    (checked when the node runs, before anything is moved): more blocks to copy ahead than the model has, a load device
+    that does not exist, a VRAM budget beyond the device's memory. Where there is nothing to offload to, the
+    run changes nothing and says why, so only the block counts are checked."""
+    ahead = max(block_count - 1, 1)  # blocks that can be copied ahead of the one computing (the default 1 always)
+    if prefetch_blocks > ahead:
+        raise ValueError(f"{NODE_TITLE}: prefetch_blocks is {prefetch_blocks} but this model has {block_count} "
+                         f"blocks, so at most {ahead} can be copied ahead of the one computing: set prefetch_blocks "
+                         f"to {ahead} or less")
+    load = torch.device(model.load_device)
+    if load.type == "cuda" and load.index is not None and load.index >= torch.cuda.device_count():
+        there = ", ".join(f"cuda:{i}" for i in range(torch.cuda.device_count())) or "none"
+        raise ValueError(f"{NODE_TITLE}: the MODEL input runs on {load}, which this machine does not have (CUDA "
+                         f"devices: {there}): load the model on a device that exists")
+    target = offload_target(model)
+    if target is None or vram_budget_gb <= 0:
+        return
+    total = int(comfy.model_management.get_total_memory(target))
+    if vram_budget_gb * 1024 ** 3 > total:
+        raise ValueError(f"{NODE_TITLE}: vram_budget_gb is {vram_budget_gb:g} but {target} has {gib(total)} in all: "
+                         f"set at most {math.floor(total / 1024 ** 3 * 10) / 10:g}, or 0 for the VRAM ComfyUI reports "
+                         f"free")
 
 
 # -- what the host offers -------------------------------------------------------------------------------------------
@@ -295,8 +322,9 @@ class OffloadSession(FeatureSession):
     def _reason_to_change_nothing(self, patcher, target: torch.device | None) -> str | None:
         dynamic = dynamic_vram_reason(patcher)
         if dynamic is not None:
-            return (f"{dynamic}: ComfyUI loads and offloads this model's weights itself there, so CPU Offload leaves "
-                    "them to it and changes nothing")
+            return (f"{dynamic}: ComfyUI streams this model's weights to the GPU itself, each layer's when it runs, "
+                    "so CPU Offload leaves them to it and changes nothing; a step a cache skips runs no block, so "
+                    "ComfyUI loads none of their weights")
         if target is None:
             return f"nothing to offload to: {no_target_reason(patcher)}, so CPU Offload changes nothing"
         if getattr(patcher, "hook_patches", None) or getattr(patcher, "forced_hooks", None) is not None:
@@ -410,7 +438,8 @@ class CPUOffload(io.ComfyNode):
             io.Int.Input("prefetch_blocks", default=1, min=0, max=MAX_PREFETCH,
                          tooltip="How many blocks to copy ahead while a block computes. The GPU holds 1 + this many "
                          "offloaded blocks at once. 1 hides the copies when a block computes longer than it copies "
-                         "(video models); raise it for short blocks, 0 copies each block when it runs."),
+                         "(video models); raise it for short blocks, 0 copies each block when it runs. At most the model's "
+                         "blocks less one."),
             io.Combo.Input("pin_memory", options=list(PIN_OPTIONS), default="auto",
                            tooltip="Page-lock the system-RAM copies of the offloaded blocks so they copy at full "
                            "speed and in the background. auto = on with CUDA, up to half the machine's RAM; off "

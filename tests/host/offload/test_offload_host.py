@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from omnitest.cache_nodes import apply_magcache, apply_teacache, save_identity_calibrations, tiny_lora
+from omnitest.comfy_path import requires_comfy_class
 
 pytestmark = pytest.mark.host
 
@@ -527,6 +528,35 @@ def test_bad_inputs_are_clear_errors_naming_the_node(env, wan):
             env.offload(wan.patcher, budget_gb=budget)
 
 
+def test_inputs_wrong_for_this_machine_are_clear_errors_before_anything_moves(env, wan, forced):
+    import math
+
+    import comfy.model_management
+
+    before = weights_state(wan.diffusion_model)
+    with pytest.raises(ValueError, match=rf"^CPU Offload: prefetch_blocks is {LAYERS} but this model has {LAYERS} "
+                                         rf"blocks, so at most {LAYERS - 1} can be copied ahead of the one computing: "
+                                         rf"set prefetch_blocks to {LAYERS - 1} or less$"):
+        env.offload(wan.patcher, prefetch=LAYERS)
+    elsewhere = wan.patcher.clone()
+    elsewhere.load_device = torch.device("cuda", 7)  # e.g. a MODEL whose device was chosen on another machine
+    with pytest.raises(ValueError, match=r"^CPU Offload: the MODEL input runs on cuda:7, which this machine does not "
+                                         r"have \(CUDA devices: .*\): load the model on a device that exists$"):
+        env.offload(elsewhere)
+    total = comfy.model_management.get_total_memory(torch.device("cpu"))  # the forced target's memory
+    beyond = math.ceil(total / 1024 ** 3) + 1
+    assert beyond <= 1024, "this machine has more memory than the widget allows: nothing to check"
+    with pytest.raises(ValueError, match=rf"^CPU Offload: vram_budget_gb is {beyond} but cpu has [0-9.]+ GiB in all: "
+                                         rf"set at most [0-9.]+, or 0 for the VRAM ComfyUI reports free$"):
+        env.offload(wan.patcher, budget_gb=float(beyond))
+    assert_same_state(before, weights_state(wan.diffusion_model))
+    env.offload(wan.patcher, prefetch=LAYERS - 1, budget_gb=float(beyond - 2))  # within both: accepted
+
+
+def test_a_budget_is_not_checked_where_there_is_nothing_to_offload_to(env, wan):
+    env.offload(wan.patcher, budget_gb=1024.0)  # ComfyUI on the CPU: the run changes nothing and says why
+
+
 def test_two_cpu_offload_nodes_on_one_model_are_refused_naming_both(env, wan):
     once = env.offload(wan.patcher, node_id="30")
     with pytest.raises(env.lifecycle.FeatureConflictError, match=r"CPU Offload \(node #31\).*CPU Offload \(node #30\)"):
@@ -600,3 +630,85 @@ def test_promotion_copies_and_undo_gives_back_the_same_storage(env):
     promotion.undo()  # idempotent
     assert [t.data_ptr() for t in tensors] == storages and promotion.nbytes == 0
     assert all(torch.equal(t, v) for t, v in zip(tensors, values))
+
+
+@requires_comfy_class("comfy.model_patcher", "ModelPatcherDynamic")
+@pytest.mark.parametrize("cache", ["teacache", "magcache"])
+def test_on_dynamic_vram_offload_stands_aside_and_a_skipped_step_loads_no_weight(env, wan, forced, monkeypatch,
+                                                                                 cache):
+    """ComfyUI's dynamic VRAM (``ModelPatcherDynamic``) leaves every layer in its cast mode with a VRAM placeholder
+    (``_v``, comfy-aimdo's reservation) and reads the layer's weight in ``comfy.ops.cast_bias_weight`` when the layer
+    runs. Here the MODEL is loaded that way (the placeholders set after ComfyUI's load, as its dynamic ``load`` sets
+    them; on the CPU core reads the weight on the same branch), every weight read is counted per model call: CPU
+    Offload stands aside and says why, and a step the cache skips runs no block and reads none of their weights."""
+    import comfy.model_patcher
+    import comfy.ops
+    import comfy.patcher_extension as pe
+
+    dm = wan.diffusion_model
+    apply = env.teacache if cache == "teacache" else env.magcache
+    reference = env.tiny.sample(wan, model=apply(wan.patcher), steps=STEPS, cfg=1.0)
+    before = weights_state(dm)
+    monkeypatch.setattr(comfy.model_patcher, "ModelPatcherDynamic", comfy.model_patcher.ModelPatcher)
+    block_layers = {id(m) for block in dm.blocks for m in block.modules()
+                    if hasattr(m, "comfy_cast_weights") and getattr(m, "weight", None) is not None}
+    calls: list[dict] = []  # per model call: weights read in the blocks and elsewhere, block layers run
+    current: dict | None = None
+    dynamic: list[tuple[torch.nn.Module, bool]] = []  # the layers given a placeholder, with their own cast flag
+    placeholder = object()
+    cast_bias_weight = comfy.ops.cast_bias_weight
+
+    def counted_cast(s, *args, **kwargs):
+        if current is not None and getattr(s, "_v", None) is placeholder:  # core's dynamic branch: read it now
+            current["block reads" if id(s) in block_layers else "other reads"] += 1
+        return cast_bias_weight(s, *args, **kwargs)
+
+    def load_dynamically(executor, patcher, *args, **kwargs):
+        loaded = executor(patcher, *args, **kwargs)
+        for m in patcher.model.diffusion_model.modules():
+            if hasattr(m, "comfy_cast_weights"):
+                dynamic.append((m, m.comfy_cast_weights))
+                m.comfy_cast_weights, m._v = True, placeholder
+        return loaded
+
+    def count_call(executor, *args, **kwargs):
+        nonlocal current
+        current = {"block reads": 0, "other reads": 0, "layers run": 0}
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            calls.append(current)
+            current = None
+
+    def layer_runs(module, args):
+        current["layers run"] += 1
+
+    monkeypatch.setattr(comfy.ops, "cast_bias_weight", counted_cast)
+    probe = Probe(env, env.offload(apply(wan.patcher), blocks=LAYERS))
+    probe.model.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, "test.dynamic", load_dynamically)
+    probe.model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "test.count", count_call)
+    # a skipped block is still called (its hook answers for it), but nothing inside it runs
+    inside = [m for block in dm.blocks for m in list(block.modules())[1:]]
+    handles = [m.register_forward_pre_hook(layer_runs) for m in inside]
+    try:
+        got = env.tiny.sample(wan, model=probe.model, steps=STEPS, cfg=1.0)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m, flag in dynamic:
+            m.comfy_cast_weights = flag
+            del m._v
+    assert torch.equal(got, reference)
+    summary = probe.session(env).summary()
+    assert not summary["active"] and summary["bytes_moved"] == 0
+    (note,) = [n for n in summary["notes"] if "dynamic VRAM" in n]
+    assert "changes nothing" in note and "a step a cache skips runs no block" in note
+    assert dynamic and len(calls) == STEPS
+    skipped = [c for c in calls if c["layers run"] == 0]
+    computed = [c for c in calls if c["layers run"] > 0]
+    assert len(skipped) == env.stats.recent_runs(1)[0]["summary"]["reused"] > 0 and computed
+    assert all(c["block reads"] == 0 for c in skipped), calls                    # no block weight read
+    assert all(c["block reads"] == len(block_layers) for c in computed), calls  # each block weight once
+    assert all(c["other reads"] > 0 for c in calls), calls  # core still reads the embeddings and the head
+    assert_same_state(before, weights_state(dm))
+    assert not any(hasattr(m, "_v") for m in dm.modules())
