@@ -135,14 +135,22 @@ def wait_for_run(page, run_id: str, timeout: float = 30000) -> None:
     page.wait_for_selector(f".omni-run-view[data-run='{run_id}'] .omni-status:not(.omni-status-running)", timeout=timeout)
 
 
-def set_sidebar_width(page, width: int) -> None:
-    """Drag-free resize of the sidebar (as the splitter does), then wait for the panel to redraw at that width."""
-    page.evaluate("(w) => { const p = document.querySelector('.side-bar-panel'); p.style.flex = `0 0 ${w}px`; p.style.width = w + 'px'; }", width)
+def set_sidebar_width(page, width: int) -> int:
+    """Drag-free resize of the sidebar (as the splitter does), then wait for the panel to redraw at that width; the
+    width it got: never under the sidebar's own minimum (newer frontends keep it at least ~19.5rem wide), as a user
+    dragging the splitter gets."""
+    width = page.evaluate("""(w) => {
+        const p = document.querySelector('.side-bar-panel');
+        const w2 = Math.max(w, parseFloat(getComputedStyle(p).minWidth) || 0);
+        p.style.flex = `0 0 ${w2}px`; p.style.width = w2 + 'px';
+        return w2;
+    }""", width)
     page.wait_for_function("""(w) => {
         const panel = document.querySelector('.omni-hooks-panel'), plot = document.querySelector('.omni-plot');
         return Math.abs(panel.getBoundingClientRect().width - w) < 2 && (!plot
             || Math.abs(plot.getBoundingClientRect().width - (document.querySelector('.omni-body').clientWidth - 16)) < 2);
     }""", arg=width, timeout=5000)
+    return width
 
 
 def screenshot(page, name: str) -> Path:
@@ -267,7 +275,7 @@ def test_the_panel_fits_narrow_and_wide_sidebars(page, comfy):
     open_panel(page)
     run_in_page(page, comfy, teacache_graph(threshold=1.0), "fit check")
     page.wait_for_selector(".omni-run-view svg.omni-plot", timeout=30000)
-    for width in (224, 320, 480):
+    for width in (224, 320, 480):  # 224: the narrowest the sidebar allows, where that is wider
         set_sidebar_width(page, width)
         geometry = page.evaluate("""() => {
             const body = document.querySelector('.omni-body'), b = body.getBoundingClientRect();
@@ -446,7 +454,7 @@ def test_the_panel_follows_comfyuis_dark_and_light_themes(page, comfy):
     looks = {}
     for theme in ("dark", "light"):
         page.evaluate("(t) => window.app.extensionManager.setting.set('Comfy.ColorPalette', t)", theme)
-        page.wait_for_function("(t) => document.body.classList.contains('dark-theme') === (t === 'dark')", arg=theme, timeout=5000)
+        page.wait_for_function(DARK_THEME_IS, arg=theme, timeout=5000)
         page.wait_for_timeout(300)  # the palette's variables are applied after the class changes
         looks[theme] = page.evaluate("""() => {
             const css = (v) => getComputedStyle(document.documentElement).getPropertyValue(v).trim();
@@ -470,6 +478,11 @@ def test_the_panel_follows_comfyuis_dark_and_light_themes(page, comfy):
         assert look["barTitle"] == "CACHE STATS" and 28 <= look["barHeight"] <= 40, look
         assert contrast(look["text"], look["sidebar"]) >= 4.5, (theme, look)
     assert looks["dark"]["text"] != looks["light"]["text"] and looks["dark"]["bar"] != looks["light"]["bar"]
+
+
+# the palette's class: on <body> in older frontends, on <html> in newer ones
+DARK_THEME_IS = """(t) => [document.documentElement, document.body].some(e => e.classList.contains('dark-theme'))
+    === (t === 'dark')"""
 
 
 def contrast(fg: str, bg: str) -> float:
