@@ -3,7 +3,7 @@ headless Chromium (Debian's /usr/bin/chromium; Playwright's own browser download
 
 Workflows are loaded into the page and queued the way the Run button does (the page's client id, the workflow in
 extra_pnginfo), so the panel sees what a user sees. Screenshots of every state go to test-artifacts/ (set
-OMNIHOOKS_UPDATE_DOCS=1 to also refresh docs/stats-panel.png).
+OMNIHOOKS_UPDATE_DOCS=1 to also refresh docs/stats-panel.png and docs/stats-panel-offload.png).
 """
 from __future__ import annotations
 
@@ -351,31 +351,148 @@ def test_a_run_that_reused_nothing_warns_at_the_top(page, comfy):
     screenshot(page, "stats_panel_warning.png")
 
 
-def test_a_run_with_cpu_offload_alone_shows_its_own_card(page, comfy):
-    """No cache: no reuse numbers, strips or threshold; the offload's card with its headline (the server runs on the
-    CPU, so there is nothing to offload to), and the headline in the list of runs."""
+OFFLOAD_INPUTS = {"blocks_to_offload": -1, "prefetch_blocks": 1, "pin_memory": "auto", "vram_budget_gb": 0.0}
+SP_INPUTS = {"world_size": 2, "ulysses_degree": "auto", "ring_degree": "auto", "devices": "auto", "backend": "auto",
+             "master_address": "127.0.0.1", "master_port": 0, "cfg_parallel": False}
+
+
+def feature_graph(patches, steps: int):
     from omnitest.graphs import tiny_wan_graph
 
-    open_panel(page)
-    graph = tiny_wan_graph([("OmniHooks.CPUOffload", {"blocks_to_offload": -1, "prefetch_blocks": 1,
-                                                     "pin_memory": "auto", "vram_budget_gb": 0.0})], steps=4)
+    graph = tiny_wan_graph(patches, steps=steps)
     graph.set_nonce(time.monotonic_ns())
-    _, run = run_in_page(page, comfy, graph, "offload only")
+    return graph
+
+
+def card_of(page, run_id: str, kind: str):
+    return page.locator(f".omni-run-view[data-run='{run_id}'] .omni-feature[data-kind='{kind}']")
+
+
+def assert_fields_folded(card, expected: dict[str, str]) -> None:
+    """Every field is in the card, folded away until its summary is clicked."""
+    fields = card.locator("details.omni-fields")
+    assert fields.get_attribute("open") is None and not card.locator("dl.omni-kv").is_visible()
+    fields.locator("summary").click()
+    card.locator("dl.omni-kv").wait_for(state="visible", timeout=5000)
+    rows = dict(zip(card.locator("dt").all_inner_texts(), card.locator("dd").all_inner_texts()))
+    assert {k: rows.get(k) for k in expected} == expected, rows
+    fields.locator("summary").click()
+
+
+def assert_card_fits_and_follows_the_theme(page, kind: str, name: str) -> None:
+    """The card at the narrowest and a wide sidebar, in the dark and the light palette: nothing wider than the panel,
+    its text in the theme's colour; a screenshot of each."""
+    for theme in ("dark", "light"):
+        page.evaluate("(t) => window.app.extensionManager.setting.set('Comfy.ColorPalette', t)", theme)
+        page.wait_for_function(DARK_THEME_IS, arg=theme, timeout=5000)
+        page.wait_for_timeout(300)
+        for width in (224, 480):
+            got = set_sidebar_width(page, width)
+            look = page.evaluate("""(kind) => {
+                const body = document.querySelector('.omni-body'), b = body.getBoundingClientRect();
+                const card = document.querySelector(`.omni-feature[data-kind='${kind}']`);
+                card.scrollIntoView();
+                const inside = [...card.querySelectorAll('*')].filter(e => e.getClientRects().length).every(e => {
+                    const r = e.getBoundingClientRect(); return r.left >= b.left - 0.5 && r.right <= b.right + 0.5; });
+                const css = (v) => getComputedStyle(document.documentElement).getPropertyValue(v).trim();
+                const probe = document.createElement('div'); document.body.append(probe);
+                probe.style.color = css('--p-text-color'); const expected = getComputedStyle(probe).color; probe.remove();
+                return {overflowX: body.scrollWidth - body.clientWidth, inside,
+                        text: getComputedStyle(card.querySelector('.omni-card-headline')).color, expected};
+            }""", kind)
+            assert look["overflowX"] <= 0 and look["inside"], (theme, got, look)
+            assert look["text"] == look["expected"], (theme, look)
+            screenshot(page, f"{name}_{theme}_{got}.png")
+    page.evaluate("() => window.app.extensionManager.setting.set('Comfy.ColorPalette', 'dark')")
+
+
+def test_a_run_with_cpu_offload_alone_shows_its_card_live_and_after_reload(page, comfy, comfy_server):
+    """No cache: no reuse numbers, strips or threshold; the offload's card says why it changed nothing (the server
+    runs on the CPU, so there is nothing to offload to): no tiles or strip to show, the fields folded away."""
+    open_panel(page)
+    _, run = run_in_page(page, comfy, feature_graph([("OmniHooks.CPUOffload", OFFLOAD_INPUTS)], steps=4), "offload only")
     assert run["kind"] == "offload" and run["summary"] is None
+    (offload,) = [f["summary"] for f in run["features"]]
+    reason = offload["unchanged_reason"]
+    assert reason.startswith("nothing to offload to: ComfyUI runs this model on the CPU") and "changes nothing" in reason
     wait_for_run(page, run["run_id"])
     view = page.locator(f".omni-run-view[data-run='{run['run_id']}']")
     for absent in (".omni-headline", ".omni-strips", ".omni-plot", ".omni-threshold", ".omni-warnings"):
         assert view.locator(absent).count() == 0, absent
     assert view.locator(".omni-node-title").inner_text().startswith("CPU Offload")
     assert view.locator(".omni-features .omni-section-title").text_content() == "What this run did"
-    card = view.locator(".omni-feature")
+    card = card_of(page, run["run_id"], "offload")
     assert card.locator(".omni-card-title").inner_text() == "offload · CPU Offload · #10"
-    assert card.locator(".omni-card-headline").inner_text() == "nothing offloaded"
-    rows = dict(zip(card.locator("dt").all_inner_texts(), card.locator("dd").all_inner_texts()))
-    assert rows["status"] == "success" and rows["bytes moved"] == "0 B" and rows["active"] == "no"
+    assert card.locator(".omni-card-headline").inner_text() == reason
+    assert card.locator(".omni-tile").count() == 0 and card.locator(".omni-bars").count() == 0
+    assert_fields_folded(card, {"status": "success", "bytes moved": "0 B", "active": "no"})
     listed = page.locator(f".omni-run[data-run='{run['run_id']}'] .omni-run-numbers")
     assert listed.inner_text() == "nothing offloaded"
     screenshot(page, "stats_panel_offload_only.png")
+    assert_card_fits_and_follows_the_theme(page, "offload", "offload_card")
+
+    page.reload()
+    open_comfy(page, comfy_server.url)
+    open_panel(page)
+    wait_for_run(page, run["run_id"])
+    assert card_of(page, run["run_id"], "offload").locator(".omni-card-headline").inner_text() == reason
+
+
+def test_a_cache_with_cpu_offload_reads_as_one_run(page, comfy):
+    """TeaCache and CPU Offload on one MODEL: one entry, the cache's numbers and strip, the offload's card beneath
+    with its step strip over the same steps (the README's picture)."""
+    open_panel(page)
+    patches = [("OmniHooks.CPUOffload", OFFLOAD_INPUTS), ("OmniHooks.ApplyTeaCache", {
+        "rel_l1_thresh": 1.0, "start_percent": 0.0, "end_percent": 1.0, "cache_device": "compute device",
+        "model_variant": f"calibration: {IDENTITY}"})]
+    _, run = run_in_page(page, comfy, feature_graph(patches, steps=12), "cache and offload")
+    assert run["summary"]["reused"] > 0 and [f["kind"] for f in run["features"]] == ["offload"]
+    assert sum(s["skipped"] for s in run["features"][0]["summary"]["steps"]) == run["summary"]["reused"]
+    wait_for_run(page, run["run_id"])
+    view = page.locator(f".omni-run-view[data-run='{run['run_id']}']")
+    assert " · teacache + offload · " in f" {view.locator('.omni-meta-what').inner_text()} "
+    assert view.locator(".omni-features .omni-section-title").text_content() == "Other features in this run"
+    assert card_of(page, run["run_id"], "offload").locator(".omni-card-headline").inner_text().startswith("nothing to offload to")
+    set_sidebar_width(page, 360)
+    shot = screenshot(page, "stats_panel_cache_and_offload.png")
+    if os.environ.get("OMNIHOOKS_UPDATE_DOCS"):
+        shutil.copy(shot, PACK_ROOT / "docs" / "stats-panel-offload.png")
+
+
+def test_a_sequence_parallel_run_shows_its_card_live_and_after_reload(page, comfy, comfy_server):
+    """Two ranks (rank 0 in the server, one local worker) with TeaCache: the card's headline, tiles (ranks, time and
+    bytes per step, the agreed skips) and one strip cell per step, as the route has them; the fields folded."""
+    open_panel(page)
+    patches = [("OmniHooks.SequenceParallel", SP_INPUTS), ("OmniHooks.ApplyTeaCache", {
+        "rel_l1_thresh": 1.0, "start_percent": 0.0, "end_percent": 1.0, "cache_device": "compute device",
+        "model_variant": f"calibration: {IDENTITY}"})]
+    _, run = run_in_page(page, comfy, feature_graph(patches, steps=8), "two ranks", timeout=240)
+    (sp,) = [f["summary"] for f in run["features"] if f["kind"] == "sequence_parallel"]
+    assert run["world_size"] == 2 and len(sp["steps"]) == 8 and run["summary"]["reused"] > 0
+    wait_for_run(page, run["run_id"])
+    card = card_of(page, run["run_id"], "sequence_parallel")
+    headline = card.locator(".omni-card-headline").inner_text()
+    devices = f" ({', '.join(sp['local_devices'])})" if sp["local_devices"] else ""
+    assert headline.startswith(f"2 ranks{devices}, ulysses {sp['ulysses_degree']} × ring {sp['ring_degree']}; "), headline
+    decided = sum(s["decided"] for s in sp["steps"])
+    assert f"every rank agreed on {decided} cache decisions, {run['summary']['reused']} skipped" in headline
+    tiles = dict(zip(card.locator(".omni-tile .omni-stat-label").all_inner_texts(),
+                     card.locator(".omni-tile .omni-stat-value").all_inner_texts()))
+    assert tiles["ranks"] == "2" and tiles["agreed skips"] == f"{run['summary']['reused']}/{decided}", tiles
+    assert tiles["per step"].endswith(" s") or tiles["per step"].endswith(" ms"), tiles
+    bars = card.locator(".omni-bar")
+    assert bars.count() == 8 and card.locator(".omni-bar-skipped").count() == sum(
+        1 for s in sp["steps"] if s["skipped"] == s["calls"])
+    assert_fields_folded(card, {"world size": "2", "calls": str(sp["calls"])})
+    screenshot(page, "stats_panel_sequence_parallel.png")
+    assert_card_fits_and_follows_the_theme(page, "sequence_parallel", "sequence_parallel_card")
+
+    page.reload()
+    open_comfy(page, comfy_server.url)
+    open_panel(page)
+    wait_for_run(page, run["run_id"])
+    card = card_of(page, run["run_id"], "sequence_parallel")
+    assert card.locator(".omni-card-headline").inner_text() == headline and card.locator(".omni-bar").count() == 8
 
 
 def test_an_overflowing_metric_keeps_the_panel_live_and_the_history_valid_json(page, comfy, comfy_server):
@@ -441,6 +558,7 @@ def test_a_10000_evaluation_run_is_drawn_binned_with_its_features(page):
     assert view.locator(".omni-stat-reused .omni-stat-value").inner_text() == f"{stats.reused}/10000"
     card = view.locator(".omni-feature")
     assert card.locator(".omni-card-title").inner_text() == "offload · CPU Offload · #30"
+    card.locator("details.omni-fields summary").click()
     assert card.locator("dt").all_inner_texts() == ["moved bytes", "prefetch hits"]
     assert card.locator("dd").all_inner_texts() == ["117.7 MB", "0.97"]
     assert "2 devices" in view.locator(".omni-meta-when").inner_text()
