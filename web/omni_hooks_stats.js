@@ -213,6 +213,9 @@ function cardStripView(strip) {
     stepsView(cells),
     el("div", { class: "omni-legend" },
       el("span", { class: "omni-legend-item" }, el("span", { class: "omni-swatch omni-swatch-bar" }), strip.label),
+      cells.some((c) => c.wait > 0)
+        ? el("span", { class: "omni-legend-item" }, el("span", { class: "omni-swatch omni-swatch-waited" }), "waited for copies")
+        : null,
       cells.some((c) => c.skipped)
         ? el("span", { class: "omni-legend-item" }, el("span", { class: "omni-swatch omni-swatch-skipped" }), "skipped by the cache")
         : null));

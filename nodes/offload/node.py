@@ -320,13 +320,15 @@ class OffloadSession(FeatureSession):
             return (f"{dynamic}: ComfyUI loads and offloads this model's weights itself there, so CPU Offload leaves "
                     "them to it and changes nothing")
         if target is None:
-            return f"nothing to offload to: {no_target_reason(patcher)}, so CPU Offload changes nothing"
+            fix = ("it frees VRAM where ComfyUI runs the model on a GPU" if torch.device(patcher.load_device).type == "cpu"
+                   else "start ComfyUI without --highvram / --gpu-only to let it offload blocks")
+            return f"nothing to offload to: {no_target_reason(patcher)}, so CPU Offload changes nothing; {fix}"
         if getattr(patcher, "hook_patches", None) or getattr(patcher, "forced_hooks", None) is not None:
             return ("this MODEL has ComfyUI weight hooks (Create Hook LoRA and the like), which patch weights in the "
                     "middle of sampling; CPU Offload does not move weights ComfyUI may patch during the run, so it "
                     "changes nothing")
         if self.settings.blocks_to_offload == 0:
-            return "blocks_to_offload is 0: nothing offloaded"
+            return "blocks_to_offload is 0: nothing offloaded; set it to -1 (auto) or to the number of blocks to keep in RAM"
         return None
 
     def _available_for_blocks(self, patcher, target: torch.device, footprints: list[BlockFootprint]) -> int:

@@ -611,3 +611,40 @@ def contrast(fg: str, bg: str) -> float:
         return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
     hi, lo = sorted((luminance(fg), luminance(bg)), reverse=True)
     return (hi + 0.05) / (lo + 0.05)
+
+
+def test_an_offloading_runs_card_keeps_its_tiles_and_strip_inside_narrow_and_wide_sidebars(page):
+    """This server runs on the CPU, where CPU Offload has nothing to offload to; the card of a run that did offload
+    (the shape a GPU run publishes: the library's OffloadStats, per-step totals, the store's bounded entry) still has
+    to fit: four tiles, one bar per step with the cache's skipped steps marked, the copy waits in the legend."""
+    from omnitest.pack import pack_module
+
+    store = pack_module("nodes.stats_store")
+    stats = pack_module("omni_hooks.offload.stats").OffloadStats(
+        device="cuda:0", blocks=24, prefetch_blocks=1, slots=2, slot_bytes=470 << 20, device_bytes=940 << 20,
+        offloaded_bytes=24 * (470 << 20), pinned_bytes=24 * (470 << 20), pinned_blocks=24, kept_resident_bytes=0,
+        uses_streams=True, block_calls=24 * 18, hits=24 * 18 - 1, sync_loads=1, prefetches=24 * 18 - 1,
+        copies=24 * 18, bytes_moved=18 * 24 * (470 << 20), copy_wait_seconds=0.31)
+    steps = store.StepTotals()
+    for step in range(30):
+        skipped = step in range(4, 28, 2)  # 12 of the 30 steps, as a cache skips them
+        steps.add(step, skipped=int(skipped), bytes_moved=0 if skipped else 24 * (470 << 20),
+                  copy_wait_seconds=0 if skipped else (0.2 if step == 0 else 0.005))
+    summary = {**stats.summary(), "active": True, "status": "success", "blocks_total": 40, "blocks_offloaded": 24,
+               "blocks_promoted": 0, "calls_computed": 18, "calls_skipped": 12, "bytes_moved_on_skipped_calls": 0,
+               "device_weight_bytes": 9 << 30, "unchanged_reason": None, "steps": steps.to_list()}
+    header = {"run_id": "run-offloading", "prompt_id": "p-off", "node_id": "11", "node_title": "CPU Offload",
+              "workflow_id": None, "sampler_node_id": "3", "kind": "offload", "model": "",
+              "threshold": None, "started_at": time.time(), "status": "success", "finished_at": time.time() + 90}
+    entry = store.bounded_entry(header, None, {"features": [
+        {"kind": "offload", "node_id": "11", "node_title": "CPU Offload", "summary": summary}]})
+    open_panel(page)
+    page.evaluate("(entry) => window.comfyAPI.api.api.dispatchCustomEvent('omni_hooks.run', entry)", entry)
+    card = card_of(page, "run-offloading", "offload")
+    card.wait_for(timeout=10000)
+    assert card.locator(".omni-card-headline").inner_text() == (
+        "24 of 40 blocks in RAM (11.0 GB); sampling waited 0.31 s for copies; nothing moved on the 12 skipped steps")
+    assert card.locator(".omni-tile").count() == 4 and card.locator(".omni-bar").count() == 30
+    assert card.locator(".omni-bar-skipped").count() == 12
+    assert "waited for copies" in card.locator(".omni-legend").inner_text()
+    assert_card_fits_and_follows_the_theme(page, "offload", "offloading_card")

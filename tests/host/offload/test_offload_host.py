@@ -457,7 +457,8 @@ def test_zero_blocks_offloads_nothing(env, wan, forced):
     env.tiny.sample(wan, model=probe.model, steps=2)
     summary = probe.session(env).summary()
     assert summary["blocks_offloaded"] == 0 and not summary["active"] and summary["bytes_moved"] == 0
-    assert "blocks_to_offload is 0: nothing offloaded" in summary["notes"]
+    assert summary["unchanged_reason"].startswith("blocks_to_offload is 0: nothing offloaded; set it to -1 (auto)")
+    assert summary["unchanged_reason"] in summary["notes"]
     assert_same_state(before, weights_state(wan.diffusion_model))
 
 
@@ -626,4 +627,5 @@ def test_a_run_that_changed_nothing_says_why(env, wan):
     env.tiny.sample(wan, model=probe.model, steps=2)
     summary = probe.session(env).summary()
     assert summary["unchanged_reason"].startswith("nothing to offload to") and not summary["active"]
+    assert summary["unchanged_reason"].endswith("changes nothing; it frees VRAM where ComfyUI runs the model on a GPU")
     assert summary["bytes_moved"] == 0 and [s["bytes_moved"] for s in summary["steps"]] == [0, 0]
