@@ -368,6 +368,15 @@ def card_of(page, run_id: str, kind: str):
     return page.locator(f".omni-run-view[data-run='{run_id}'] .omni-feature[data-kind='{kind}']")
 
 
+def card_after_reload(page, comfy_server, run_id: str, kind: str):
+    """The card of ``kind`` in run ``run_id`` after a page reload (the history the panel loads on start)."""
+    page.reload()
+    open_comfy(page, comfy_server.url)
+    open_panel(page)
+    wait_for_run(page, run_id)
+    return card_of(page, run_id, kind)
+
+
 def assert_fields_folded(card, expected: dict[str, str]) -> None:
     """Every field is in the card, folded away until its summary is clicked."""
     fields = card.locator("details.omni-fields")
@@ -431,11 +440,8 @@ def test_a_run_with_cpu_offload_alone_shows_its_card_live_and_after_reload(page,
     screenshot(page, "stats_panel_offload_only.png")
     assert_card_fits_and_follows_the_theme(page, "offload", "offload_card")
 
-    page.reload()
-    open_comfy(page, comfy_server.url)
-    open_panel(page)
-    wait_for_run(page, run["run_id"])
-    assert card_of(page, run["run_id"], "offload").locator(".omni-card-headline").inner_text() == reason
+    card = card_after_reload(page, comfy_server, run["run_id"], "offload")
+    assert card.locator(".omni-card-headline").inner_text() == reason
 
 
 def test_a_cache_with_cpu_offload_reads_as_one_run(page, comfy):
@@ -487,11 +493,7 @@ def test_a_sequence_parallel_run_shows_its_card_live_and_after_reload(page, comf
     screenshot(page, "stats_panel_sequence_parallel.png")
     assert_card_fits_and_follows_the_theme(page, "sequence_parallel", "sequence_parallel_card")
 
-    page.reload()
-    open_comfy(page, comfy_server.url)
-    open_panel(page)
-    wait_for_run(page, run["run_id"])
-    card = card_of(page, run["run_id"], "sequence_parallel")
+    card = card_after_reload(page, comfy_server, run["run_id"], "sequence_parallel")
     assert card.locator(".omni-card-headline").inner_text() == headline and card.locator(".omni-bar").count() == 8
 
 
