@@ -174,6 +174,38 @@ class FeatureReport:
         return item
 
 
+class StepTotals:
+    """Per sampler step, sums of a feature's numbers over that step's model calls (e.g. bytes moved, seconds), for
+    the panel's per-step strip of a feature's card. ``add(step, calls=1, **numbers)`` after each call (``step`` None
+    when the host cannot tell: its calls count under None); ``to_list()`` is JSON-safe, ordered by step, at most
+    ``limit`` items: longer runs merge neighbouring steps (``first_step``..``last_step``, numbers added)."""
+
+    def __init__(self) -> None:
+        self._by_step: dict[int | None, dict[str, float]] = {}
+
+    def add(self, step: int | None, **numbers: float) -> None:
+        totals = self._by_step.setdefault(step, {})
+        for name, value in {"calls": 1, **numbers}.items():
+            totals[name] = totals.get(name, 0) + value
+
+    def to_list(self, limit: int = TIMELINE_BINS) -> list[dict[str, Any]]:
+        items = [{"first_step": step, "last_step": step, **totals} for step, totals in
+                 sorted(self._by_step.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
+        size = -(-len(items) // max(limit, 1))
+        if size <= 1:
+            return json_safe(items)
+        merged = []
+        for i in range(0, len(items), size):
+            group = items[i:i + size]
+            item = {"first_step": group[0]["first_step"], "last_step": group[-1]["last_step"]}
+            for other in group:
+                for name, value in other.items():
+                    if name not in ("first_step", "last_step"):
+                        item[name] = item.get(name, 0) + value
+            merged.append(item)
+        return json_safe(merged)
+
+
 def _cache_fields(stats: CacheRunStats) -> dict[str, Any]:
     return {"kind": stats.kind, "model": stats.model, "threshold": stats.threshold}
 

@@ -8,7 +8,7 @@ import { api } from "../../scripts/api.js";
 import {
   REASONS, RUN_EVENT, STEP_EVENT, applyRun, applyStep, badgeFor, branchExplanation, branchOrder, cellReason, counters, createState,
   describeCell, featureCards, featuresTitle, formatBytes, formatPercent, formatSeconds, formatSpeedup, formatValue,
-  formatWhen, isCacheRun, lanes, legend, plotData, progress, runNumbers, selectRun, shownRun, SKIP_REASONS,
+  formatWhen, isCacheRun, lanes, legend, plotData, progress, runKinds, runNumbers, selectRun, shownRun, SKIP_REASONS,
   speedupBasis, stepTicks, UNSET_WORKFLOW_ID, warnings,
 } from "./stats_model.js";
 
@@ -85,7 +85,7 @@ function selectNodeOf(run) {
 
 function headerView(run) {
   const status = run.finished ? run.status ?? "done" : "running";
-  const bits = [workflowName(run.workflow_id), run.kind, run.model].filter(Boolean);
+  const bits = [workflowName(run.workflow_id), runKinds(run), run.model].filter(Boolean);
   const threshold = run.threshold ?? run.summary?.threshold;
   return el("div", { class: "omni-header" },
     el("div", { class: "omni-node-title" }, run.node_title ?? run.kind,
@@ -202,15 +202,45 @@ function plotView(list, width) {
     notPlotted);
 }
 
+function cardStripView(strip) {
+  const cells = strip.cells;
+  return el("div", { class: "omni-card-strip" },
+    el("div", { class: "omni-section-title" }, `Per step: ${strip.label}`),
+    el("div", { class: "omni-bars", style: `grid-template-columns: repeat(${cells.length}, 1fr)` }, cells.map((c) =>
+      el("span", { class: `omni-bar${c.skipped ? " omni-bar-skipped" : ""}${c.wait > 0 ? " omni-bar-waited" : ""}`,
+        "data-step": c.first_step, title: c.title },
+      el("span", { class: "omni-bar-fill", style: `height: ${c.skipped ? 0 : Math.max(4, Math.round(c.share * 100))}%` })))),
+    stepsView(cells),
+    el("div", { class: "omni-legend" },
+      el("span", { class: "omni-legend-item" }, el("span", { class: "omni-swatch omni-swatch-bar" }), strip.label),
+      cells.some((c) => c.wait > 0)
+        ? el("span", { class: "omni-legend-item" }, el("span", { class: "omni-swatch omni-swatch-waited" }), "waited for copies")
+        : null,
+      cells.some((c) => c.skipped)
+        ? el("span", { class: "omni-legend-item" }, el("span", { class: "omni-swatch omni-swatch-skipped" }), "skipped by the cache")
+        : null));
+}
+
+function cardView(card) {
+  return el("div", { class: "omni-card omni-feature", "data-kind": card.kind },
+    el("div", { class: "omni-card-title" }, card.title),
+    card.headline ? el("div", { class: "omni-card-headline" }, card.headline) : null,
+    card.tiles.length ? el("div", { class: "omni-tiles" }, card.tiles.map((t) =>
+      el("div", { class: "omni-stat omni-tile", title: t.help },
+        el("div", { class: "omni-stat-value" }, t.value), el("div", { class: "omni-stat-label" }, t.label)))) : null,
+    card.strip ? cardStripView(card.strip) : null,
+    card.notes.map((n) => el("div", { class: "omni-note omni-setup-note" }, `ℹ ${n}`)),
+    el("details", { class: "omni-fields" },
+      el("summary", {}, `All fields (${card.rows.length})`),
+      el("dl", { class: "omni-kv" }, card.rows.map(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]))));
+}
+
 function featuresView(run) {
   const cards = featureCards(run);
   if (!cards.length) return null;
   return el("div", { class: "omni-section omni-features" },
     el("div", { class: "omni-section-title" }, featuresTitle(run)),
-    cards.map((card) => el("div", { class: "omni-card omni-feature" },
-      el("div", { class: "omni-card-title" }, card.title),
-      card.headline ? el("div", { class: "omni-card-headline" }, card.headline) : null,
-      el("dl", { class: "omni-kv" }, card.rows.map(([k, v]) => [el("dt", {}, k), el("dd", {}, v)])))));
+    cards.map(cardView));
 }
 
 function detailsView(run) {
@@ -248,7 +278,7 @@ function runsView(shown) {
   const list = el("div", { class: "omni-section omni-recent" }, el("div", { class: "omni-section-title" }, "Recent runs"));
   const runs = el("div", { class: "omni-runs" });
   for (const run of state.runs) {
-    const where = [workflowName(run.workflow_id) || "API prompt", run.kind, formatWhen(run)].filter(Boolean).join(" · ");
+    const where = [workflowName(run.workflow_id) || "API prompt", runKinds(run), formatWhen(run)].filter(Boolean).join(" · ");
     runs.append(el("button", {
       class: `omni-run${run === shown ? " omni-selected" : ""}`, "data-run": run.run_id, type: "button",
       title: "Show this run and select its node", onclick: () => onRunClicked(run.run_id),

@@ -402,14 +402,150 @@ function features(run) {
 }
 
 /** The run's features other than its cache (offload, sequence parallel, ...), or every feature of a run without
- * one: a title, the feature's headline (may be "") and key/value rows each. */
+ * one, as cards: a title; a headline that says what the feature did and what it cost (CPU Offload and Sequence
+ * Parallel: from their numbers; any other kind: the one it published, may be ""); tiles ``{value, label}``; a per-step
+ * strip (``stepStrip``, null without per-step numbers); its notes; and every field as key/value rows (folded away in
+ * the panel). */
 export function featureCards(run) {
-  return features(run).map((f) => ({
-    title: [f.kind ?? "feature", f.node_title, f.node_id != null ? `#${f.node_id}` : null].filter(Boolean).join(" · "),
-    headline: typeof f.headline === "string" ? f.headline : "",
-    rows: Object.entries(f.summary && typeof f.summary === "object" ? f.summary : {})
-      .map(([k, v]) => [k.replace(/_/g, " "), formatField(k, v)]),
-  }));
+  return features(run).map((f) => {
+    const summary = f.summary && typeof f.summary === "object" ? f.summary : {};
+    const view = CARD_VIEWS[f.kind]?.(summary) ?? {};
+    return {
+      kind: String(f.kind ?? "feature"),
+      title: [FEATURE_NAMES[f.kind] ?? f.kind ?? "feature", f.node_title, f.node_id != null ? `#${f.node_id}` : null]
+        .filter(Boolean).join(" · "),
+      headline: view.headline ?? (typeof f.headline === "string" ? f.headline : ""),
+      tiles: view.tiles ?? [],
+      strip: view.strip ? { ...view.strip, label: view.stripLabel } : null,
+      notes: (Array.isArray(summary.notes) ? summary.notes : []).map(String).filter((n) => n !== view.headline),
+      rows: Object.entries(summary).filter(([k]) => !FOLDED_OUT.has(k)).map(([k, v]) => [k.replace(/_/g, " "), formatField(k, v)]),
+    };
+  });
+}
+
+const FEATURE_NAMES = { offload: "offload", sequence_parallel: "sequence parallel" };
+const FOLDED_OUT = new Set(["steps", "notes"]);  // drawn as the strip and the notes
+
+/** Per-step numbers of a feature (``nodes/stats_store.py`` StepTotals): the steps the model ran (each item may
+ * cover several steps of a long run), how many were all skipped by a cache, and the items that ran. */
+export function stepTotals(summary) {
+  const items = (Array.isArray(summary?.steps) ? summary.steps : []).filter((x) => x && typeof x === "object");
+  const span = (x) => (Number.isInteger(x.first_step) && Number.isInteger(x.last_step) ? x.last_step - x.first_step + 1 : 1);
+  const skippedWhole = (x) => finiteOr(x.calls, 0) > 0 && finiteOr(x.skipped, 0) >= finiteOr(x.calls, 0);
+  return {
+    items,
+    steps: items.reduce((a, x) => a + span(x), 0),
+    skippedSteps: items.filter(skippedWhole).reduce((a, x) => a + span(x), 0),
+    ran: items.filter((x) => !skippedWhole(x)),
+    ranSteps: items.filter((x) => !skippedWhole(x)).reduce((a, x) => a + span(x), 0),
+    sum: (key, list = items) => list.reduce((a, x) => a + finiteOr(x[key], 0), 0),
+  };
+}
+
+/** The strip of a card: one cell per item of ``summary.steps``, its bar the share of the run's largest ``key`` value;
+ * a step a cache skipped on every call is marked so. */
+export function stepStrip(summary, key, describe) {
+  const t = stepTotals(summary);
+  if (!t.items.length) return null;
+  const max = Math.max(0, ...t.items.map((x) => finiteOr(x[key], 0)));
+  return {
+    cells: t.items.map((x) => {
+      const skipped = finiteOr(x.calls, 0) > 0 && finiteOr(x.skipped, 0) >= finiteOr(x.calls, 0);
+      const steps = x.first_step == null ? "calls without a step"
+        : x.last_step !== x.first_step ? `steps ${x.first_step + 1}–${x.last_step + 1}` : `step ${x.first_step + 1}`;
+      return { first_step: x.first_step, last_step: x.last_step, skipped, value: finiteOr(x[key], 0),
+        share: max > 0 ? finiteOr(x[key], 0) / max : 0, wait: finiteOr(x.copy_wait_seconds, 0),
+        title: `${steps}: ${describe(x, skipped)}` };
+    }),
+  };
+}
+
+function plural(n, word) {
+  return `${n} ${word}${n === 1 ? "" : "s"}`;
+}
+
+function offloadView(s) {
+  const t = stepTotals(s);
+  if (!s.active) {
+    const notes = Array.isArray(s.notes) ? s.notes : [];
+    return { headline: String(s.unchanged_reason ?? notes.at(-1) ?? "nothing offloaded") };
+  }
+  const skipped = t.items.length ? t.skippedSteps : finiteOr(s.calls_skipped, 0);
+  const skippedWord = t.items.length ? "skipped step" : "skipped call";
+  const onSkipped = finiteOr(s.bytes_moved_on_skipped_calls, 0);
+  const parts = [];
+  if (finiteOr(s.blocks_offloaded, 0) > 0) {
+    parts.push(`${s.blocks_offloaded} of ${s.blocks_total} blocks in RAM (${formatBytes(s.offloaded_bytes)})`,
+      `sampling waited ${formatSeconds(finiteOr(s.copy_wait_seconds, 0))} for copies`);
+  } else {
+    parts.push("no block offloaded");
+  }
+  if (finiteOr(s.blocks_promoted, 0) > 0) {
+    parts.push(`${plural(s.blocks_promoted, "partly loaded block")} completed on the device (${formatBytes(s.promoted_bytes)})`);
+  }
+  if (skipped > 0) {
+    parts.push(onSkipped ? `${formatBytes(onSkipped)} moved on the ${plural(skipped, skippedWord)}`
+      : `nothing moved on the ${plural(skipped, skippedWord)}`);
+  }
+  const moved = t.sum("bytes_moved", t.ran);
+  const tiles = [
+    { value: formatBytes(Math.max(0, finiteOr(s.offloaded_bytes, 0) - finiteOr(s.device_bytes, 0))), label: "VRAM kept free",
+      help: `the offloaded blocks' weights (${formatBytes(s.offloaded_bytes)}) less the ${plural(finiteOr(s.slots, 0), "slot")} they run from (${formatBytes(s.device_bytes)})` },
+    { value: formatBytes(t.ranSteps ? moved / t.ranSteps : finiteOr(s.bytes_moved, 0) / Math.max(1, finiteOr(s.calls_computed, 0))),
+      label: t.ranSteps ? "moved per computed step" : "moved per computed call", help: "host-to-device copies of the offloaded blocks" },
+    { value: formatSeconds(finiteOr(s.copy_wait_seconds, 0)), label: "waiting for copies",
+      help: `${plural(finiteOr(s.sync_loads, 0), "block call")} of ${finiteOr(s.block_calls, 0)} loaded on the critical path` },
+  ];
+  if (finiteOr(s.device_weight_bytes, 0) > 0) {
+    tiles.push({ value: formatBytes(s.device_weight_bytes), label: "weights in VRAM (peak)",
+      help: "this model's weights on the device during the run, slots included, as ComfyUI counts them" });
+  }
+  return {
+    headline: parts.join("; "), tiles,
+    strip: stepStrip(s, "bytes_moved", (x, skip) => (skip ? "skipped by the cache, nothing to move"
+      : `${formatBytes(x.bytes_moved)} moved, waited ${formatSeconds(finiteOr(x.copy_wait_seconds, 0))}`
+        + (finiteOr(x.calls, 0) > 1 ? ` (${x.calls} calls)` : ""))),
+    stripLabel: "bytes moved",
+  };
+}
+
+function sequenceParallelView(s) {
+  const t = stepTotals(s);
+  const degrees = [`ulysses ${s.ulysses_degree}`, `ring ${s.ring_degree}`,
+    finiteOr(s.cfg_degree, 1) > 1 ? `cfg ${s.cfg_degree}` : null].filter(Boolean).join(" × ");
+  const devices = Array.isArray(s.local_devices) && s.local_devices.length ? s.local_devices.join(", ") : "";
+  const ranks = `${s.world_size} ranks${devices ? ` (${devices})` : ""}`;
+  const steps = t.steps || null;
+  const perStep = steps ? finiteOr(t.sum("seconds"), 0) / steps : null;
+  const bytesPerStep = steps ? t.sum("bytes_sent") / steps : null;
+  const decided = t.sum("decided"), skipped = t.sum("skipped");
+  const parts = [`${ranks}, ${degrees}`];
+  if (perStep != null) parts.push(`${formatSeconds(perStep)} and ${formatBytes(bytesPerStep)} sent per step on rank 0`);
+  if (decided) parts.push(`every rank agreed on ${plural(decided, "cache decision")}, ${skipped} skipped`);
+  if (finiteOr(s.calls_unsplit, 0) > 0) parts.push(`${plural(s.calls_unsplit, "call")} not split by CFG: ${s.unsplit_reason}`);
+  const tiles = [
+    { value: String(s.world_size), label: "ranks", help: `${degrees}${devices ? ` on ${devices}` : ""}, ${s.backend ?? ""}`.trim() },
+  ];
+  if (perStep != null) {
+    tiles.push({ value: formatSeconds(perStep), label: "per step",
+      help: "rank 0's time in the model per sampler step (no single-rank run of this model to compare with)" });
+    tiles.push({ value: formatBytes(bytesPerStep), label: "sent per step", help: "bytes rank 0 sent to the other ranks" });
+  }
+  if (decided) tiles.push({ value: `${skipped}/${decided}`, label: "agreed skips", help: "cache decisions made alike on every rank" });
+  return {
+    headline: parts.join("; "), tiles,
+    strip: stepStrip(s, "bytes_sent", (x, skip) => `${formatBytes(x.bytes_sent)} sent, ${formatSeconds(finiteOr(x.seconds, 0))}`
+      + (skip ? ", skipped by the cache on every rank" : "") + (finiteOr(x.calls, 0) > 1 ? ` (${x.calls} calls)` : "")),
+    stripLabel: "bytes sent",
+  };
+}
+
+const CARD_VIEWS = { offload: offloadView, sequence_parallel: sequenceParallelView };
+
+/** The kinds of what ran in a run: its node's, then its other features' ("teacache + offload"). */
+export function runKinds(run) {
+  return [...new Set([run?.kind, ...features(run).map((f) => f.kind)].filter(Boolean))]
+    .map((k) => FEATURE_NAMES[k] ?? k).join(" + ");
 }
 
 /** The heading over the feature cards. */
@@ -430,6 +566,9 @@ export function runNumbers(run) {
 /** A summary value by what its key says it holds: "..._bytes" or "bytes_..." as a size, "..._seconds" as a
  * duration. */
 function formatField(key, v) {
+  if (v && typeof v === "object" && !Array.isArray(v)) {
+    return Object.entries(v).map(([k, x]) => `${k} ${formatField(key, x)}`).join(", ") || "–";
+  }
   if (typeof v === "number" && Number.isFinite(v)) {
     if (/(^|_)bytes($|_)/.test(key)) return formatBytes(v);
     if (/(^|_)seconds$/.test(key)) return formatSeconds(v);

@@ -36,7 +36,7 @@ from .. import families
 from ..families import detect_for_node, model_input
 from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, LoadRequest, attach_feature, \
     register_feature
-from ..stats_store import FeatureReport
+from ..stats_store import FeatureReport, StepTotals
 from .placement import BlockFootprint, OffloadPlan, Promotion, block_tensors, gib, plan_offload
 
 log = logging.getLogger("OmniHooks")
@@ -211,6 +211,11 @@ class OffloadSession(FeatureSession):
         self.calls_skipped = 0
         self.bytes_moved_on_skipped_calls = 0
         self._moved_at_call_start = 0
+        self._waited_at_call_start = 0.0
+        self.before_sampling: tuple[int, float] | None = None  # (bytes moved, copy wait) placing the blocks
+        self.steps = StepTotals()  # per sampler step: calls, skipped calls, bytes moved, copy wait
+        self.unchanged_reason: str | None = None  # why the run changed nothing (None: it offloaded or promoted)
+        self.device_weight_bytes = 0  # this model's weights on the device during the run (ComfyUI's count, as set)
         self._loaded = False
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
@@ -223,6 +228,7 @@ class OffloadSession(FeatureSession):
         reason = self._reason_to_change_nothing(patcher, target)
         if reason is not None:
             self.notes.append(reason)  # logged with the run's line at close
+            self.unchanged_reason = reason
             return
         self.target = target
         if target.type != "cuda":
@@ -233,6 +239,8 @@ class OffloadSession(FeatureSession):
         self.plan = plan = plan_offload(footprints, self.settings.blocks_to_offload, self.settings.prefetch_blocks,
                                         available)
         self.notes.extend(plan.notes)
+        if not plan.offloaded and not plan.promoted:
+            self.unchanged_reason = plan.notes[-1] if plan.notes else "the plan offloads no block"
         try:
             for index in plan.promoted:
                 self.promoted_bytes += self.promotion.promote(blocks[index], target)
@@ -254,14 +262,20 @@ class OffloadSession(FeatureSession):
 
     def begin_call(self, context: CallContext) -> None:
         self._moved_at_call_start = self._bytes_moved()
+        self._waited_at_call_start = self._copy_wait()
+        if self.before_sampling is None:
+            self.before_sampling = (self._moved_at_call_start, self._waited_at_call_start)
 
     def end_call(self, context: CallContext) -> None:
         moved = self._bytes_moved() - self._moved_at_call_start
-        if context.blocks_run is False:
+        skipped = context.blocks_run is False
+        if skipped:
             self.calls_skipped += 1
             self.bytes_moved_on_skipped_calls += moved
         else:
             self.calls_computed += 1
+        self.steps.add(context.step, skipped=int(skipped), bytes_moved=moved,
+                       copy_wait_seconds=self._copy_wait() - self._waited_at_call_start)
 
     def close(self, status: str) -> None:
         self.status = status
@@ -275,7 +289,10 @@ class OffloadSession(FeatureSession):
     def summary(self) -> dict[str, Any]:
         """JSON-safe: the offload handle's ``OffloadStats.summary()`` (zeros when nothing was offloaded) plus what
         the run decided and saw: ``active``, ``status``, block counts, promoted and freed bytes, computed and skipped
-        calls and the bytes moved during skipped calls (0 by design), and ``notes`` (the library's and the run's)."""
+        calls and the bytes moved during skipped calls (0 by design), the bytes moved and the copy wait when the
+        blocks were placed (before the first call), the device's weight bytes during the run, ``unchanged_reason`` (why nothing was
+        offloaded, else None), ``steps`` (``StepTotals``: per sampler step its calls, skipped calls, bytes moved and
+        copy wait) and ``notes`` (the library's and the run's)."""
         stats = self.handle.stats if self.handle is not None else self._idle_stats()
         summary = stats.summary()
         plan = self.plan
@@ -292,6 +309,11 @@ class OffloadSession(FeatureSession):
             "calls_computed": self.calls_computed,
             "calls_skipped": self.calls_skipped,
             "bytes_moved_on_skipped_calls": self.bytes_moved_on_skipped_calls,
+            "bytes_moved_before_sampling": self.before_sampling[0] if self.before_sampling else 0,
+            "copy_wait_before_sampling_seconds": self.before_sampling[1] if self.before_sampling else 0.0,
+            "device_weight_bytes": self.device_weight_bytes,
+            "unchanged_reason": self.unchanged_reason,
+            "steps": self.steps.to_list(),
             "notes": [*summary["notes"], *self.notes],
         })
         return summary
@@ -326,13 +348,15 @@ class OffloadSession(FeatureSession):
                     "so CPU Offload leaves them to it and changes nothing; a step a cache skips runs no block, so "
                     "ComfyUI loads none of their weights")
         if target is None:
-            return f"nothing to offload to: {no_target_reason(patcher)}, so CPU Offload changes nothing"
+            fix = ("it frees VRAM where ComfyUI runs the model on a GPU" if torch.device(patcher.load_device).type == "cpu"
+                   else "start ComfyUI without --highvram / --gpu-only to let it offload blocks")
+            return f"nothing to offload to: {no_target_reason(patcher)}, so CPU Offload changes nothing; {fix}"
         if getattr(patcher, "hook_patches", None) or getattr(patcher, "forced_hooks", None) is not None:
             return ("this MODEL has ComfyUI weight hooks (Create Hook LoRA and the like), which patch weights in the "
                     "middle of sampling; CPU Offload does not move weights ComfyUI may patch during the run, so it "
                     "changes nothing")
         if self.settings.blocks_to_offload == 0:
-            return "blocks_to_offload is 0: nothing offloaded"
+            return "blocks_to_offload is 0: nothing offloaded; set it to -1 (auto) or to the number of blocks to keep in RAM"
         return None
 
     def _available_for_blocks(self, patcher, target: torch.device, footprints: list[BlockFootprint]) -> int:
@@ -377,9 +401,14 @@ class OffloadSession(FeatureSession):
         own = model.model_loaded_weight_memory
         model.model_loaded_weight_memory = max(0, own + delta)
         self.accounted = (model, own, model.model_loaded_weight_memory)
+        self.device_weight_bytes = model.model_loaded_weight_memory
 
     def _bytes_moved(self) -> int:
         return self.handle.stats.bytes_moved if self.handle is not None else 0
+
+    def _copy_wait(self) -> float:
+        """The copy waits measured so far (on CUDA, a wait still being timed counts at a later call)."""
+        return self.handle.stats.copy_wait_seconds if self.handle is not None else 0.0
 
     def _idle_stats(self) -> OffloadStats:
         device = str(self.target if self.target is not None else self.patcher.load_device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +25,11 @@ import torch
 from comfy_api.latest import io
 
 from ...omni_hooks.sequence_parallel import SequenceParallelConfig
+from ...omni_hooks.sequence_parallel.batch import call_batch
 from . import group as sp_group
 from ..families import FAMILIES, ModelFamily, detect
 from ..features import FEATURES_KEY, AppliedFeature, Category, FeatureSpec, attach_feature, register_feature
-from ..stats_store import FeatureReport
+from ..stats_store import FeatureReport, StepTotals
 from .shard import ATTENTION_OVERRIDE, KIND, ShardSession
 from .protocol import (OPTIONS_SLOT, CommandRefused, SequenceParallelError, check_picklable, is_collective_failure,
                        tensor_signature)
@@ -126,6 +128,9 @@ class SequenceParallelSession(ShardSession):
         self.degrees: tuple[int, int, int] | None = None  # (ulysses, ring, cfg)
         self.run_id = uuid.uuid4().hex
         self.calls = 0
+        self.steps = StepTotals()  # per sampler step on this rank: calls, seconds, bytes sent, skipped calls
+        self.calls_unsplit: list[str] = []  # why a call with cfg_degree > 1 ran its batch whole (one per call)
+        self._call_start: tuple[float, int] | None = None
 
     def after_load(self, patcher) -> None:
         self._join(patcher)
@@ -167,6 +172,23 @@ class SequenceParallelSession(ShardSession):
         super().before_call(args, kwargs, transformer_options)
         self.runtime.gate.hold(answers)  # the workers check the call while this rank computes up to its first exchange
 
+    def begin_call(self, context) -> None:
+        super().begin_call(context)
+        if self.degrees is not None and self.degrees[2] > 1 and self.runtime.batch_part()[1] == 1:
+            batch = self.runtime.whole_call and call_batch(*self.runtime.whole_call)
+            self.calls_unsplit.append(f"a batch of {batch} does not split into cfg_degree {self.degrees[2]} equal "
+                                      "parts: the call ran on every rank with the sequence split only")
+        self._call_start = (time.perf_counter(), self.runtime.stats.bytes_sent)
+
+    def end_call(self, context) -> None:
+        if self._call_start is None:
+            return
+        started, sent = self._call_start
+        self._call_start = None
+        self.steps.add(context.step, seconds=time.perf_counter() - started,
+                       bytes_sent=self.runtime.stats.bytes_sent - sent,
+                       decided=int(context.blocks_run is not None), skipped=int(context.blocks_run is False))
+
     def call_output(self, output: Any) -> Any:
         self.runtime.gate.release()  # a call whose every exchange was skipped still hears every worker's answer
         return super().call_output(output)
@@ -205,7 +227,17 @@ class SequenceParallelSession(ShardSession):
         group = self.settings.group
         return {"world_size": group.world_size, "ulysses_degree": ulysses, "ring_degree": ring, "cfg_degree": cfg,
                 "backend": group.backend, "local_devices": list(group.devices),
-                "calls": self.calls, "bytes_sent": self.runtime.stats.bytes_sent if self.runtime else 0}
+                "calls": self.calls, "bytes_sent": self.runtime.stats.bytes_sent if self.runtime else 0,
+                **self._activity()}
+
+    def _activity(self) -> dict[str, Any]:
+        """What the card shows beyond the setup: per sampler step its calls, seconds on this rank, bytes this rank
+        sent, the calls a cache decided for every rank (``decided``, agreed over the group) and of those the skipped
+        ones (``StepTotals``); bytes sent per exchange kind; the calls whose batch ran whole and why."""
+        by_kind = self.runtime.stats.snapshot() if self.runtime else {}
+        return {"steps": self.steps.to_list(), "bytes_sent_by_exchange": {k: r.bytes_sent for k, r in by_kind.items()},
+                "calls_unsplit": len(self.calls_unsplit),
+                "unsplit_reason": self.calls_unsplit[0] if self.calls_unsplit else None}
 
     def report(self) -> FeatureReport:
         """Its summary as the run's card, headed by the devices and degrees; ``world_size`` also at the top (the

@@ -3,7 +3,7 @@ headless Chromium (Debian's /usr/bin/chromium; Playwright's own browser download
 
 Workflows are loaded into the page and queued the way the Run button does (the page's client id, the workflow in
 extra_pnginfo), so the panel sees what a user sees. Screenshots of every state go to test-artifacts/ (set
-OMNIHOOKS_UPDATE_DOCS=1 to also refresh docs/stats-panel.png).
+OMNIHOOKS_UPDATE_DOCS=1 to also refresh docs/stats-panel.png and docs/stats-panel-offload.png).
 """
 from __future__ import annotations
 
@@ -135,14 +135,22 @@ def wait_for_run(page, run_id: str, timeout: float = 30000) -> None:
     page.wait_for_selector(f".omni-run-view[data-run='{run_id}'] .omni-status:not(.omni-status-running)", timeout=timeout)
 
 
-def set_sidebar_width(page, width: int) -> None:
-    """Drag-free resize of the sidebar (as the splitter does), then wait for the panel to redraw at that width."""
-    page.evaluate("(w) => { const p = document.querySelector('.side-bar-panel'); p.style.flex = `0 0 ${w}px`; p.style.width = w + 'px'; }", width)
+def set_sidebar_width(page, width: int) -> int:
+    """Drag-free resize of the sidebar (as the splitter does), then wait for the panel to redraw at that width; the
+    width it got: never under the sidebar's own minimum (newer frontends keep it at least ~19.5rem wide), as a user
+    dragging the splitter gets."""
+    width = page.evaluate("""(w) => {
+        const p = document.querySelector('.side-bar-panel');
+        const w2 = Math.max(w, parseFloat(getComputedStyle(p).minWidth) || 0);
+        p.style.flex = `0 0 ${w2}px`; p.style.width = w2 + 'px';
+        return w2;
+    }""", width)
     page.wait_for_function("""(w) => {
         const panel = document.querySelector('.omni-hooks-panel'), plot = document.querySelector('.omni-plot');
         return Math.abs(panel.getBoundingClientRect().width - w) < 2 && (!plot
             || Math.abs(plot.getBoundingClientRect().width - (document.querySelector('.omni-body').clientWidth - 16)) < 2);
     }""", arg=width, timeout=5000)
+    return width
 
 
 def screenshot(page, name: str) -> Path:
@@ -267,7 +275,7 @@ def test_the_panel_fits_narrow_and_wide_sidebars(page, comfy):
     open_panel(page)
     run_in_page(page, comfy, teacache_graph(threshold=1.0), "fit check")
     page.wait_for_selector(".omni-run-view svg.omni-plot", timeout=30000)
-    for width in (224, 320, 480):
+    for width in (224, 320, 480):  # 224: the narrowest the sidebar allows, where that is wider
         set_sidebar_width(page, width)
         geometry = page.evaluate("""() => {
             const body = document.querySelector('.omni-body'), b = body.getBoundingClientRect();
@@ -343,31 +351,150 @@ def test_a_run_that_reused_nothing_warns_at_the_top(page, comfy):
     screenshot(page, "stats_panel_warning.png")
 
 
-def test_a_run_with_cpu_offload_alone_shows_its_own_card(page, comfy):
-    """No cache: no reuse numbers, strips or threshold; the offload's card with its headline (the server runs on the
-    CPU, so there is nothing to offload to), and the headline in the list of runs."""
+OFFLOAD_INPUTS = {"blocks_to_offload": -1, "prefetch_blocks": 1, "pin_memory": "auto", "vram_budget_gb": 0.0}
+SP_INPUTS = {"world_size": 2, "ulysses_degree": "auto", "ring_degree": "auto", "devices": "auto", "backend": "auto",
+             "master_address": "127.0.0.1", "master_port": 0, "cfg_parallel": False}
+
+
+def feature_graph(patches, steps: int):
     from omnitest.graphs import tiny_wan_graph
 
-    open_panel(page)
-    graph = tiny_wan_graph([("OmniHooks.CPUOffload", {"blocks_to_offload": -1, "prefetch_blocks": 1,
-                                                     "pin_memory": "auto", "vram_budget_gb": 0.0})], steps=4)
+    graph = tiny_wan_graph(patches, steps=steps)
     graph.set_nonce(time.monotonic_ns())
-    _, run = run_in_page(page, comfy, graph, "offload only")
+    return graph
+
+
+def card_of(page, run_id: str, kind: str):
+    return page.locator(f".omni-run-view[data-run='{run_id}'] .omni-feature[data-kind='{kind}']")
+
+
+def card_after_reload(page, comfy_server, run_id: str, kind: str):
+    """The card of ``kind`` in run ``run_id`` after a page reload (the history the panel loads on start)."""
+    page.reload()
+    open_comfy(page, comfy_server.url)
+    open_panel(page)
+    wait_for_run(page, run_id)
+    return card_of(page, run_id, kind)
+
+
+def assert_fields_folded(card, expected: dict[str, str]) -> None:
+    """Every field is in the card, folded away until its summary is clicked."""
+    fields = card.locator("details.omni-fields")
+    assert fields.get_attribute("open") is None and not card.locator("dl.omni-kv").is_visible()
+    fields.locator("summary").click()
+    card.locator("dl.omni-kv").wait_for(state="visible", timeout=5000)
+    rows = dict(zip(card.locator("dt").all_inner_texts(), card.locator("dd").all_inner_texts()))
+    assert {k: rows.get(k) for k in expected} == expected, rows
+    fields.locator("summary").click()
+
+
+def assert_card_fits_and_follows_the_theme(page, kind: str, name: str) -> None:
+    """The card at the narrowest and a wide sidebar, in the dark and the light palette: nothing wider than the panel,
+    its text in the theme's colour; a screenshot of each."""
+    for theme in ("dark", "light"):
+        page.evaluate("(t) => window.app.extensionManager.setting.set('Comfy.ColorPalette', t)", theme)
+        page.wait_for_function(DARK_THEME_IS, arg=theme, timeout=5000)
+        page.wait_for_timeout(300)
+        for width in (224, 480):
+            got = set_sidebar_width(page, width)
+            look = page.evaluate("""(kind) => {
+                const body = document.querySelector('.omni-body'), b = body.getBoundingClientRect();
+                const card = document.querySelector(`.omni-feature[data-kind='${kind}']`);
+                card.scrollIntoView();
+                const inside = [...card.querySelectorAll('*')].filter(e => e.getClientRects().length).every(e => {
+                    const r = e.getBoundingClientRect(); return r.left >= b.left - 0.5 && r.right <= b.right + 0.5; });
+                const css = (v) => getComputedStyle(document.documentElement).getPropertyValue(v).trim();
+                const probe = document.createElement('div'); document.body.append(probe);
+                probe.style.color = css('--p-text-color'); const expected = getComputedStyle(probe).color; probe.remove();
+                return {overflowX: body.scrollWidth - body.clientWidth, inside,
+                        text: getComputedStyle(card.querySelector('.omni-card-headline')).color, expected};
+            }""", kind)
+            assert look["overflowX"] <= 0 and look["inside"], (theme, got, look)
+            assert look["text"] == look["expected"], (theme, look)
+            screenshot(page, f"{name}_{theme}_{got}.png")
+    page.evaluate("() => window.app.extensionManager.setting.set('Comfy.ColorPalette', 'dark')")
+
+
+def test_a_run_with_cpu_offload_alone_shows_its_card_live_and_after_reload(page, comfy, comfy_server):
+    """No cache: no reuse numbers, strips or threshold; the offload's card says why it changed nothing (the server
+    runs on the CPU, so there is nothing to offload to): no tiles or strip to show, the fields folded away."""
+    open_panel(page)
+    _, run = run_in_page(page, comfy, feature_graph([("OmniHooks.CPUOffload", OFFLOAD_INPUTS)], steps=4), "offload only")
     assert run["kind"] == "offload" and run["summary"] is None
+    (offload,) = [f["summary"] for f in run["features"]]
+    reason = offload["unchanged_reason"]
+    assert reason.startswith("nothing to offload to: ComfyUI runs this model on the CPU") and "changes nothing" in reason
     wait_for_run(page, run["run_id"])
     view = page.locator(f".omni-run-view[data-run='{run['run_id']}']")
     for absent in (".omni-headline", ".omni-strips", ".omni-plot", ".omni-threshold", ".omni-warnings"):
         assert view.locator(absent).count() == 0, absent
     assert view.locator(".omni-node-title").inner_text().startswith("CPU Offload")
     assert view.locator(".omni-features .omni-section-title").text_content() == "What this run did"
-    card = view.locator(".omni-feature")
+    card = card_of(page, run["run_id"], "offload")
     assert card.locator(".omni-card-title").inner_text() == "offload · CPU Offload · #10"
-    assert card.locator(".omni-card-headline").inner_text() == "nothing offloaded"
-    rows = dict(zip(card.locator("dt").all_inner_texts(), card.locator("dd").all_inner_texts()))
-    assert rows["status"] == "success" and rows["bytes moved"] == "0 B" and rows["active"] == "no"
+    assert card.locator(".omni-card-headline").inner_text() == reason
+    assert card.locator(".omni-tile").count() == 0 and card.locator(".omni-bars").count() == 0
+    assert_fields_folded(card, {"status": "success", "bytes moved": "0 B", "active": "no"})
     listed = page.locator(f".omni-run[data-run='{run['run_id']}'] .omni-run-numbers")
     assert listed.inner_text() == "nothing offloaded"
     screenshot(page, "stats_panel_offload_only.png")
+    assert_card_fits_and_follows_the_theme(page, "offload", "offload_card")
+
+    card = card_after_reload(page, comfy_server, run["run_id"], "offload")
+    assert card.locator(".omni-card-headline").inner_text() == reason
+
+
+def test_a_cache_with_cpu_offload_reads_as_one_run(page, comfy):
+    """TeaCache and CPU Offload on one MODEL: one entry, the cache's numbers and strip, the offload's card beneath
+    with its step strip over the same steps (the README's picture)."""
+    open_panel(page)
+    patches = [("OmniHooks.CPUOffload", OFFLOAD_INPUTS), ("OmniHooks.ApplyTeaCache", {
+        "rel_l1_thresh": 1.0, "start_percent": 0.0, "end_percent": 1.0, "cache_device": "compute device",
+        "model_variant": f"calibration: {IDENTITY}"})]
+    _, run = run_in_page(page, comfy, feature_graph(patches, steps=12), "cache and offload")
+    assert run["summary"]["reused"] > 0 and [f["kind"] for f in run["features"]] == ["offload"]
+    assert sum(s["skipped"] for s in run["features"][0]["summary"]["steps"]) == run["summary"]["reused"]
+    wait_for_run(page, run["run_id"])
+    view = page.locator(f".omni-run-view[data-run='{run['run_id']}']")
+    assert " · teacache + offload · " in f" {view.locator('.omni-meta-what').inner_text()} "
+    assert view.locator(".omni-features .omni-section-title").text_content() == "Other features in this run"
+    assert card_of(page, run["run_id"], "offload").locator(".omni-card-headline").inner_text().startswith("nothing to offload to")
+    set_sidebar_width(page, 360)
+    shot = screenshot(page, "stats_panel_cache_and_offload.png")
+    if os.environ.get("OMNIHOOKS_UPDATE_DOCS"):
+        shutil.copy(shot, PACK_ROOT / "docs" / "stats-panel-offload.png")
+
+
+def test_a_sequence_parallel_run_shows_its_card_live_and_after_reload(page, comfy, comfy_server):
+    """Two ranks (rank 0 in the server, one local worker) with TeaCache: the card's headline, tiles (ranks, time and
+    bytes per step, the agreed skips) and one strip cell per step, as the route has them; the fields folded."""
+    open_panel(page)
+    patches = [("OmniHooks.SequenceParallel", SP_INPUTS), ("OmniHooks.ApplyTeaCache", {
+        "rel_l1_thresh": 1.0, "start_percent": 0.0, "end_percent": 1.0, "cache_device": "compute device",
+        "model_variant": f"calibration: {IDENTITY}"})]
+    _, run = run_in_page(page, comfy, feature_graph(patches, steps=8), "two ranks", timeout=240)
+    (sp,) = [f["summary"] for f in run["features"] if f["kind"] == "sequence_parallel"]
+    assert run["world_size"] == 2 and len(sp["steps"]) == 8 and run["summary"]["reused"] > 0
+    wait_for_run(page, run["run_id"])
+    card = card_of(page, run["run_id"], "sequence_parallel")
+    headline = card.locator(".omni-card-headline").inner_text()
+    devices = f" ({', '.join(sp['local_devices'])})" if sp["local_devices"] else ""
+    assert headline.startswith(f"2 ranks{devices}, ulysses {sp['ulysses_degree']} × ring {sp['ring_degree']}; "), headline
+    decided = sum(s["decided"] for s in sp["steps"])
+    assert f"every rank agreed on {decided} cache decisions, {run['summary']['reused']} skipped" in headline
+    tiles = dict(zip(card.locator(".omni-tile .omni-stat-label").all_inner_texts(),
+                     card.locator(".omni-tile .omni-stat-value").all_inner_texts()))
+    assert tiles["ranks"] == "2" and tiles["agreed skips"] == f"{run['summary']['reused']}/{decided}", tiles
+    assert tiles["per step"].endswith(" s") or tiles["per step"].endswith(" ms"), tiles
+    bars = card.locator(".omni-bar")
+    assert bars.count() == 8 and card.locator(".omni-bar-skipped").count() == sum(
+        1 for s in sp["steps"] if s["skipped"] == s["calls"])
+    assert_fields_folded(card, {"world size": "2", "calls": str(sp["calls"])})
+    screenshot(page, "stats_panel_sequence_parallel.png")
+    assert_card_fits_and_follows_the_theme(page, "sequence_parallel", "sequence_parallel_card")
+
+    card = card_after_reload(page, comfy_server, run["run_id"], "sequence_parallel")
+    assert card.locator(".omni-card-headline").inner_text() == headline and card.locator(".omni-bar").count() == 8
 
 
 def test_an_overflowing_metric_keeps_the_panel_live_and_the_history_valid_json(page, comfy, comfy_server):
@@ -433,6 +560,7 @@ def test_a_10000_evaluation_run_is_drawn_binned_with_its_features(page):
     assert view.locator(".omni-stat-reused .omni-stat-value").inner_text() == f"{stats.reused}/10000"
     card = view.locator(".omni-feature")
     assert card.locator(".omni-card-title").inner_text() == "offload · CPU Offload · #30"
+    card.locator("details.omni-fields summary").click()
     assert card.locator("dt").all_inner_texts() == ["moved bytes", "prefetch hits"]
     assert card.locator("dd").all_inner_texts() == ["117.7 MB", "0.97"]
     assert "2 devices" in view.locator(".omni-meta-when").inner_text()
@@ -446,7 +574,7 @@ def test_the_panel_follows_comfyuis_dark_and_light_themes(page, comfy):
     looks = {}
     for theme in ("dark", "light"):
         page.evaluate("(t) => window.app.extensionManager.setting.set('Comfy.ColorPalette', t)", theme)
-        page.wait_for_function("(t) => document.body.classList.contains('dark-theme') === (t === 'dark')", arg=theme, timeout=5000)
+        page.wait_for_function(DARK_THEME_IS, arg=theme, timeout=5000)
         page.wait_for_timeout(300)  # the palette's variables are applied after the class changes
         looks[theme] = page.evaluate("""() => {
             const css = (v) => getComputedStyle(document.documentElement).getPropertyValue(v).trim();
@@ -472,6 +600,11 @@ def test_the_panel_follows_comfyuis_dark_and_light_themes(page, comfy):
     assert looks["dark"]["text"] != looks["light"]["text"] and looks["dark"]["bar"] != looks["light"]["bar"]
 
 
+# the palette's class: on <body> in older frontends, on <html> in newer ones
+DARK_THEME_IS = """(t) => [document.documentElement, document.body].some(e => e.classList.contains('dark-theme'))
+    === (t === 'dark')"""
+
+
 def contrast(fg: str, bg: str) -> float:
     """WCAG contrast ratio of two CSS rgb()/rgba() colours."""
     def luminance(color: str) -> float:
@@ -480,3 +613,40 @@ def contrast(fg: str, bg: str) -> float:
         return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
     hi, lo = sorted((luminance(fg), luminance(bg)), reverse=True)
     return (hi + 0.05) / (lo + 0.05)
+
+
+def test_an_offloading_runs_card_keeps_its_tiles_and_strip_inside_narrow_and_wide_sidebars(page):
+    """This server runs on the CPU, where CPU Offload has nothing to offload to; the card of a run that did offload
+    (the shape a GPU run publishes: the library's OffloadStats, per-step totals, the store's bounded entry) still has
+    to fit: four tiles, one bar per step with the cache's skipped steps marked, the copy waits in the legend."""
+    from omnitest.pack import pack_module
+
+    store = pack_module("nodes.stats_store")
+    stats = pack_module("omni_hooks.offload.stats").OffloadStats(
+        device="cuda:0", blocks=24, prefetch_blocks=1, slots=2, slot_bytes=470 << 20, device_bytes=940 << 20,
+        offloaded_bytes=24 * (470 << 20), pinned_bytes=24 * (470 << 20), pinned_blocks=24, kept_resident_bytes=0,
+        uses_streams=True, block_calls=24 * 18, hits=24 * 18 - 1, sync_loads=1, prefetches=24 * 18 - 1,
+        copies=24 * 18, bytes_moved=18 * 24 * (470 << 20), copy_wait_seconds=0.31)
+    steps = store.StepTotals()
+    for step in range(30):
+        skipped = step in range(4, 28, 2)  # 12 of the 30 steps, as a cache skips them
+        steps.add(step, skipped=int(skipped), bytes_moved=0 if skipped else 24 * (470 << 20),
+                  copy_wait_seconds=0 if skipped else (0.2 if step == 0 else 0.005))
+    summary = {**stats.summary(), "active": True, "status": "success", "blocks_total": 40, "blocks_offloaded": 24,
+               "blocks_promoted": 0, "calls_computed": 18, "calls_skipped": 12, "bytes_moved_on_skipped_calls": 0,
+               "device_weight_bytes": 9 << 30, "unchanged_reason": None, "steps": steps.to_list()}
+    header = {"run_id": "run-offloading", "prompt_id": "p-off", "node_id": "11", "node_title": "CPU Offload",
+              "workflow_id": None, "sampler_node_id": "3", "kind": "offload", "model": "",
+              "threshold": None, "started_at": time.time(), "status": "success", "finished_at": time.time() + 90}
+    entry = store.bounded_entry(header, None, {"features": [
+        {"kind": "offload", "node_id": "11", "node_title": "CPU Offload", "summary": summary}]})
+    open_panel(page)
+    page.evaluate("(entry) => window.comfyAPI.api.api.dispatchCustomEvent('omni_hooks.run', entry)", entry)
+    card = card_of(page, "run-offloading", "offload")
+    card.wait_for(timeout=10000)
+    assert card.locator(".omni-card-headline").inner_text() == (
+        "24 of 40 blocks in RAM (11.0 GB); sampling waited 0.31 s for copies; nothing moved on the 12 skipped steps")
+    assert card.locator(".omni-tile").count() == 4 and card.locator(".omni-bar").count() == 30
+    assert card.locator(".omni-bar-skipped").count() == 12
+    assert "waited for copies" in card.locator(".omni-legend").inner_text()
+    assert_card_fits_and_follows_the_theme(page, "offload", "offloading_card")

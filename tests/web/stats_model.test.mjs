@@ -5,7 +5,8 @@ import { test } from "node:test";
 import {
   applyRun, applyStep, badgeFor, binCells, branchCells, branchExplanation, cellReason, counters, createState,
   describeCell, escapeHtml, featureCards, featuresTitle, formatBytes, formatPercent, formatSeconds, formatSpeedup, formatValue,
-  formatWhen, isCacheRun, lanes, legend, plotData, progress, runNumbers, selectRun, shownRun, speedupBasis, stepTicks, warnings,
+  formatWhen, isCacheRun, lanes, legend, plotData, progress, runKinds, runNumbers, selectRun, shownRun, speedupBasis, stepStrip,
+  stepTicks, stepTotals, warnings,
 } from "../../web/stats_model.js";
 
 const header = (run_id, extra = {}) => ({
@@ -182,8 +183,13 @@ test("other features' summaries become key/value cards", () => {
     { kind: "offload", node_id: "12", node_title: "CPU Offload", summary: { moved_bytes: 1024, peak_seconds: 0.123456, streams: [1, 2], note: null } },
     null, "junk",
   ] });
-  assert.deepEqual(cards, [{ title: "offload · CPU Offload · #12", headline: "",
-    rows: [["moved bytes", "1.0 KB"], ["peak seconds", "0.12 s"], ["streams", "1, 2"], ["note", "–"]] }]);
+  assert.equal(cards.length, 1);
+  assert.equal(cards[0].title, "offload · CPU Offload · #12");
+  assert.deepEqual(cards[0].rows, [["moved bytes", "1.0 KB"], ["peak seconds", "0.12 s"], ["streams", "1, 2"], ["note", "–"]]);
+  // a kind the panel has no view for: its published headline, no tiles, no strip
+  const [other] = featureCards({ features: [{ kind: "future", headline: "did a thing", summary: { sizes_bytes: { a: 2048 } } }] });
+  assert.deepEqual(other, { kind: "future", title: "future", headline: "did a thing", tiles: [], strip: null, notes: [],
+    rows: [["sizes bytes", "a 2.0 KB"]] });
   assert.deepEqual(featureCards({}), []);
 });
 
@@ -235,8 +241,8 @@ test("a run without a cache (CPU Offload alone) is its feature's card, with its 
   assert.deepEqual(lanes(run), []);
   assert.deepEqual(warnings(run), []);  // "nothing was reused" is for caches
   assert.equal(featuresTitle(run), "What this run did");
-  assert.deepEqual(featureCards(run), [{ title: "offload · CPU Offload · #20", headline: offload.headline,
-    rows: [["blocks offloaded", "3"], ["blocks total", "4"], ["bytes moved", "512.0 MB"], ["status", "success"]] }]);
+  assert.deepEqual(featureCards(run).map((c) => [c.title, c.rows]), [["offload · CPU Offload · #20",
+    [["blocks offloaded", "3"], ["blocks total", "4"], ["bytes moved", "512.0 MB"], ["status", "success"]]]]);
   assert.equal(runNumbers(run), "3/4 blocks offloaded, 0.50 GiB moved");
   // Sequence Parallel with the offload: both headlines, and the world size the header shows
   applyRun(s, { run_id: "r-sp", node_id: "30", node_title: "Sequence Parallel", kind: "sequence_parallel", started_at: 2010,
@@ -261,4 +267,93 @@ test("a cache's run stays a cache run: its numbers in the list, the other featur
   const listed = createState();
   applyRun(listed, { ...header("r9"), status: "error", summary: { evaluations: 0, computed: 0, reused: 0 }, evaluations: [] });
   assert.equal(isCacheRun(shownRun(listed)), true);
+});
+
+const MB = 1024 * 1024;
+// an offload summary as nodes/offload/node.py publishes it: 3 of 4 blocks offloaded, 4 steps, a cache skipped 2
+const offloadSummary = (extra = {}) => ({
+  kind: "offload", device: "cuda:0", active: true, blocks_total: 4, blocks_offloaded: 3, blocks_promoted: 0,
+  offloaded_bytes: 300 * MB, device_bytes: 200 * MB, slots: 2, promoted_bytes: 0, sync_loads: 1, block_calls: 12,
+  bytes_moved: 500 * MB, copy_wait_seconds: 0.25, calls_computed: 2, calls_skipped: 2, bytes_moved_on_skipped_calls: 0,
+  device_weight_bytes: 600 * MB, unchanged_reason: null, notes: ["VRAM for the blocks: 0.2 GiB (...)"],
+  steps: [
+    { first_step: 0, last_step: 0, calls: 1, skipped: 0, bytes_moved: 200 * MB, copy_wait_seconds: 0.2 },
+    { first_step: 1, last_step: 1, calls: 1, skipped: 1, bytes_moved: 0, copy_wait_seconds: 0 },
+    { first_step: 2, last_step: 2, calls: 1, skipped: 1, bytes_moved: 0, copy_wait_seconds: 0 },
+    { first_step: 3, last_step: 3, calls: 1, skipped: 0, bytes_moved: 100 * MB, copy_wait_seconds: 0.05 },
+  ],
+  ...extra,
+});
+
+test("the CPU Offload card answers what was offloaded and what it cost, in a headline, tiles and a strip", () => {
+  const [card] = featureCards({ features: [{ kind: "offload", node_id: "20", node_title: "CPU Offload", summary: offloadSummary() }] });
+  assert.equal(card.headline, "3 of 4 blocks in RAM (300.0 MB); sampling waited 0.25 s for copies; "
+    + "nothing moved on the 2 skipped steps");
+  assert.deepEqual(card.tiles.map((t) => [t.label, t.value]), [
+    ["VRAM kept free", "100.0 MB"], ["moved per computed step", "150.0 MB"], ["waiting for copies", "0.25 s"],
+    ["weights in VRAM (peak)", "600.0 MB"]]);
+  assert.equal(card.strip.label, "bytes moved");
+  assert.deepEqual(card.strip.cells.map((c) => [c.skipped, c.share]), [[false, 1], [true, 0], [true, 0], [false, 0.5]]);
+  assert.equal(card.strip.cells[3].title, "step 4: 100.0 MB moved, waited 0.05 s");
+  assert.equal(card.strip.cells[1].title, "step 2: skipped by the cache, nothing to move");
+  assert.deepEqual(card.notes, ["VRAM for the blocks: 0.2 GiB (...)"]);
+  // every field is still there (folded away by the panel), the per-step list drawn as the strip instead
+  const rows = Object.fromEntries(card.rows);
+  assert.equal(rows["bytes moved"], "500.0 MB");
+  assert.equal(rows["copy wait seconds"], "0.25 s");
+  assert.ok(!("steps" in rows) && !("notes" in rows));
+  // bytes moved on skipped steps are named, not hidden
+  const leaky = featureCards({ features: [{ kind: "offload", summary: offloadSummary({ bytes_moved_on_skipped_calls: 2048 }) }] })[0];
+  assert.match(leaky.headline, /2\.0 KB moved on the 2 skipped steps$/);
+});
+
+test("a CPU Offload run that changed nothing says why, with no tiles and no strip", () => {
+  const reason = "nothing to offload to: ComfyUI runs this model on the CPU (offload device cpu), so CPU Offload changes nothing";
+  const [card] = featureCards({ features: [{ kind: "offload", headline: "nothing offloaded", summary: offloadSummary({
+    active: false, blocks_offloaded: 0, unchanged_reason: reason, notes: [reason], bytes_moved: 0,
+    steps: [{ first_step: 0, last_step: 0, calls: 1, skipped: 0, bytes_moved: 0, copy_wait_seconds: 0 }] }) }] });
+  assert.equal(card.headline, reason);
+  assert.deepEqual(card.tiles, []);
+  assert.equal(card.strip, null);
+  assert.deepEqual(card.notes, []);  // the reason is the headline, not repeated
+  // an older entry without the reason: its last note
+  const older = featureCards({ features: [{ kind: "offload", summary: { active: false, notes: ["a", "auto: all 4 blocks fit"] } }] })[0];
+  assert.equal(older.headline, "auto: all 4 blocks fit");
+});
+
+test("the Sequence Parallel card: ranks, degrees, time and bytes per step, agreed cache decisions, unsplit calls", () => {
+  const summary = { world_size: 2, ulysses_degree: 2, ring_degree: 1, cfg_degree: 1, backend: "gloo", local_devices: ["cpu", "cpu"],
+    calls: 4, bytes_sent: 3 * MB, bytes_sent_by_exchange: { ulysses_all_to_all: 3 * MB - 64, cache_agreement: 64 },
+    calls_unsplit: 0, unsplit_reason: null, steps: [0, 1, 2, 3].map((i) => ({ first_step: i, last_step: i, calls: 1,
+      seconds: i === 1 ? 0.1 : 0.5, bytes_sent: i === 1 ? 16 : MB - 5, decided: 1, skipped: i === 1 ? 1 : 0 })) };
+  const [card] = featureCards({ features: [{ kind: "sequence_parallel", node_title: "Sequence Parallel", node_id: "30", summary }] });
+  assert.equal(card.title, "sequence parallel · Sequence Parallel · #30");
+  assert.equal(card.headline, "2 ranks (cpu, cpu), ulysses 2 × ring 1; 0.40 s and 768.0 KB sent per step on rank 0; "
+    + "every rank agreed on 4 cache decisions, 1 skipped");
+  assert.deepEqual(card.tiles.map((t) => [t.label, t.value]), [["ranks", "2"], ["per step", "0.40 s"],
+    ["sent per step", "768.0 KB"], ["agreed skips", "1/4"]]);
+  assert.deepEqual(card.strip.cells.map((c) => c.skipped), [false, true, false, false]);
+  assert.equal(Object.fromEntries(card.rows)["bytes sent by exchange"], "ulysses_all_to_all 3.0 MB, cache_agreement 64 B");
+  const cfg = featureCards({ features: [{ kind: "sequence_parallel", summary: { ...summary, cfg_degree: 2, world_size: 4, local_devices: [],
+    calls_unsplit: 2, unsplit_reason: "a batch of 1 does not split into cfg_degree 2 equal parts" } }] })[0];
+  assert.match(cfg.headline, /^4 ranks, ulysses 2 × ring 1 × cfg 2; /);
+  assert.match(cfg.headline, /; 2 calls not split by CFG: a batch of 1 does not split into cfg_degree 2 equal parts$/);
+});
+
+test("per-step totals of a long run count the steps each merged item covers", () => {
+  const t = stepTotals({ steps: [{ first_step: 0, last_step: 4, calls: 5, skipped: 0, bytes_moved: 10 },
+    { first_step: 5, last_step: 9, calls: 5, skipped: 5, bytes_moved: 0 }, "junk"] });
+  assert.deepEqual([t.steps, t.skippedSteps, t.ranSteps, t.sum("bytes_moved")], [10, 5, 5, 10]);
+  assert.equal(stepStrip({ steps: [{ first_step: 0, last_step: 4, calls: 5, bytes_moved: 10 }] }, "bytes_moved",
+    () => "x").cells[0].title, "steps 1–5: x");
+  assert.equal(stepStrip({}, "bytes_moved", () => ""), null);
+});
+
+test("a cache run with offload on the same MODEL reads as one run: both kinds in its header", () => {
+  const s = createState();
+  applyRun(s, { ...header("r1"), status: "success", features: [{ kind: "offload", summary: offloadSummary() }],
+    summary: { evaluations: 4, computed: 2, reused: 2, hit_rate: 0.5 } });
+  assert.equal(runKinds(shownRun(s)), "teacache + offload");
+  assert.equal(runKinds({ kind: "offload", features: [{ kind: "offload" }] }), "offload");
+  assert.equal(runKinds({ kind: "teacache", features: [{ kind: "sequence_parallel" }] }), "teacache + sequence parallel");
 });

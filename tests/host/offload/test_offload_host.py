@@ -458,7 +458,8 @@ def test_zero_blocks_offloads_nothing(env, wan, forced):
     env.tiny.sample(wan, model=probe.model, steps=2)
     summary = probe.session(env).summary()
     assert summary["blocks_offloaded"] == 0 and not summary["active"] and summary["bytes_moved"] == 0
-    assert "blocks_to_offload is 0: nothing offloaded" in summary["notes"]
+    assert summary["unchanged_reason"].startswith("blocks_to_offload is 0: nothing offloaded; set it to -1 (auto)")
+    assert summary["unchanged_reason"] in summary["notes"]
     assert_same_state(before, weights_state(wan.diffusion_model))
 
 
@@ -712,3 +713,31 @@ def test_on_dynamic_vram_offload_stands_aside_and_a_skipped_step_loads_no_weight
     assert all(c["other reads"] > 0 for c in calls), calls  # core still reads the embeddings and the head
     assert_same_state(before, weights_state(dm))
     assert not any(hasattr(m, "_v") for m in dm.modules())
+
+
+def test_the_card_has_per_step_bytes_and_waits_that_add_up_to_the_runs(env, wan, forced):
+    """Per sampler step: the calls, the skipped ones, the bytes moved and the copy wait; with the placement's bytes
+    they add up to the handle's totals, a skipped step moved nothing, and the device's weight bytes are ComfyUI's."""
+    probe = Probe(env, env.teacache(env.offload(wan.patcher, blocks=LAYERS)))
+    env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    summary = probe.session(env).summary()
+    steps = summary["steps"]
+    assert [s["first_step"] for s in steps] == list(range(STEPS)) == [s["last_step"] for s in steps]
+    assert sum(s["calls"] for s in steps) == probe.calls
+    assert sum(s["skipped"] for s in steps) == summary["calls_skipped"] > 0
+    assert summary["bytes_moved_before_sampling"] + sum(s["bytes_moved"] for s in steps) == summary["bytes_moved"]
+    assert summary["copy_wait_before_sampling_seconds"] + sum(s["copy_wait_seconds"] for s in steps) == \
+        pytest.approx(summary["copy_wait_seconds"], abs=1e-6)
+    assert all(s["bytes_moved"] == 0 for s in steps if s["skipped"] == s["calls"])
+    assert all(s["bytes_moved"] > 0 and s["copy_wait_seconds"] > 0 for s in steps if s["skipped"] == 0)
+    assert summary["unchanged_reason"] is None and summary["device_weight_bytes"] > 0
+    assert summary["device_weight_bytes"] in probe.loaded_weight_memory  # what ComfyUI saw inside the calls
+
+
+def test_a_run_that_changed_nothing_says_why(env, wan):
+    probe = Probe(env, env.offload(wan.patcher))  # this ComfyUI runs on the CPU: nothing to offload to
+    env.tiny.sample(wan, model=probe.model, steps=2)
+    summary = probe.session(env).summary()
+    assert summary["unchanged_reason"].startswith("nothing to offload to") and not summary["active"]
+    assert summary["unchanged_reason"].endswith("changes nothing; it frees VRAM where ComfyUI runs the model on a GPU")
+    assert summary["bytes_moved"] == 0 and [s["bytes_moved"] for s in summary["steps"]] == [0, 0]

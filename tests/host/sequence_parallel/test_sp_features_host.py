@@ -221,3 +221,21 @@ def test_a_cache_on_a_joint_attention_family_decides_alike_on_every_rank(env, us
     assert alone_summary["reused"] > 0
     assert (summary["reused"], summary["computed"]) == (alone_summary["reused"], alone_summary["computed"])
     assert psnr_db(got, alone) >= MIN_PSNR_DB
+
+
+def test_the_card_has_per_step_time_bytes_and_the_agreed_cache_decisions(env, wan):
+    """Every call lands in its sampler step; the per-step bytes add up to the rank's total and the agreed decisions
+    to the cache's own counts."""
+    env.tiny.sample(wan, model=env.sequence_parallel(env.teacache(wan.patcher)), steps=STEPS)
+    entry = last_entry(env)
+    (parallel,) = [f["summary"] for f in entry["features"] if f["kind"] == "sequence_parallel"]
+    steps = parallel["steps"]
+    assert [s["first_step"] for s in steps] == list(range(STEPS)) and all(s["seconds"] > 0 for s in steps)
+    assert sum(s["calls"] for s in steps) == parallel["calls"]
+    assert sum(s["bytes_sent"] for s in steps) == parallel["bytes_sent"] == sum(parallel["bytes_sent_by_exchange"].values())
+    assert sum(s["decided"] for s in steps) == parallel["calls"]
+    assert sum(s["skipped"] for s in steps) == entry["summary"]["reused"] > 0
+    skipped_bytes = [s["bytes_sent"] for s in steps if s["skipped"] == s["calls"]]
+    computed_bytes = [s["bytes_sent"] for s in steps if s["skipped"] == 0]
+    assert skipped_bytes and max(skipped_bytes) < min(computed_bytes)  # a skipped step exchanges only the agreement
+    assert parallel["calls_unsplit"] == 0 and parallel["unsplit_reason"] is None
