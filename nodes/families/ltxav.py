@@ -87,6 +87,9 @@ FAMILY = ModelFamily(
               "av_ca_audio_scale_shift_adaln_single", "av_ca_v2a_gate_adaln_single",
               "audio_embeddings_connector", "video_embeddings_connector"),
     detect_before=("ltxv",),  # LTXAVModel subclasses LTXVModel
+    sequence_refusal=("in every block the video attends to the whole audio and the audio to the whole video, so "
+                      "splitting the tokens of either stream would cut the keys the other reads; the caches and CPU "
+                      "Offload work on it"),
     expects=Expectations(
         blocks={"transformer_blocks": ForwardParameters(
             ("x", "v_context", "a_context", "attention_mask", "v_timestep", "a_timestep", "v_pe", "a_pe",
