@@ -23,7 +23,7 @@ REFUSED: dict[str, str] = {
         ("StableAudio", "audio"), ("ACEStep", "audio"), ("Hunyuan3Dv2mini", "3D shapes"), ("Hunyuan3Dv2", "3D shapes"),
         ("Hunyuan3Dv2_1", "3D shapes"))},
     **{name: _NO_ADAPTER for name in (
-        "Kandinsky5", "Kandinsky5Image", "MiniMaxH3", "HiDreamO1", "Anima", "Krea2", "Ideogram4",
+        "MiniMaxH3", "HiDreamO1", "Anima", "Krea2", "Ideogram4",
         "JoyImage", "ErnieImage", "CogVideoX_T2V", "CogVideoX_I2V", "CogVideoX_Inpaint", "MageFlow", "PixelDiTT2I",
         "PiD", "Boogu", "Lens")},
     **{name: _NOT_IMAGE + f" ({what})" for name, what in (

@@ -275,6 +275,13 @@ def _ltxav_inputs(g: torch.Generator) -> _Inputs:
     return pos, neg, latent, None
 
 
+def _kandinsky5_inputs(g: torch.Generator) -> _Inputs:
+    # Qwen2.5-VL text [1, L, in_text_dim] and the CLIP pooled output (y); EmptyHunyuanLatentVideo(64x64, length 5).
+    # Text-to-video: concat_cond adds zeros and a zero mask (16 + 16 + 1 channels, 132 = 33 x 2 x 2 per patch).
+    pos, neg = _pair(g, 8, 32, lambda: {"pooled_output": _randn(g, 1, 32)})
+    return pos, neg, torch.zeros(1, 16, 2, 8, 8), None
+
+
 def _hunyuan_video15_config(**over: Any) -> dict:
     config = {
         "image_model": "hunyuan_video", "in_channels": 65, "out_channels": 32, "patch_size": [1, 1, 1],
@@ -361,6 +368,12 @@ _SPECS: dict[str, _Spec] = {
         "caption_channels": 32, "connector_attention_head_dim": 16, "connector_num_attention_heads": 2,
         "connector_num_layers": 1,
     }, _ltxav_inputs, 3.0, requires=("comfy.model_base", "LTXAV")),
+    # Kandinsky 5 video (Kandinsky5Image's matcher only accepts the released model_dim 2560: same class, not built)
+    "kandinsky5": _Spec("kandinsky5", "Kandinsky5", "Kandinsky5", {
+        "image_model": "kandinsky5", "in_visual_dim": 16, "out_visual_dim": 16, "in_text_dim": 32,
+        "in_text_dim2": 32, "time_dim": 32, "model_dim": 64, "ff_dim": 128, "visual_embed_dim": 132,
+        "patch_size": (1, 2, 2), "num_text_blocks": 1, "num_visual_blocks": 2, "axes_dims": (8, 12, 12),
+    }, _kandinsky5_inputs, 5.0, requires=("comfy.model_base", "Kandinsky5")),
 }
 
 #: Every case name ``build_case`` accepts, in a stable order.
