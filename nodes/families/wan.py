@@ -147,7 +147,8 @@ FAMILY = ModelFamily(
               "vace_patch_embedding", "vace_blocks",          # VACE hints, added between the blocks
               "control_adapter",                              # Camera
               "audio_proj",                                   # HuMo
-              "pose_patch_embedding", "motion_encoder", "face_encoder", "face_adapter"),  # Animate
+              "pose_patch_embedding", "motion_encoder", "face_encoder", "face_adapter",   # Animate
+              "patch_embedding_pose", "patch_embedding_mask"),                            # SCAIL, SCAIL 2
     sequence_plan=_sequence_plan, attention_sites=_attention_sites,
     recommendation_keys={"teacache": frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B"}),
                          "magcache": frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B",
