@@ -35,6 +35,25 @@ class TensorArg:
         return tuple(args), kwargs
 
 
+def pack_streams(streams: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Batch-first streams as one tensor [B, N]: each flattened per sample, concatenated in order."""
+    return torch.cat([s.reshape(s.shape[0], -1) for s in streams], dim=1)
+
+
+@dataclass(frozen=True)
+class PackedStreams:
+    """Several hidden streams a block receives in ONE argument (a tuple or list of batch-first tensors, by keyword
+    ``name`` or else at position ``index``; LTX-2's ``(video, audio)``), read as one tensor by ``pack_streams``, so
+    a cache measures and stores one residual over all of them. Only a head's hidden is read this way; the stack's
+    output leaves through one tail module per stream (``BlockStack.tail`` and ``BlockStack.stream_tails``)."""
+
+    name: str
+    index: int
+
+    def get(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        return pack_streams(TensorArg(self.name, self.index).get(args, kwargs))
+
+
 SkipFn = Callable[[torch.nn.Module, tuple, dict], Any]
 
 
@@ -49,15 +68,24 @@ class BlockStack:
 
     blocks: Sequence[torch.nn.Module]
     tail: torch.nn.Module
-    head_hidden: TensorArg
+    head_hidden: TensorArg | PackedStreams
     tail_hidden: TensorArg
     skip_block: SkipFn
     # Blocks that modify their input in place need the head input cloned before they run.
     clone_head_input: bool = True
+    # With a PackedStreams head: for the second, third, ... stream, the module after the stack that receives it and
+    # where (``tail`` receives the first), in the order the model calls them.
+    stream_tails: Sequence[tuple[torch.nn.Module, TensorArg]] = ()
 
     def __post_init__(self) -> None:
         if not self.blocks:
             raise ValueError("A BlockStack needs at least one block")
+        if self.stream_tails and not isinstance(self.head_hidden, PackedStreams):
+            raise ValueError("A BlockStack with stream_tails reads its head hidden as PackedStreams")
+
+    def tails(self) -> list[tuple[torch.nn.Module, TensorArg]]:
+        """Every module that receives a stream of the stack's output, with where, in call order."""
+        return [(self.tail, self.tail_hidden), *self.stream_tails]
 
 
 def skip_returning(*names_or_indices: TensorArg) -> SkipFn:

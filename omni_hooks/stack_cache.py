@@ -61,6 +61,12 @@ class ActiveCall:
     # per branch key: what the policy measured at the head and compares at the tail (TeaCache: the input change;
     # MagCache: the residual the new one is compared with)
     head_measures: dict[str, float | torch.Tensor] = field(default_factory=dict)
+    # a stack with several tails (one per packed stream): the next tail's part, the stream outputs seen so far (a
+    # computed call) or the packed reused hidden and how much of it the earlier tails took (a skipped call)
+    tail_part: int = 0
+    tail_outputs: list[torch.Tensor] = field(default_factory=list)
+    reused: torch.Tensor | None = None
+    reused_offset: int = 0
 
     @property
     def skipping(self) -> bool:
@@ -283,7 +289,9 @@ class StackCacheRun:
         head, block, tail, capture = self.hook_names
         plan: list[tuple[torch.nn.Module, str, ModelHook]] = [(self.stack.blocks[0], head, self.head_hook_cls(self))]
         plan += [(b, block, self.block_hook_cls(self)) for b in self.stack.blocks[1:]]
-        plan.append((self.stack.tail, tail, (self.tail_hook_cls or StackTailHook)(self)))
+        tails = self.stack.tails()
+        plan += [(module, tail, (self.tail_hook_cls or StackTailHook)(self, part, len(tails)))
+                 for part, (module, _where) in enumerate(tails)]
         if self.capture_module is not None:
             plan.append((self.capture_module, capture, StackCaptureHook(self)))
         try:
@@ -345,23 +353,50 @@ class StackBlockHook(ModelHook):
 
 
 class StackTailHook(ModelHook):
-    """On the module after the stack: store the residual after a computed call, add it after a skipped one."""
+    """On the module after the stack: store the residual after a computed call, add it after a skipped one.
+
+    A stack of packed streams has one tail per stream (``part`` of ``parts``, called in that order): each gets its
+    stream's share of the reused hidden on a skip; on a compute the last one stores the residual of all of them.
+    """
 
     phase = HookPhase.CACHING
 
-    def __init__(self, run: StackCacheRun):
+    def __init__(self, run: StackCacheRun, part: int = 0, parts: int = 1):
         self.run = run
+        self.part = part
+        self.parts = parts
+
+    @property
+    def last(self) -> bool:
+        return self.part == self.parts - 1
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         run = self.run
         call = run._call
-        if call is None or call.head_input is None:
+        if call is None or call.head_input is None or call.tail_part != self.part:
             return args, kwargs
-        head_input, call.head_input = call.head_input, None
-        tail = run.stack.tail_hidden
+        where = run.stack.tails()[self.part][1]
+        if self.parts == 1:
+            head_input, call.head_input = call.head_input, None
+            if call.skipping:
+                return where.replace(args, kwargs, run.reused_hidden(head_input))
+            run.store_residual(head_input, where.get(args, kwargs))
+            return args, kwargs
+        stream = where.get(args, kwargs)
+        call.tail_part += 1
         if call.skipping:
-            return tail.replace(args, kwargs, run.reused_hidden(head_input))
-        run.store_residual(head_input, tail.get(args, kwargs))
+            if call.reused is None:
+                call.reused = run.reused_hidden(call.head_input)
+            width = stream.numel() // max(stream.shape[0], 1)
+            share = call.reused[:, call.reused_offset:call.reused_offset + width]
+            call.reused_offset += width
+            args, kwargs = where.replace(args, kwargs, share.reshape(stream.shape))
+        else:
+            call.tail_outputs.append(stream.reshape(stream.shape[0], -1))
+        if self.last:
+            if not call.skipping:
+                run.store_residual(call.head_input, torch.cat(call.tail_outputs, dim=1))
+            call.head_input, call.reused, call.tail_outputs = None, None, []
         return args, kwargs
 
 

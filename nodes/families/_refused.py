@@ -22,6 +22,30 @@ REFUSED: dict[str, str] = {
     **{name: _NOT_IMAGE + f" ({what})" for name, what in (
         ("StableAudio", "audio"), ("ACEStep", "audio"), ("Hunyuan3Dv2mini", "3D shapes"), ("Hunyuan3Dv2", "3D shapes"),
         ("Hunyuan3Dv2_1", "3D shapes"))},
+    **{name: _NO_ADAPTER for name in (
+        "Anima", "Krea2", "Ideogram4",
+        "JoyImage", "ErnieImage", "CogVideoX_T2V", "CogVideoX_I2V", "CogVideoX_Inpaint", "MageFlow", "PixelDiTT2I",
+        "PiD", "Boogu", "Lens")},
+    **{name: _NOT_IMAGE + f" ({what})" for name, what in (
+        ("StableAudio3", "audio"), ("ACEStep15", "audio"), ("MiniMaxMusic3", "music"), ("TripoSplat", "3D shapes"),
+        ("Trellis2", "3D shapes"), ("RT_DETR_v4", "object detection"), ("SAM3", "segmentation"),
+        ("SAM31", "segmentation"), ("DepthAnything3", "depth estimation"))},
+    "MiniMaxH3": ("MiniMax-H3's blocks take one packed sequence of text, reference, audio and video tokens without a "
+                  "batch dimension, modulated segment by segment at absolute token positions, which no family here "
+                  "describes yet; a token split would also cut those segments"),
+    "HiDreamO1": ("HiDream-O1 denoises image tokens inside a language model whose layers keep the prompt's keys and "
+                  "values from the first call and reuse them on later calls: skipping or streaming those layers would "
+                  "leave that cache incomplete, and the calls differ in length"),
+    "SeedVR2": ("SeedVR2 is a video restoration model (NaDiT: windowed attention over variable-length patches), not a "
+                "text-to-image or video generator with a block stack the pack describes"),
+    "ZImagePixelSpace": ("Z-Image pixel space ends in a per-patch decoder network (dec_net) instead of NextDiT's final "
+                         "layer, which the Z-Image family's stack does not describe"),
+    "WAN_Animate2": ("Wan Animate 2 calls its blocks through forward_pose / forward_gen with pose keys and values, "
+                     "not through the block call the Wan family hooks"),
+    "WAN21_CausalAR_T2V": ("Causal autoregressive Wan writes a key/value cache in every block while it generates "
+                           "chunk after chunk: skipping or streaming its blocks would leave that cache incomplete"),
+    "WAN22_WanDancer": ("WanDancer injects music between the blocks and ends in one of two heads (head or "
+                        "head_global, by frame rate), which the Wan family's stack does not describe"),
     "WAN22_S2V": ("Wan 2.2 S2V's blocks (WanModel_S2V) take audio and motion inputs per block that the Wan family "
                   "does not describe"),
     "ChromaRadiance": ("Chroma Radiance works in pixel space and ends in per-patch NeRF blocks instead of Flux's "

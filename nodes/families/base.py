@@ -129,6 +129,8 @@ class ModelFamily:
     sequence_plan: SequencePlanBuilder | None = None
     attention_sites: AttentionSitesBuilder | None = None
     expects: Expectations | None = field(default=None, hash=False)
+    #: without a sequence plan: why the model cannot be split (the Sequence Parallel node says it), "" if not known
+    sequence_refusal: str = ""
 
     def resident_modules(self, diffusion_model: torch.nn.Module) -> dict[str, torch.nn.Module | torch.Tensor]:
         """The ``resident`` attributes this model has (modules or parameters), by name, in declaration order."""

@@ -90,7 +90,9 @@ def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
-    return isinstance(dm, ltxv_model.LTXVModel) and len(dm.transformer_blocks) > 0
+    # LTX-2's LTXAVModel subclasses LTXVModel with audio blocks and an audio output: not this family
+    return (isinstance(dm, ltxv_model.LTXVModel) and not hasattr(dm, "audio_norm_out")
+            and len(dm.transformer_blocks) > 0)
 
 
 def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:

@@ -5,6 +5,8 @@ variants told apart: Wan 2.2 TI2V, VACE, I2V, and the T2V layout (Wan 2.1 T2V an
 """
 from __future__ import annotations
 
+import sys
+
 import comfy.ldm.wan.model as wan
 import comfy.model_base
 import torch
@@ -67,8 +69,17 @@ def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
     return [block.self_attn for block in dm.blocks]
 
 
+# WanModel subclasses whose blocks or head the stack does not describe (refused in _refused.py); the modules exist
+# only on newer ComfyUI, and a model of them can only exist once its module is imported
+_NOT_WAN_STACKS = (("comfy.ldm.wan.model_animate2", "WanAnimate2Model"), ("comfy.ldm.wan.ar_model", "CausalWanModel"),
+                   ("comfy.ldm.wan.model_wandancer", "WanDancerModel"))
+
+
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
-    return isinstance(dm, wan.WanModel) and not isinstance(dm, wan.WanModel_S2V) and hasattr(dm, "head")
+    other = tuple(getattr(sys.modules.get(module), name) for module, name in _NOT_WAN_STACKS
+                  if hasattr(sys.modules.get(module), name))
+    return (isinstance(dm, wan.WanModel) and not isinstance(dm, (wan.WanModel_S2V, *other))
+            and hasattr(dm, "head"))
 
 
 def _a14b_note(what: str, key: str) -> str:
@@ -136,7 +147,8 @@ FAMILY = ModelFamily(
               "vace_patch_embedding", "vace_blocks",          # VACE hints, added between the blocks
               "control_adapter",                              # Camera
               "audio_proj",                                   # HuMo
-              "pose_patch_embedding", "motion_encoder", "face_encoder", "face_adapter"),  # Animate
+              "pose_patch_embedding", "motion_encoder", "face_encoder", "face_adapter",   # Animate
+              "patch_embedding_pose", "patch_embedding_mask"),                            # SCAIL, SCAIL 2
     sequence_plan=_sequence_plan, attention_sites=_attention_sites,
     recommendation_keys={"teacache": frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B"}),
                          "magcache": frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B",

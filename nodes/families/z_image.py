@@ -25,7 +25,8 @@ from .lumina2 import is_z_image, lumina_modulated_input, lumina_stack
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
-    return is_z_image(dm)
+    # Z-Image pixel space (NextDiTPixelSpace) deletes the final layer for a per-patch decoder: refused
+    return is_z_image(dm) and hasattr(dm, "final_layer")
 
 
 _CALIBRATE = ("no {what} are published for Z-Image (vllm-omni's TeaCache numbers are Qwen-Image's, marked there as "

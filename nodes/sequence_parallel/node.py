@@ -58,6 +58,11 @@ def supported_families() -> str:
     return ", ".join(f.display_name for f in FAMILIES if f.sequence_plan is not None)
 
 
+def _refusal(family) -> str:
+    """``" (why)"`` when the family says why it has no sequence plan, else ""."""
+    return f" ({family.sequence_refusal})" if family.sequence_refusal else ""
+
+
 def resolve_devices(value: str, world_size: int) -> tuple[str, ...]:
     """The local ranks' devices: "auto" = the visible GPUs (at most ``world_size``), else ``world_size`` CPU ranks;
     or a comma-separated list ("cuda:0,cuda:1"); ranks beyond the list are remote."""
@@ -138,8 +143,8 @@ class SequenceParallelSession(ShardSession):
     def _join(self, patcher) -> None:
         """The group of this run's settings, holding the model's current weights."""
         if self.family.sequence_plan is None:
-            raise ValueError(f"{self.feature.describe()}: {self.family.display_name} has no sequence plan yet; "
-                             f"supported: {supported_families()}")
+            raise ValueError(f"{self.feature.describe()}: {self.family.display_name} has no sequence plan yet"
+                             f"{_refusal(self.family)}; supported: {supported_families()}")
         if self.group is None:
             self.group = sp_group.current_group(self.settings.group, _comfyui_root())
         self.group.sync_weights(patcher, self.family.name)
@@ -301,8 +306,8 @@ class SequenceParallel(io.ComfyNode):
                 master_port, cfg_parallel=False) -> io.NodeOutput:
         family = detect(model).model_family
         if family.sequence_plan is None:
-            raise ValueError(f"{NODE_TITLE}: {family.display_name} is not supported yet; supported: "
-                             f"{supported_families()}")
+            raise ValueError(f"{NODE_TITLE}: {family.display_name} is not supported yet{_refusal(family)}; "
+                             f"supported: {supported_families()}")
         local = resolve_devices(devices, world_size)
         if backend == AUTO:
             backend = "nccl" if local[0].startswith("cuda") else "gloo"

@@ -92,7 +92,7 @@ class MagCacheTailHook(StackTailHook):
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         args, kwargs = super().pre_forward(module, *args, **kwargs)
         call = self.run._call
-        if call is not None and call.implicit:
+        if call is not None and call.implicit and self.last:
             self.run.end_call()
         return args, kwargs
 

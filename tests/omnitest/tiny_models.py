@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import comfy.clip_vision
     import comfy.model_patcher
 
-__all__ = ["CASES", "CASE_FAMILY", "TinyCase", "build_case", "sample"]
+__all__ = ["CASES", "CASE_FAMILY", "TinyCase", "build_case", "packed_latent", "sample"]
 
 Conditioning = list  # ComfyUI CONDITIONING: [[cross_attn_tensor, {extra keys}], ...]
 
@@ -262,6 +262,26 @@ def _hunyuan_video15_sr_inputs(g: torch.Generator) -> _Inputs:
     return pos, neg, torch.zeros(1, 32, 2, 8, 8), None
 
 
+def _ltxav_inputs(g: torch.Generator) -> _Inputs:
+    # LTX-2's Gemma encoder gives the processed text of both streams side by side (2 x caption_channels) and an
+    # attention mask; LTXVConditioning sets frame_rate. LTXVConcatAVLatent: the video latent
+    # (EmptyLTXVLatentVideo(128x128, length 9)) and the audio latent ([B, 8, frames, 16], LTXVEmptyLatentAudio) as
+    # one NestedTensor.
+    import comfy.nested_tensor
+
+    ones = torch.ones(1, 8, dtype=torch.long)
+    pos, neg = _pair(g, 8, 64, lambda: {"attention_mask": ones, "frame_rate": 25.0})
+    latent = comfy.nested_tensor.NestedTensor([torch.zeros(1, 128, 2, 4, 4), torch.zeros(1, 8, 5, 16)])
+    return pos, neg, latent, None
+
+
+def _kandinsky5_inputs(g: torch.Generator) -> _Inputs:
+    # Qwen2.5-VL text [1, L, in_text_dim] and the CLIP pooled output (y); EmptyHunyuanLatentVideo(64x64, length 5).
+    # Text-to-video: concat_cond adds zeros and a zero mask (16 + 16 + 1 channels, 132 = 33 x 2 x 2 per patch).
+    pos, neg = _pair(g, 8, 32, lambda: {"pooled_output": _randn(g, 1, 32)})
+    return pos, neg, torch.zeros(1, 16, 2, 8, 8), None
+
+
 def _hunyuan_video15_config(**over: Any) -> dict:
     config = {
         "image_model": "hunyuan_video", "in_channels": 65, "out_channels": 32, "patch_size": [1, 1, 1],
@@ -341,6 +361,19 @@ _SPECS: dict[str, _Spec] = {
     "hunyuan_video15_sr": _Spec("hunyuan_video15", "HunyuanVideo15_SR_Distilled", "HunyuanVideo15_SR_Distilled",
                                 _hunyuan_video15_config(in_channels=98, meanflow=True), _hunyuan_video15_sr_inputs,
                                 1.0, requires=_HUNYUAN_VIDEO15),
+    "ltxav": _Spec("ltxav", "LTXAV", "LTXAV", {
+        "image_model": "ltxav", "in_channels": 128, "audio_in_channels": 128, "num_layers": 2,
+        "attention_head_dim": 32, "num_attention_heads": 2, "audio_attention_head_dim": 16,
+        "audio_num_attention_heads": 2, "cross_attention_dim": 64, "audio_cross_attention_dim": 32,
+        "caption_channels": 32, "connector_attention_head_dim": 16, "connector_num_attention_heads": 2,
+        "connector_num_layers": 1,
+    }, _ltxav_inputs, 3.0, requires=("comfy.model_base", "LTXAV")),
+    # Kandinsky 5 video (Kandinsky5Image's matcher only accepts the released model_dim 2560: same class, not built)
+    "kandinsky5": _Spec("kandinsky5", "Kandinsky5", "Kandinsky5", {
+        "image_model": "kandinsky5", "in_visual_dim": 16, "out_visual_dim": 16, "in_text_dim": 32,
+        "in_text_dim2": 32, "time_dim": 32, "model_dim": 64, "ff_dim": 128, "visual_embed_dim": 132,
+        "patch_size": (1, 2, 2), "num_text_blocks": 1, "num_visual_blocks": 2, "axes_dims": (8, 12, 12),
+    }, _kandinsky5_inputs, 5.0, requires=("comfy.model_base", "Kandinsky5")),
 }
 
 #: Every case name ``build_case`` accepts, in a stable order.
@@ -433,7 +466,8 @@ def sample(case: TinyCase, model: Optional[comfy.model_patcher.ModelPatcher] = N
     ``model`` defaults to ``case.patcher`` (pass a clone carrying patches/wrappers), ``steps`` to
     ``case.steps``, ``cfg`` to ``case.cfg``. Noise is ``comfy.sample.prepare_noise(case.latent, seed)``;
     ``case.noise_mask`` is passed as the denoise mask. Runs under ``torch.inference_mode`` like the
-    executor. Returns the sampled latent (CPU, same shape as ``case.latent``); deterministic for equal
+    executor. Returns the sampled latent (CPU, same shape as ``case.latent``; an audio-video latent, a
+    NestedTensor, as one tensor: its streams flattened per sample and concatenated); deterministic for equal
     arguments. Never mutates ``case``'s conditioning or latent. ``callback(step, x0, x, total_steps)``: called after
     each step, where the ``KSampler`` node's progress callback runs (and ComfyUI checks for an interrupt).
     """
@@ -444,6 +478,17 @@ def sample(case: TinyCase, model: Optional[comfy.model_patcher.ModelPatcher] = N
     cfg = case.cfg if cfg is None else cfg
     with torch.inference_mode():
         noise = comfy.sample.prepare_noise(case.latent, seed)
-        return comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, case.positive, case.negative,
-                                   case.latent, denoise=denoise, noise_mask=case.noise_mask, disable_pbar=True,
-                                   seed=seed, callback=callback)
+        out = comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, case.positive, case.negative,
+                                  case.latent, denoise=denoise, noise_mask=case.noise_mask, disable_pbar=True,
+                                  seed=seed, callback=callback)
+    return packed_latent(out)
+
+
+def packed_latent(latent) -> torch.Tensor:
+    """A latent as one tensor: the streams of an audio-video latent (a NestedTensor, or the ``[video, audio]`` list
+    LTX-2's diffusion model returns) flattened per sample and concatenated (what ``sample`` returns for it); any
+    other latent unchanged."""
+    streams = latent.unbind() if getattr(latent, "is_nested", False) else latent
+    if isinstance(streams, (list, tuple)):
+        return torch.cat([t.reshape(t.shape[0], -1) for t in streams], dim=1)
+    return latent

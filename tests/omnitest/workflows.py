@@ -69,6 +69,8 @@ class Widget:
 def spec_kind(spec: list) -> tuple[str | None, dict, tuple | None]:
     """(widget kind or None for a socket-only type, options, combo choices) of an /object_info input spec."""
     type_, options = spec[0], (spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {})
+    if isinstance(type_, str) and options.get("widgetType") in WIDGET_TYPES:
+        type_ = options["widgetType"]  # a MultiType input ("FLOAT,INT"): the frontend shows its widget type
     if isinstance(type_, list):
         return "COMBO", options, tuple(type_)
     if type_ == "COMBO":

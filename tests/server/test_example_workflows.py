@@ -39,7 +39,8 @@ LOADERS = ("UNETLoader", "CheckpointLoaderSimple")
 PACK_ID = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["name"]
 
 # input name -> models/ subfolder, for the loader inputs whose files the test server does not have
-MODEL_INPUTS = {"unet_name": "diffusion_models", "ckpt_name": "checkpoints", "clip_name": "text_encoders",
+MODEL_INPUTS = {"unet_name": "diffusion_models", "ckpt_name": "checkpoints", "text_encoder": "text_encoders",
+                "clip_name": "text_encoders",
                 "clip_name1": "text_encoders", "clip_name2": "text_encoders", "clip_name3": "text_encoders",
                 "vae_name": "vae"}
 MODEL_SUFFIXES = (".safetensors", ".gguf", ".pt", ".pth", ".ckpt", ".sft")
@@ -65,7 +66,8 @@ EXPECTED = {
                                              "vae_name": ["flux2-vae.safetensors"]},
 }
 # examples of models only a newer ComfyUI has: a node the example needs that older versions lack
-REQUIRES_NODE = {"sequence_parallel_magcache_flux2_dev": "EmptyFlux2LatentImage"}
+REQUIRES_NODE = {"sequence_parallel_magcache_flux2_dev": "EmptyFlux2LatentImage",
+                 "offload_teacache_calibrate_ltx2": "LTXVConcatAVLatent"}
 
 # the cache node of every sampler (in the order the samplers denoise), with the settings the example shows:
 # TeaCache's published threshold and coefficients picked from the model, MagCache's defaults with the published curve
@@ -84,14 +86,15 @@ EXPECTED_CACHES = {
     "offload_teacache_wan21_t2v_14B": [(APPLY, TEACACHE_RECOMMENDED)],
     "sequence_parallel_magcache_wan21_t2v_14B": [(APPLY_MAGCACHE, MAGCACHE_DEFAULTS | {"curve": "auto"})],
     "sequence_parallel_magcache_flux2_dev": [(APPLY_MAGCACHE, MAGCACHE_DEFAULTS | {"curve": "auto"})],
+    "offload_teacache_calibrate_ltx2": [None],  # no published LTX-2 numbers: calibrates first (its note: then apply)
 }
 OFFLOAD = "OmniHooks.CPUOffload"
 SEQUENCE_PARALLEL = "OmniHooks.SequenceParallel"
 # the examples with CPU Offload / Sequence Parallel in a sampler's model chain, with the settings they show (the
 # node's defaults)
 EXPECTED_MODEL_NODES = {
-    OFFLOAD: {"offload_teacache_wan21_t2v_14B": {"blocks_to_offload": -1, "prefetch_blocks": 1, "pin_memory": "auto",
-                                                 "vram_budget_gb": 0}},
+    OFFLOAD: {stem: {"blocks_to_offload": -1, "prefetch_blocks": 1, "pin_memory": "auto", "vram_budget_gb": 0}
+              for stem in ("offload_teacache_wan21_t2v_14B", "offload_teacache_calibrate_ltx2")},
     SEQUENCE_PARALLEL: {stem: {
         "world_size": 2, "ulysses_degree": "auto", "ring_degree": "auto", "devices": "auto", "backend": "auto",
         "master_address": "127.0.0.1", "master_port": 0, "cfg_parallel": False}
@@ -230,7 +233,7 @@ def test_offload_and_sequence_parallel_sit_between_the_loader_and_the_cache_with
         nodes = [n for n in chain if n["class_type"] == node_type]
         if nodes:
             assert len(nodes) == 1, classes
-            assert classes.index(node_type) > max(i for i, c in enumerate(classes) if c in CACHES), \
+            assert classes.index(node_type) > max((i for i, c in enumerate(classes) if c in CACHES), default=-1), \
                 f"the cache should take the {node_type} MODEL (either order works; the example shows one): {classes}"
             found[stem] = {k: v for k, v in nodes[0]["inputs"].items() if k != "model"}
     assert found.get(stem) == EXPECTED_MODEL_NODES[node_type].get(stem)

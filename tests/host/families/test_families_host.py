@@ -129,9 +129,26 @@ VARIANTS.update({
     "hunyuan video 1.5 sr": ({**_HUNYUAN_VIDEO15, "in_channels": 98, "meanflow": True},
                              ("hunyuan_video15", "HunyuanVideo 1.5 super-resolution (distilled)", None, None)),
 })
+# ComfyUI 0.33's models (LTX-2; Kandinsky 5 at the sizes of ComfyUI's class defaults, Lite, and of its image config)
+_KANDINSKY5 = {"image_model": "kandinsky5", "model_dim": 1792, "ff_dim": 7168, "visual_embed_dim": 132,
+               "num_text_blocks": 2, "num_visual_blocks": 32}
+VARIANTS.update({
+    "ltx-2 19B": ({"image_model": "ltxav", "num_layers": 48, "attention_head_dim": 128, "cross_attention_dim": 4096},
+                  ("ltxav", "LTX-2 19B", None, None)),
+    "ltx-2 off-size": ({"image_model": "ltxav", "num_layers": 2, "attention_head_dim": 32, "cross_attention_dim": 1024},
+                       ("ltxav", "LTX-2 inner_dim 1024", None, None)),
+    "kandinsky5 video lite": (_KANDINSKY5, ("kandinsky5", "Kandinsky 5 video Lite", None, None)),
+    "kandinsky5 video off-size": ({**_KANDINSKY5, "model_dim": 1024, "num_visual_blocks": 2},
+                                  ("kandinsky5", "Kandinsky 5 video (model_dim 1024)", None, None)),
+    "kandinsky5 image": ({**_KANDINSKY5, "model_dim": 2560, "visual_embed_dim": 64},
+                         ("kandinsky5", "Kandinsky 5 image", None, None)),
+})
 REQUIRES = {"flux2 dev": ("comfy.model_base", "Flux2"), "z image": ("comfy.supported_models", "ZImage"),
             "hunyuan video 1.5": ("comfy.model_base", "HunyuanVideo15"),
-            "hunyuan video 1.5 sr": ("comfy.model_base", "HunyuanVideo15_SR_Distilled")}
+            "hunyuan video 1.5 sr": ("comfy.model_base", "HunyuanVideo15_SR_Distilled"),
+            "ltx-2 19B": ("comfy.model_base", "LTXAV"), "ltx-2 off-size": ("comfy.model_base", "LTXAV"),
+            **{name: ("comfy.model_base", "Kandinsky5") for name in ("kandinsky5 video lite",
+                                                                     "kandinsky5 video off-size", "kandinsky5 image")}}
 # Models of a family whose variants need no other recommendation, but whose weights live in other modules.
 OTHER_LAYOUTS = {
     "wan2.1 camera": _wan(model_type="camera", in_dim=32),
@@ -140,13 +157,26 @@ OTHER_LAYOUTS = {
     "wan humo": _wan(model_type="humo"),
     "wan2.2 animate": _wan(model_type="animate", in_dim=36),
     "hunyuan video meanflow": _hunyuan(meanflow=True),
+    # ComfyUI 0.33's Wan variants the Wan family handles (skipped on older ComfyUI, see REQUIRES)
+    "wan scail": _wan(model_type="scail", in_dim=20),
+    "wan scail 2": _wan(model_type="scail2", in_dim=20),
+    "wan flow rvs": _wan(model_type="flow_rvs"),
 }
+REQUIRES.update({"wan scail": ("comfy.model_base", "WAN21_SCAIL"), "wan scail 2": ("comfy.model_base", "WAN21_SCAIL2"),
+                 "wan flow rvs": ("comfy.model_base", "WAN21_FlowRVS")})
 UNSUPPORTED = {
     "chroma radiance": {**_CHROMA, "image_model": "chroma_radiance", "in_channels": 3, "out_channels": 3,
                         "patch_size": 16, "nerf_hidden_size": 64, "nerf_mlp_ratio": 4, "nerf_depth": 4,
                         "nerf_max_freqs": 8, "nerf_tile_size": 32, "nerf_final_head_type": "linear",
                         "nerf_embedder_dtype": None},
+    # ComfyUI 0.33's Wan variants whose blocks or head the Wan family does not describe
+    "wan animate 2": _wan(model_type="animate2"),
+    "wan causal ar": _wan(causal_ar=True),
+    "wan dancer": _wan(model_type="wandancer", in_dim=36),
 }
+REQUIRES.update({"wan animate 2": ("comfy.model_base", "WAN_Animate2"),
+                 "wan causal ar": ("comfy.model_base", "WAN21_CausalAR"),
+                 "wan dancer": ("comfy.model_base", "WAN22_WanDancer")})
 
 
 @pytest.fixture(scope="module")

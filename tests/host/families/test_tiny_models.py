@@ -51,12 +51,12 @@ def test_builds_and_samples_deterministically(tm, name):
     again = tm.sample(case, steps=3)
     other_seed = tm.sample(case, steps=3, seed=1)
 
-    assert out.shape == case.latent.shape
+    assert out.shape == tm.packed_latent(case.latent).shape
     assert out.dtype == torch.float32
     assert torch.isfinite(out).all()
     assert torch.equal(out, again)
     assert not torch.equal(out, other_seed)
-    noise = comfy.sample.prepare_noise(case.latent, 0)
+    noise = tm.packed_latent(comfy.sample.prepare_noise(case.latent, 0))
     assert not torch.allclose(out, noise)  # the model did something
     assert torch.equal(case.positive[0][0], pos_before)
     assert build_s < MAX_SECONDS and sample_s < MAX_SECONDS, (build_s, sample_s)
