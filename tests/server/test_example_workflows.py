@@ -364,8 +364,8 @@ VIDEO_STEMS = [s for s in API_STEMS if any(n["class_type"] == "SaveVideo" for n 
 @pytest.mark.parametrize("stem", VIDEO_STEMS)
 def test_the_examples_video_output_runs_as_shipped(comfy, stem):
     """The example's CreateVideo and SaveVideo, with the inputs the API file ships (core nodes whose inputs changed
-    across ComfyUI versions), run on this server and save a video; the decoded frames come from EmptyImage since the
-    real model files are not here."""
+    across ComfyUI versions), run on this server and save a video; the decoded frames come from EmptyImage and the
+    audio, where the example has some, from EmptyAudio, since the real model files are not here."""
     prompt = load_api(stem)
     (save,) = [nid for nid, n in prompt.items() if n["class_type"] == "SaveVideo"]
     create = prompt[save]["inputs"]["video"][0]
@@ -373,6 +373,9 @@ def test_the_examples_video_output_runs_as_shipped(comfy, stem):
     tail = {nid: json.loads(json.dumps(prompt[nid])) for nid in (create, save)}
     tail["frames"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 5, "color": 0}}
     tail[create]["inputs"]["images"] = ["frames", 0]
+    if "audio" in tail[create]["inputs"]:
+        tail["audio"] = {"class_type": "EmptyAudio", "inputs": {"duration": 0.2, "sample_rate": 16000, "channels": 1}}
+        tail[create]["inputs"]["audio"] = ["audio", 0]
     result = comfy.run(tail)
     saved = [item for out in result.outputs.get(save, {}).values() if isinstance(out, list) for item in out
              if isinstance(item, dict) and "filename" in item]
