@@ -21,6 +21,7 @@ PARAMS_DATACLASS: dict[str, tuple[str, str]] = {
     "flux": ("comfy.ldm.flux.model", "FluxParams"),
     "flux2": ("comfy.ldm.flux.model", "FluxParams"),
     "chroma": ("comfy.ldm.chroma.model", "ChromaParams"),
+    "chroma_radiance": ("comfy.ldm.chroma_radiance.model", "ChromaRadianceParams"),
     "hunyuan_video": ("comfy.ldm.hunyuan_video.model", "HunyuanVideoParams"),
 }
 
@@ -30,7 +31,10 @@ def missing_required_fields(unet_config: dict) -> list[str]:
     entry = PARAMS_DATACLASS.get(unet_config.get("image_model"))
     if entry is None:
         return []
-    params = getattr(importlib.import_module(entry[0]), entry[1])
+    try:
+        params = getattr(importlib.import_module(entry[0]), entry[1])
+    except (ImportError, AttributeError):  # a family this host does not have
+        return []
     return [f.name for f in dataclasses.fields(params) if f.name not in unet_config
             and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
 
