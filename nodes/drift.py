@@ -239,6 +239,8 @@ def type_mismatch(spec: Any, value: Any) -> str | None:
         pairs = [(spec, value)]
     for i, (s, v) in enumerate(pairs):
         part = f"element {i} " if len(pairs) > 1 or isinstance(spec, (list, tuple)) else ""
+        if s is None:  # an element the plan leaves alone
+            continue
         if not isinstance(v, torch.Tensor):
             return f"{part}is a {type(v).__name__}, not a tensor"
         if s.expected_dims is not None and v.ndim != s.expected_dims:

@@ -75,8 +75,9 @@ InputProbe = Callable[[torch.nn.Module], Any]
 class ForwardParameters:
     """What the pack assumes about one ``forward``'s parameters (checked against the model before every run).
 
-    ``params``: every parameter this forward is known to take, in any order (``"*args"`` / ``"**kwargs"`` spelled so
-    where the forward has them); ``positions``: the parameters the pack reads at a fixed position when a call passes
+    ``params``: every parameter this forward takes on every supported ComfyUI, in any order (``"*args"`` /
+    ``"**kwargs"`` spelled so where the forward has them; a parameter only some hosts have is left out: the check
+    accepts a parameter it does not know when it has a default); ``positions``: the parameters the pack reads at a fixed position when a call passes
     them positionally (name -> index, ``self`` not counted).
     """
 

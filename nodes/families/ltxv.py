@@ -8,12 +8,15 @@ Note: this model's forward passes ``keyframe_idxs`` *after* ``transformer_option
 """
 from __future__ import annotations
 
+import inspect
+
 import comfy.ldm.common_dit
 import comfy.ldm.lightricks.model as ltxv_model
 import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from ...omni_hooks.sequence_parallel import SequenceParallelInput, SequenceParallelOutput, SequenceParallelSelfAttention
+from ...omni_hooks.sequence_parallel import (SequenceParallelInput, SequenceParallelOutput, SequenceParallelRefusedInput,
+                                             SequenceParallelSelfAttention)
 from ...omni_hooks.teacache import ModulatedInput
 from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg
 
@@ -44,45 +47,59 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     return ModulatedInput(compute=compute)
 
 
-# Sequence parallelism. _forward patchifies the latent, computes the RoPE table ``pe`` (the pair (cos, sin), each
-# [B, L, inner], or on newer hosts one rotation table [B, 1, L, inner/2, 2, 2]: see rope_table_is_one_tensor)
-# from the full pixel coordinates (keyframe indices, when given, are written into those coordinates first, so guide
-# tokens get their positions before anything is split), embeds the tokens (``patchify_proj``) and runs the blocks.
+# Sequence parallelism. _forward patchifies the latent, computes the RoPE table ``pe`` from the full pixel coordinates
+# (keyframe indices, when given, are written into those coordinates first, so guide tokens get their positions before
+# anything is split), embeds the tokens (``patchify_proj``) and runs the blocks. ``pe`` is, by host (see _pe_spec):
+# the pair (cos, sin), each [B, L, inner]; one rotation table [B, 1, L, inner/2, 2, 2]; or the pair (rotation table
+# [B, L, heads, head_dim/2, 2, 2], split-layout flag), made by the model's own method.
 # The tokens are split at ``patchify_proj``'s output; ``pe`` and the timestep projection (one row per sample, or one
 # per token when a denoise mask gives per-token timesteps) are split at every block, before its caches (TeaCache's
 # signal reads the timestep). Self-attention ``attn1`` is exchanged; cross-attention ``attn2`` to the text (with its
 # mask) keeps the replicated text keys and runs locally. ``norm_out``'s output is gathered: the final per-token
-# scale/shift and ``proj_out`` then run on the whole sequence, as unpatchify needs.
+# scale/shift and ``proj_out`` then run on the whole sequence, as unpatchify needs. Newer hosts pass the blocks a
+# self-attention mask over the whole sequence for an LTXVAddGuide with a strength or an attention mask: refused.
 _TOKENS_GROUP = "ltxv_tokens"
+_GUIDE_MASK = "self_attention_mask"
 
 
-def rope_table_is_one_tensor() -> bool:
-    """Whether this host's ``precompute_freqs_cis`` makes ``pe`` one rotation table [B, 1, L, inner/2, 2, 2]
-    (applied with Flux's ``apply_rope1``) rather than the pair (cos, sin), each [B, L, inner]: probed on a one-token
-    grid, the same call ``_forward`` makes."""
-    probe = ltxv_model.precompute_freqs_cis(torch.zeros(1, 3, 1), dim=6, out_dtype=torch.float32)
-    return isinstance(probe, torch.Tensor)
+def _per_token(expected_dims: int) -> SequenceParallelInput:
+    return SequenceParallelInput(split_dim=1, expected_dims=expected_dims, auto_pad=True, shard_group=_TOKENS_GROUP,
+                                 outside_caches=True, broadcast_length_one=True)
+
+
+def _pe_spec(dm: torch.nn.Module):
+    """The plan's spec for the blocks' ``pe``, after the layout this host's RoPE function makes (``_pe_probe``)."""
+    pe = _pe_probe(dm)
+    if isinstance(pe, torch.Tensor):  # one rotation table, the tokens in dim 2 (applied with Flux's apply_rope1)
+        return SequenceParallelInput(split_dim=2, expected_dims=6, auto_pad=True, shard_group=_TOKENS_GROUP,
+                                     outside_caches=True)
+    if isinstance(pe[1], torch.Tensor):  # (cos, sin)
+        return [_per_token(3), _per_token(3)]
+    return [_per_token(6), None]  # (rotation table, split-layout flag): the flag is left alone
 
 
 def _sequence_plan(dm: torch.nn.Module) -> dict:
-    per_token = SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True, shard_group=_TOKENS_GROUP,
-                                      outside_caches=True, broadcast_length_one=True)
-    if rope_table_is_one_tensor():
-        pe = SequenceParallelInput(split_dim=2, expected_dims=6, auto_pad=True, shard_group=_TOKENS_GROUP,
-                                   outside_caches=True)
-    else:
-        pe = [per_token, per_token]
+    blocks = {"pe": _pe_spec(dm), "timestep": _per_token(3)}
+    if _GUIDE_MASK in inspect.signature(type(dm.transformer_blocks[0]).forward).parameters:
+        blocks[_GUIDE_MASK] = SequenceParallelRefusedInput(
+            "Sequence Parallel: LTX-Video with an LTXVAddGuide whose strength is not 1 or that has an attention_mask "
+            "is not supported (the guide's self-attention mask spans the whole token sequence); fix: set the guide's "
+            "strength to 1 and leave its attention_mask unconnected, or remove Sequence Parallel from this workflow")
     return {
         "patchify_proj": {0: SequenceParallelInput(split_dim=1, expected_dims=3, split_output=True, auto_pad=True)},
-        "transformer_blocks.*": {"pe": pe, "timestep": per_token},
+        "transformer_blocks.*": blocks,
         "transformer_blocks.*.attn1": SequenceParallelSelfAttention(),
         "norm_out": SequenceParallelOutput(gather_dim=1, expected_dims=3),
     }
 
 
 def _pe_probe(dm: torch.nn.Module):
-    """What the blocks' ``pe`` is: the RoPE table of two positions, from the function _forward makes it with."""
-    return ltxv_model.precompute_freqs_cis(torch.zeros(1, 3, 2), dim=dm.inner_dim, out_dtype=torch.float32)
+    """What the blocks' ``pe`` is: the RoPE table of two positions, made as _forward makes it (the model's own
+    ``_prepare_positional_embeddings`` where it has one, else the module's ``precompute_freqs_cis``)."""
+    coords = torch.zeros(1, 3, 2)
+    if hasattr(dm, "_prepare_positional_embeddings"):
+        return dm._prepare_positional_embeddings(coords, 25.0, torch.float32)
+    return ltxv_model.precompute_freqs_cis(coords, dim=dm.inner_dim, out_dtype=torch.float32)
 
 
 def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
@@ -90,9 +107,8 @@ def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
-    # LTX-2's LTXAVModel subclasses LTXVModel with audio blocks and an audio output: not this family
-    return (isinstance(dm, ltxv_model.LTXVModel) and not hasattr(dm, "audio_norm_out")
-            and len(dm.transformer_blocks) > 0)
+    # exact class: newer hosts derive LTX-2's audio-video model (LTXAVModel) from it, with other blocks and inputs
+    return type(dm) is ltxv_model.LTXVModel and len(dm.transformer_blocks) > 0
 
 
 def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:

@@ -3,9 +3,13 @@
 ``_forward`` runs ``transformer_blocks`` (``block(hidden_states=, encoder_hidden_states=, encoder_hidden_states_mask=,
 temb=, image_rotary_emb=, ...)`` -> **(encoder_hidden_states, hidden_states)**, out of place), then
 ``norm_out(hidden_states, temb)`` and ``proj_out``. Edit reference latents are appended to ``hidden_states`` before
-the stack and are still there at ``norm_out``.
+the stack and are still there at ``norm_out``. Newer hosts modulate the reference tokens with timestep zero when the
+reference method is "index_timestep_zero" (the blocks then get ``timestep_zero_index``, the first reference token,
+and ``temb`` for twice the batch).
 """
 from __future__ import annotations
+
+import inspect
 
 import comfy.ldm.qwen_image.model as qwen_model
 import torch
@@ -15,6 +19,7 @@ from ...omni_hooks.sequence_parallel import (
     SequenceParallelInput,
     SequenceParallelOutput,
     SequenceParallelPartialInput,
+    SequenceParallelRefusedInput,
     SequenceParallelSelfAttention,
 )
 from ...omni_hooks.teacache import ModulatedInput
@@ -34,11 +39,13 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
 
 def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
     def compute(block, args, kwargs, captured):
-        # img_norm1(hidden) * (1 + scale1) + shift1 from block 0's img_mod(temb), as vllm-omni's Qwen-Image extractor
+        # img_norm1(hidden) * (1 + scale1) + shift1 from block 0's img_mod(temb), as vllm-omni's Qwen-Image extractor,
+        # by the block's own _modulate (with the reference tokens' timestep-zero modulation where the host has it)
         temb = call_arg(args, kwargs, "temb", 3)
         img_mod1 = block.img_mod(temb).chunk(2, dim=-1)[0]
-        shift, scale, _gate = img_mod1.chunk(3, dim=-1)
-        return torch.addcmul(shift.unsqueeze(1), block.img_norm1(HIDDEN.get(args, kwargs)), 1 + scale.unsqueeze(1))
+        zero_index = kwargs.get(_TIMESTEP_ZERO)
+        extra = () if zero_index is None else (zero_index,)
+        return block._modulate(block.img_norm1(HIDDEN.get(args, kwargs)), img_mod1, *extra)[0]
     return ModulatedInput(compute=compute)
 
 
@@ -49,6 +56,12 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
 # kept whole). Each block's ``attn`` attends ``[text | image shard]``; ``proj_out``'s output [B, L, p·p·C] (narrower
 # than norm_out's) is gathered before unpatchify.
 _ROPE_GROUP = "qwen_image_rope"
+_TIMESTEP_ZERO = "timestep_zero_index"
+
+
+def blocks_take_timestep_zero_index() -> bool:
+    """Whether this host's blocks modulate the Edit reference tokens with timestep zero (``timestep_zero_index``)."""
+    return _TIMESTEP_ZERO in inspect.signature(qwen_model.QwenImageTransformerBlock.forward).parameters
 
 
 def attention_is_heads_first() -> bool:
@@ -59,12 +72,19 @@ def attention_is_heads_first() -> bool:
 
 
 def _sequence_plan(dm: torch.nn.Module) -> dict:
+    blocks = {"image_rotary_emb": SequenceParallelPartialInput(
+        split_dim=2 if attention_is_heads_first() else 1, expected_dims=6, auto_pad=True, shard_group=_ROPE_GROUP,
+        text_len_source="encoder_hidden_states", text_len_dim=1)}
+    if blocks_take_timestep_zero_index():
+        # an index into the whole image sequence: on a shard it would modulate the wrong tokens
+        blocks[_TIMESTEP_ZERO] = SequenceParallelRefusedInput(
+            "Sequence Parallel: Qwen-Image-Edit with the reference latents method 'index_timestep_zero' is not "
+            "supported (the reference tokens are modulated by their position in the whole image sequence); fix: "
+            "choose another reference latents method, or remove Sequence Parallel from this workflow")
     return {
         "transformer_blocks.0": {"hidden_states": SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True,
                                                                         outside_caches=True)},
-        "transformer_blocks.*": {"image_rotary_emb": SequenceParallelPartialInput(
-            split_dim=2 if attention_is_heads_first() else 1, expected_dims=6, auto_pad=True, shard_group=_ROPE_GROUP,
-            text_len_source="encoder_hidden_states", text_len_dim=1)},
+        "transformer_blocks.*": blocks,
         "transformer_blocks.*.attn": SequenceParallelSelfAttention(joint_tokens="encoder_hidden_states"),
         "proj_out": SequenceParallelOutput(gather_dim=1, expected_dims=3),
     }
@@ -102,6 +122,7 @@ FAMILY = ModelFamily(
             ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb", "image_rotary_emb",
              "transformer_options"),
             positions={"hidden_states": 0, "encoder_hidden_states": 1, "temb": 3})},
-        call=ForwardParameters(("x", "timestep", "context", "attention_mask", "guidance", "ref_latents",
-                                "transformer_options", "**kwargs")),
+        # 'guidance' (unused by the model) left the call in newer hosts; the pack never read it
+        call=ForwardParameters(("x", "timestep", "context", "attention_mask", "ref_latents", "transformer_options",
+                                "**kwargs")),
         plan_inputs={("transformer_blocks.*", "image_rotary_emb"): pe_embedder_probe}))

@@ -97,7 +97,7 @@ class SequenceParallelSplitHook(SequenceParallelHook):
             value = metadata.lookup(name, args, kwargs)
             if value is None:
                 for s in (spec if isinstance(spec, (list, tuple)) else [spec]):
-                    if s.auto_pad:  # not passed this call: no padding of its sequence to remember
+                    if s is not None and s.auto_pad:  # not passed this call: no padding of its sequence to remember
                         self.runtime.padding.pop(s.shard_group, None)
                 continue
             if isinstance(value, torch.Tensor):
@@ -135,7 +135,8 @@ class SequenceParallelSplitHook(SequenceParallelHook):
         if len(spec) != len(values):
             raise ValueError(f"Expected {len(spec)} elements for parameter {name!r} at {self.module_id!r}, got "
                              f"{len(values)}")
-        out = [self._split(module, v, s, f"{name}[{i}]") if isinstance(v, torch.Tensor) and not s.split_output else v
+        out = [self._split(module, v, s, f"{name}[{i}]")
+               if s is not None and isinstance(v, torch.Tensor) and not s.split_output else v
                for i, (v, s) in enumerate(zip(values, spec))]
         return type(values)(out)
 

@@ -3,7 +3,8 @@
 A plan maps module ids to specs (after vllm-omni's ``_sp_plan``, diffusers' ``_cp_plan``):
 
 * ``{"param": SequenceParallelInput(...), 2: SequenceParallelInput(..., split_output=True)}``: split the named forward
-  inputs before the module runs (or, for an int key, that element of its output afterwards);
+  inputs before the module runs (or, for an int key, that element of its output afterwards); an input that is a list
+  or tuple gets a list of specs, one per element, None to leave one alone (e.g. a flag beside a table);
 * ``SequenceParallelOutput(...)`` (or a list of them, one per output element, None to leave one alone): gather the
   module's output(s) from every rank afterwards;
 * ``SequenceParallelSelfAttention(...)``: every attention the module calls is self-attention over the split sequence
@@ -178,7 +179,7 @@ def splits_outside_caches(module_id: str, specs: dict) -> bool:
     ValueError when its specs disagree."""
     flags = {getattr(spec, "outside_caches", False)
              for value in specs.values() for spec in (value if isinstance(value, (list, tuple)) else [value])
-             if not isinstance(spec, SequenceParallelRefusedInput)}
+             if spec is not None and not isinstance(spec, SequenceParallelRefusedInput)}
     if len(flags) > 1:
         raise ValueError(f"_sp_plan[{module_id!r}]: every input spec of one module must agree on outside_caches")
     return flags == {True}
@@ -199,11 +200,13 @@ def _validate_input_dict(module_id: str, specs: dict, groups: dict[str, str]) ->
             elements = []
         elif _is_input(value):
             elements = [value]
-        elif isinstance(value, (list, tuple)) and value and all(_is_input(v) for v in value):
-            elements = list(value)
+        elif isinstance(value, (list, tuple)) and any(_is_input(v) for v in value) and all(
+                v is None or _is_input(v) for v in value):
+            elements = [v for v in value if v is not None]
         else:
             raise ValueError(f"_sp_plan[{module_id!r}][{key!r}]: expected a SequenceParallelInput, a "
-                             f"SequenceParallelPartialInput, a list/tuple of them or a SequenceParallelRefusedInput, "
+                             f"SequenceParallelPartialInput, a list/tuple of them (None for an element left alone) or "
+                             f"a SequenceParallelRefusedInput, "
                              f"got {value!r}")
         for spec in elements:
             if spec.shard_group is None:

@@ -32,13 +32,17 @@ def _denoise_mask(case: TinyCase) -> None:
 
 
 def _keyframes(case: TinyCase) -> None:
-    """LTXVAddGuide: the last latent frame is a guide placed at pixel frame 0 (``keyframe_idxs`` sets its RoPE
-    positions)."""
-    _, _, _, height, width = case.latent.shape
-    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
-    idxs = torch.stack([torch.zeros(height * width), rows.flatten() * 32.0, cols.flatten() * 32.0])[None]
-    for cond in (case.positive, case.negative):
-        cond[0][1]["keyframe_idxs"] = idxs
+    """LTXVAddGuide at strength 1: the last latent frame is a guide placed at pixel frame 0, its ``keyframe_idxs`` (RoPE
+    positions) made by the host's own node, and kept by the noise mask (``1 - strength`` there)."""
+    from comfy_extras.nodes_lt import LTXVAddGuide
+
+    batch, channels, _, height, width = case.latent.shape
+    guide = torch.zeros(batch, channels, 1, height, width)
+    scale_factors = case.diffusion_model.vae_scale_factors
+    case.positive, case.negative = (LTXVAddGuide.add_keyframe_index(cond, 0, guide, scale_factors)
+                                    for cond in (case.positive, case.negative))
+    case.noise_mask = torch.ones(1, 1, *case.latent.shape[2:])
+    case.noise_mask[:, :, -1] = 0
 
 
 #: Named changes to a case's inputs (names, not functions, cross to the ranks).

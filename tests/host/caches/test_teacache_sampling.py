@@ -78,6 +78,7 @@ def test_batch_of_two_latents(env):
 
 def test_cond_and_uncond_in_separate_calls_under_low_memory(env, monkeypatch):
     import comfy.model_management
+    import comfy.model_patcher
     import comfy.samplers
 
     class LowMemory:
@@ -91,8 +92,12 @@ def test_cond_and_uncond_in_separate_calls_under_low_memory(env, monkeypatch):
             return (1, 1) if torch_free_too else 1
 
     baseline = env.tiny.sample(env.case, steps=STEPS, cfg=3.0)
-    # ComfyUI batches cond and uncond only if memory_required * 1.5 < free memory: pretend there is almost none
-    monkeypatch.setattr(comfy.samplers, "model_management", LowMemory())
+    # ComfyUI batches cond and uncond only if memory_required * 1.5 < free memory: pretend there is almost none where
+    # the host's sampler asks (newer hosts ask the model's patcher, older ones comfy.model_management)
+    if hasattr(comfy.model_patcher.ModelPatcher, "get_free_memory"):
+        monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "get_free_memory", lambda self, device: 1)
+    else:
+        monkeypatch.setattr(comfy.samplers, "model_management", LowMemory())
     split = env.tiny.sample(env.case, model=env.apply(0.0), steps=STEPS, cfg=3.0)
     run = env.last_run()
     assert len(run["evaluations"]) == 2 * STEPS  # one call per branch per step

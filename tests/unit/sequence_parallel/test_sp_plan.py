@@ -112,6 +112,9 @@ def test_reprs_list_every_field():
     ({"": {"x": SequenceParallelInput(1, outside_caches=True), "y": SequenceParallelInput(1)}},
      "must agree on outside_caches"),
     ({"": [SequenceParallelOutput(1), SequenceParallelInput(1)]}, "_sp_plan values must be dict"),
+    ({"": {"pair": [None, None]}}, "expected a SequenceParallelInput"),
+    ({"": {"pair": [SequenceParallelInput(1, outside_caches=True), None], "y": SequenceParallelInput(1)}},
+     "must agree on outside_caches"),
 ])
 def test_plan_validation_errors(plan, message):
     with pytest.raises(ValueError, match=message):
@@ -252,6 +255,16 @@ def test_broadcast_length_one_passes_a_per_sample_value_and_splits_a_per_token_o
     assert out is one and runtime.padding == {}
     out, runtime = split_once(spec, torch.arange(5.).reshape(1, 5, 1), rank=1)
     assert out.flatten().tolist() == [3.0, 4.0, 0.0] and runtime.padding[None] == PaddingRecord(5, 6)
+
+
+def test_a_none_spec_leaves_its_element_of_an_input_alone():
+    table, flag = torch.arange(4.).reshape(1, 4, 1), True
+    spec = [SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True), None]
+    assert validate_sp_plan({"": {"x": spec}})
+    (shard, passed), runtime = split_once(spec, (table, flag), rank=1)
+    assert shard.flatten().tolist() == [2.0, 3.0] and passed is flag
+    (first, untouched), _ = split_once(spec, [table, table], rank=0)
+    assert first.flatten().tolist() == [0.0, 1.0] and untouched is table
 
 
 def test_a_refused_input_fails_the_call_only_when_passed():
