@@ -32,7 +32,7 @@ from . import pass_through
 from .families import ModelFamily, detect
 from .families.base import ForwardParameters
 
-TESTED = "0.3.64 to 0.3.75"     # the ComfyUI versions every test passes on (docs/compatibility.md)
+TESTED = "0.3.64 to 0.33.0"     # the ComfyUI versions every test passes on (docs/compatibility.md)
 MODEL = "model"                  # a finding about the blocks or the call: every feature relies on them
 SEQUENCE_PLAN = "sequence plan"  # a finding about the sequence plan: Sequence Parallel relies on it
 
