@@ -379,7 +379,7 @@ class SequenceParallelGroup:
         if self._unanswered is None or self._unanswered.args[0] != serial:
             return
         self._unanswered = None
-        watch = HeartbeatWatch(self.commands, ANSWER_STALL_S)
+        watch = HeartbeatWatch(self.commands, self.key, ANSWER_STALL_S)
 
         def unresponsive(rank: int) -> str | None:
             code = self.exit_codes().get(rank)

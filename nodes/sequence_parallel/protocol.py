@@ -10,7 +10,7 @@ timeout bounds every wait; a model call's small tensors travel in its command, a
 How a rank joins: rank 0 publishes the group (``GroupInfo``: world size, backend, timeouts, the port of its control
 connections), signed with the group's key, in the rendezvous ``TCPStore`` under ``group`` before any worker starts;
 a worker reads it and checks the signature and the world size it was told, claims its rank on its control connection
-(a rank claimed twice is refused there), starts its heartbeat (``beat/<rank>``, a counter); rank 0 waits until every
+(a rank claimed twice is refused there), starts its heartbeat (``beat/<rank>``, a signed count); rank 0 waits until every
 rank has connected (failing fast when a local worker exits, and after the join timeout naming the ranks missing) and
 only then does everyone call ``init_process_group``. A worker whose command fails mid-collective leaves its traceback,
 signed, under ``error/<rank>``. With the heartbeats and those errors rank 0 says which rank broke a call
@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 
 from .plain import PlainDataError, dtype_name, dtype_named, from_plain, to_plain
-from .trust import TrustError, group_key, opened, seal, unseal
+from .trust import TrustError, group_key, mac, opened, proves, seal, unseal
 
 log = logging.getLogger("OmniHooks")
 
 STORE_PREFIX = "omnihooks_sp/"
-#: a worker adds 1 to ``beat/<rank>`` this often, from a thread of its own (a stopped or dead process stops beating)
+#: a worker raises its count in ``beat/<rank>`` this often, from a thread of its own (a stopped or dead process stops beating)
 BEAT_S = 0.25
 #: ``diagnose`` calls a rank not responding when its heartbeat did not move for this long
 STALL_S = 1.5
@@ -308,7 +308,7 @@ def init_group(store: dist.Store, rank: int, info: GroupInfo) -> None:
 
 
 def command_store(store: dist.Store) -> dist.PrefixStore:
-    """The store of this protocol's keys (the group, joins, heartbeats, errors) inside the rendezvous store."""
+    """The store of this protocol's keys (the group, heartbeats, errors) inside the rendezvous store."""
     return dist.PrefixStore(STORE_PREFIX, store)
 
 
@@ -317,23 +317,43 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-class Heartbeat:
-    """A worker's heartbeat: a daemon thread adds 1 to ``beat/<rank>`` every ``BEAT_S`` over its own store
-    connection, until ``stop``. A process that is killed, stopped (SIGSTOP) or cut off stops beating: rank 0 reads
-    a stalled counter as "not responding"."""
+def _beat(key: bytes, rank: int, count: int) -> bytes:
+    return f"{count}:{mac(key, f'beat/{rank}', str(count).encode()).hex()}".encode()
 
-    def __init__(self, host: str, port: int, rank: int, timeout_s: float):
+
+def read_beat(commands: dist.Store, rank: int, key: bytes) -> int | None:
+    """Worker ``rank``'s heartbeat count, None when it has none or what is there fails the group's signature.
+    Read with ``get``, never ``add``: a value that is not a number makes the store drop the connection that adds."""
+    name = f"beat/{rank}"
+    if not commands.check([name]):
+        return None
+    count, _, proof = bytes(commands.get(name)).partition(b":")
+    try:
+        if proves(key, name, bytes.fromhex(proof.decode("ascii")), count):
+            return int(count)
+    except ValueError:
+        pass
+    return None
+
+
+class Heartbeat:
+    """A worker's heartbeat: a daemon thread writes a rising count, signed, to ``beat/<rank>`` every ``BEAT_S`` over
+    its own store connection, until ``stop``. A process that is killed, stopped (SIGSTOP) or cut off stops beating:
+    rank 0 reads a stalled count as "not responding"."""
+
+    def __init__(self, host: str, port: int, rank: int, timeout_s: float, key: bytes):
         self._store = command_store(connect_store(host, port, timeout_s))
-        self._key = f"beat/{rank}"
+        self._name, self._key, self._rank, self._count = f"beat/{rank}", key, rank, 1
         self._stopped = threading.Event()
-        self._store.add(self._key, 1)
+        self._store.set(self._name, _beat(key, rank, self._count))
         self._thread = threading.Thread(target=self._beat, name=f"omnihooks-sp-heartbeat-{rank}", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
         while not self._stopped.wait(BEAT_S):
+            self._count += 1
             try:
-                self._store.add(self._key, 1)
+                self._store.set(self._name, _beat(self._key, self._rank, self._count))
             except Exception:  # rank 0's store is gone: the group is over, the main thread notices on its own
                 return
 
@@ -343,22 +363,23 @@ class Heartbeat:
 
 
 class HeartbeatWatch:
-    """Which workers stopped beating: a rank whose ``beat/<rank>`` counter did not move for ``stall_s`` since this
-    watch first read it, or since it last moved (a rank whose counter cannot be read counts as stalled)."""
+    """Which workers stopped beating: a rank whose ``beat/<rank>`` count did not move for ``stall_s`` since this
+    watch first read it, or since it last moved (a rank whose count cannot be read, or fails the group's signature,
+    counts as not moving)."""
 
-    def __init__(self, commands: dist.Store, stall_s: float = STALL_S):
-        self.commands = commands
+    def __init__(self, commands: dist.Store, key: bytes, stall_s: float = STALL_S):
+        self.commands, self.key = commands, key
         self.stall_s = stall_s
-        self._seen: dict[int, tuple[int, float]] = {}  # rank: (count, when it was first read at that count)
+        self._seen: dict[int, tuple[int | None, float]] = {}  # rank: (count, when it was first read at that count)
 
     def stalled(self, rank: int) -> bool:
         try:
-            count = self.commands.add(f"beat/{rank}", 0)
+            count = read_beat(self.commands, rank, self.key)
         except Exception:
-            return True
+            count = None
         now = time.monotonic()
         seen = self._seen.get(rank)
-        if seen is None or seen[0] != count:
+        if seen is None or count is not None and seen[0] != count:
             self._seen[rank] = (count, now)
             return False
         return now - seen[1] >= self.stall_s
@@ -371,7 +392,7 @@ def diagnose(commands: dist.Store, world_size: int, exit_codes: Callable[[], dic
     stalled for ``STALL_S``: hung, stopped or gone) or raised (its ``error/<rank>``, last line). Waits ``STALL_S``.
     Ranks not listed look healthy."""
     ranks = range(1, world_size)
-    watch = HeartbeatWatch(commands)
+    watch = HeartbeatWatch(commands, key)
     for rank in ranks:
         watch.stalled(rank)  # the counts to compare with
     time.sleep(STALL_S)

@@ -195,7 +195,7 @@ def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
     worker = WorkerRank(args.device)
     check_rank(args.rank, args.world_size, info)
     control = ControlClient(_address(args)[0], info.control_port, args.rank, info.timeouts.join_s, key)
-    heartbeat = Heartbeat(*_address(args), args.rank, info.timeouts.join_s)
+    heartbeat = Heartbeat(*_address(args), args.rank, info.timeouts.join_s, key)
     try:
         init_group(store, args.rank, info)
         inbox = _Inbox(args, control)
