@@ -183,6 +183,7 @@ class SequenceParallelSession(ShardSession):
         self.degrees: tuple[int, int, int] | None = None  # (ulysses, ring, cfg)
         self.run_id = uuid.uuid4().hex
         self.calls = 0
+        self.in_call = False  # a call was sent to the workers and has not returned on this rank
 
     def after_load(self, patcher) -> None:
         self._join(patcher)
@@ -221,12 +222,15 @@ class SequenceParallelSession(ShardSession):
             check_sendable(sent, self.feature.describe())  # names the option that cannot be sent
             raise
         self.calls += 1
+        self.in_call = True
         super().before_call(args, kwargs, transformer_options)
         self.runtime.gate.hold(answers)  # the workers check the call while this rank computes up to its first exchange
 
     def call_output(self, output: Any) -> Any:
         self.runtime.gate.release()  # a call whose every exchange was skipped still hears every worker's answer
-        return super().call_output(output)
+        output = super().call_output(output)
+        self.in_call = False
+        return output
 
     def explain_failure(self, error: Exception) -> Exception | None:
         """A call that stopped mid-way (a rank failed, rank 0 raised or was interrupted) leaves the workers blocked in
@@ -245,7 +249,9 @@ class SequenceParallelSession(ShardSession):
 
     def close(self, status: str) -> None:
         self.remove()
-        if status == "error":  # the group may be out of step (a rank died or raised): start afresh next run
+        if self.in_call and self.group is not None:  # a call stopped mid-way by what no session was asked to explain
+            sp_group.close_group(broken=True)  # (an interrupt that is no Exception): its workers are blocked in it
+        elif status == "error":  # the group may be out of step (a rank died or raised): start afresh next run
             sp_group.close_group()
         elif self.calls and self.group is not None:
             try:  # the workers end the run too (their caches' and offload's close)

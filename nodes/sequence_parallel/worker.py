@@ -83,14 +83,21 @@ def _load_pack():
 
 class _Parent:
     """The local parent's pipe (this process's stdin): the group's secret on its first line, then nothing until the
-    parent closes it or exits, which a thread notices (portable: no signal to a process id)."""
+    parent closes it or exits, which a thread notices (portable: no signal to a process id). Read with ``os.read`` on
+    the descriptor: a thread blocked in Python's buffered stdin would hold its lock when the interpreter exits."""
 
     def __init__(self) -> None:
         import threading
 
-        line = sys.stdin.buffer.readline().strip()
+        self._fd = sys.stdin.fileno()
+        line = b""
+        while not line.endswith(b"\n") and len(line) < 1024:
+            chunk = os.read(self._fd, 1)
+            if not chunk:
+                break
+            line += chunk
         try:
-            self.secret = bytes.fromhex(line.decode("ascii"))
+            self.secret = bytes.fromhex(line.strip().decode("ascii"))
         except ValueError:
             self.secret = b""
         if len(self.secret) < 16:
@@ -100,9 +107,9 @@ class _Parent:
 
     def _watch(self) -> None:
         try:
-            while sys.stdin.buffer.read(4096):
+            while os.read(self._fd, 4096):
                 pass
-        except (OSError, ValueError):
+        except OSError:
             pass
         self.gone.set()
 
