@@ -124,8 +124,8 @@ def _secret(args: argparse.Namespace) -> bytes:
     secret = user_secret()
     if secret is None:
         raise SystemExit(f"Sequence Parallel worker: set the group's secret in {SECRET_ENV} (or a file named by "
-                         f"{SECRET_FILE_ENV}), the same as for ComfyUI on rank 0's machine (README, 'Sequence "
-                         "Parallel on several machines')")
+                         f"{SECRET_FILE_ENV}), the same as for ComfyUI on rank 0's machine "
+                         "(README, 'Sequence Parallel on several machines')")
     return secret
 
 
