@@ -237,6 +237,7 @@ class SequenceParallelSession(ShardSession):
         its collectives: the group is closed here, at once (local workers killed), and the next run starts a fresh
         one. A torch.distributed error becomes a ``SequenceParallelError`` naming the ranks that broke the call; any
         other error (an interrupt, the model's own) stays as it is."""
+        self.in_call = False  # handled here: the run's close need not
         group = self.group
         if group is None or group is not sp_group.active_group():
             return None
