@@ -10,8 +10,7 @@ median step's time over 1 rank's, divided by the model calls per step: at a tiny
 --frames 1 --size 8``) compute is near zero and it is what the control path, the call's setup on every rank and the
 model's own exchanges cost per model call.
 
-CPU (default): gloo ranks, one thread each, whose per-call exchanges go over the direct links (the weights over
-gloo). CUDA (``--devices cuda``, at least N GPUs): NCCL ranks; adds rank 0's peak memory
+CPU (default): gloo ranks, one thread each (every exchange a gloo collective). CUDA (``--devices cuda``, at least N GPUs): NCCL ranks; adds rank 0's peak memory
 (``torch.cuda.max_memory_allocated``) and each GPU's memory in use after the run (device-wide, all processes).
 
 Run: .venv/bin/python benchmarks/bench_sequence_parallel_node.py [--ranks 2 4] [--devices cpu|cuda]
@@ -135,7 +134,7 @@ def main() -> int:
     load_after = os.getloadavg()[0]
     median = {name: statistics.median(t) for name, t in times.items()}
     device = (torch.cuda.get_device_name(0) if args.devices == "cuda"
-              else "CPU, 1 thread per rank, per-call exchanges over direct loopback links")
+              else "CPU, 1 thread per rank, gloo")
     print(f"Wan 2.1 (ComfyUI's WanModel, random weights) dim {args.dim}, {heads} heads, {args.layers} blocks, "
           f"{tokens} video tokens, batch 2 (cond + uncond), {args.steps} euler steps ({calls_per_step:g} model "
           f"call(s) per step), float32; {device}; median (best) of {args.repeats} interleaved rounds per world size; "

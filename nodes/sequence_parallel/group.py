@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequenceParallelMesh
-from ...omni_hooks.sequence_parallel.links import PeerLinks
 from .control import ControlError, ControlServer
 from .protocol import (
     ANSWER_STALL_S,
@@ -47,9 +46,10 @@ from .protocol import (
     encode,
     init_group,
     is_collective_failure,
-    missing_ranks,
     publish_group,
 )
+from . import trust
+from .trust import group_key, new_secret, user_secret
 
 log = logging.getLogger("OmniHooks")
 
@@ -85,6 +85,24 @@ def remote_worker_command(settings: GroupSettings, port: int, comfyui: str = "<C
     return (f"torchrun --nproc-per-node {settings.remote_ranks} <ComfyUI-OmniHooks folder>/nodes/sequence_parallel/worker.py "
             f"--join {settings.host}:{port} --first-rank {first} --world-size {settings.world_size} "
             f"--comfyui {comfyui}")
+
+
+def check_platform(backend: str) -> None:
+    """SequenceParallelError naming this platform when it lacks what a group needs: torch.distributed with
+    ``backend``, and its ``TCPStore`` taking a socket that listens on one address only."""
+    where = f"Sequence Parallel cannot run on this platform ({sys.platform}, torch {torch.__version__}):"
+    if not dist.is_available():
+        raise SequenceParallelError(f"{where} this torch has no torch.distributed. Run without the Sequence Parallel "
+                                    "node, or on Linux")
+    available = {"gloo": getattr(dist, "is_gloo_available", None), "nccl": getattr(dist, "is_nccl_available", None)}
+    if available.get(backend) is None or not available[backend]():
+        other = [name for name, check in available.items() if check is not None and check()]
+        raise SequenceParallelError(f"{where} its torch.distributed has no {backend} backend. "
+                                    + (f"Set backend to {other[0]}, or run on Linux" if other else
+                                       "Run without the Sequence Parallel node, or on Linux"))
+    if not hasattr(socket.socket, "detach") or not hasattr(dist, "TCPStore"):
+        raise SequenceParallelError(f"{where} it cannot hand a listening socket to torch.distributed's store. Run "
+                                    "without the Sequence Parallel node, or on Linux")
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -150,7 +168,6 @@ class SequenceParallelGroup:
         self.processes: list[subprocess.Popen] = []
         self.commands: dist.PrefixStore | None = None
         self.control: ControlServer | None = None
-        self.links: PeerLinks | None = None
         self.serial = 0
         self._unanswered: functools.partial | None = None  # the wait for the answers to the last command, until run
         self.weights_key: tuple | None = None
@@ -165,8 +182,19 @@ class SequenceParallelGroup:
         if dist.is_initialized():
             raise SequenceParallelError("Sequence Parallel: torch.distributed is already initialised in this process "
                                         "by something else; run ComfyUI without it")
+        check_platform(s.backend)
+        # the group's key: from a fresh secret when every rank is here, else from the one the user set everywhere
+        secret = user_secret() if s.remote_ranks else new_secret()
+        if secret is None:
+            raise SequenceParallelError(
+                f"Sequence Parallel: {s.remote_ranks} rank(s) join from other machines, and they must prove they "
+                f"belong to this group: set the same secret on this machine and theirs, in the environment variable "
+                f"{trust.SECRET_ENV} (at least {trust.MIN_SECRET_CHARS} characters) or in a file named by "
+                f"{trust.SECRET_FILE_ENV} (README, 'Sequence Parallel on several machines'), then restart ComfyUI")
+        group_id = uuid.uuid4().hex
+        self.key = group_key(secret, group_id)
         # rank 0 hosts the store and the control connections; their ports must be known before the workers start
-        self.control = ControlServer(_listening_socket(s.host, 0))
+        self.control = ControlServer(_listening_socket(s.host, 0), self.key, s.world_size)
         try:
             listener = _listening_socket(s.host, s.port)
         except BaseException:
@@ -177,17 +205,23 @@ class SequenceParallelGroup:
                                     timeout=datetime.timedelta(seconds=self.timeouts.join_s),
                                     master_listen_fd=listener.detach())  # the store owns (and closes) it
         self.commands = command_store(self._store)
-        direct_links = s.backend == "gloo" and not s.remote_ranks and all(d == "cpu" for d in s.devices)
-        info = GroupInfo(s.world_size, s.backend, self.timeouts, uuid.uuid4().hex, self.control.port, direct_links)
-        publish_group(self.commands, info)
+        info = GroupInfo(s.world_size, s.backend, self.timeouts, group_id, self.control.port)
+        publish_group(self.commands, info, self.key)
+        environment = {k: v for k, v in os.environ.items() if k not in (trust.SECRET_ENV, trust.SECRET_FILE_ENV)}
         for rank in range(1, len(s.devices)):
             command = [sys.executable, str(WORKER_SCRIPT), "--join", f"{s.host}:{self.port}", "--rank", str(rank),
                        "--world-size", str(s.world_size), "--device", s.devices[rank],
-                       "--comfyui", str(comfyui_root), "--parent-pid", str(os.getpid())]
-            self.processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL))
+                       "--comfyui", str(comfyui_root), "--secret-from-parent"]
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, env=environment)
+            self.processes.append(process)
+            try:  # the secret through the pipe; the pipe stays open while this process lives (the worker's lifeline)
+                process.stdin.write(secret.hex().encode() + b"\n")
+                process.stdin.flush()
+            except OSError:  # it exited at once: _wait_for_ranks says so
+                pass
         try:
             self._wait_for_ranks(comfyui_root)
-            self.links = init_group(self._store, 0, info)
+            init_group(self._store, 0, info)
         except BaseException:
             self.close(broken=True)
             raise
@@ -202,8 +236,8 @@ class SequenceParallelGroup:
                         remote_worker_command(s, self.port, str(comfyui_root)))
         deadline = time.monotonic() + self.timeouts.join_s
         while True:
-            self.control.accept_waiting(s.world_size)
-            missing = sorted(set(missing_ranks(self.commands, s.world_size)) | set(self.control.missing(s.world_size)))
+            self.control.accept_waiting()
+            missing = self.control.missing(s.world_size)
             if not missing:
                 self.control.stop_listening()
                 return
@@ -241,10 +275,12 @@ class SequenceParallelGroup:
             except subprocess.TimeoutExpired:
                 p.kill()  # also ends a stopped (SIGSTOP) process
                 p.wait(timeout=10)
+            if p.stdin is not None:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
         self.processes = []
-        if self.links is not None:
-            self.links.close()
-            self.links = None
         _destroy_process_group(self.settings.backend, broken, self.timeouts.collective_s)
         self._meshes.clear()
         self._unanswered = None
@@ -268,7 +304,8 @@ class SequenceParallelGroup:
         """A clear error for a model call that failed in a collective or on a control connection: which ranks broke it
         and how (waits ``STALL_S`` to tell hung ranks from busy ones)."""
         try:
-            found = diagnose(self.commands, self.settings.world_size, self.exit_codes) if self.commands else {}
+            found = (diagnose(self.commands, self.settings.world_size, self.exit_codes, self.key)
+                     if self.commands else {})
         except Exception as exc:  # the diagnosis is a courtesy; the original error stays the cause
             found = {}
             log.warning("OmniHooks Sequence Parallel: could not tell which rank failed: %r", exc)
@@ -342,7 +379,7 @@ class SequenceParallelGroup:
         if self._unanswered is None or self._unanswered.args[0] != serial:
             return
         self._unanswered = None
-        watch = HeartbeatWatch(self.commands, ANSWER_STALL_S)
+        watch = HeartbeatWatch(self.commands, self.key, ANSWER_STALL_S)
 
         def unresponsive(rank: int) -> str | None:
             code = self.exit_codes().get(rank)
@@ -375,7 +412,7 @@ class SequenceParallelGroup:
         key = (config.ulysses_degree, config.ring_degree, config.cfg_degree)
         if key not in self._meshes:
             self.command("mesh", {"ulysses": key[0], "ring": key[1], "cfg": key[2]})
-            self._meshes[key] = SequenceParallelMesh.from_config(config, self.links)
+            self._meshes[key] = SequenceParallelMesh.from_config(config)
         return self._meshes[key]
 
     def sync_weights(self, patcher, family: str) -> None:

@@ -14,7 +14,6 @@ sampler. A call that breaks mid-way closes the group (``explain_failure``); the 
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 import uuid
 from dataclasses import dataclass
@@ -31,7 +30,8 @@ from ..families import FAMILIES, ModelFamily, detect
 from ..features import FEATURES_KEY, AppliedFeature, Category, FeatureSpec, attach_feature, register_feature
 from ..stats_store import FeatureReport, StepTotals
 from .shard import ATTENTION_OVERRIDE, KIND, ShardSession
-from .protocol import (OPTIONS_SLOT, CommandRefused, SequenceParallelError, check_picklable, is_collective_failure,
+from .plain import PlainDataError
+from .protocol import (OPTIONS_SLOT, CommandRefused, SequenceParallelError, check_sendable, is_collective_failure,
                        tensor_signature)
 
 log = logging.getLogger("OmniHooks")
@@ -63,38 +63,95 @@ def _refusal(family) -> str:
     return f" ({family.sequence_refusal})" if family.sequence_refusal else ""
 
 
-def resolve_devices(value: str, world_size: int) -> tuple[str, ...]:
+LOOPBACK_NAMES = ("localhost",)
+
+
+def local_devices() -> list[str]:
+    """The devices a rank can use on this machine: cpu, then each visible CUDA device."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["cpu"] + [f"cuda:{i}" for i in range(count)]
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` is this machine only (127.0.0.0/8, ::1, localhost): no other machine reaches it."""
+    import ipaddress
+
+    text = address.strip().strip("[]")
+    if text.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(text).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_devices(value: str, world_size: int, master_address: str = "127.0.0.1") -> tuple[str, ...]:
     """The local ranks' devices: "auto" = the visible GPUs (at most ``world_size``), else ``world_size`` CPU ranks;
-    or a comma-separated list ("cuda:0,cuda:1"); ranks beyond the list are remote."""
+    or a comma-separated list ("cuda:0,cuda:1"), each entry a device of this machine. Ranks beyond the list are
+    remote, which only a ``master_address`` other than loopback allows. ValueError naming the input and the fix."""
     if value.strip() == AUTO:
         if torch.cuda.is_available():
-            return tuple(f"cuda:{i}" for i in range(min(world_size, torch.cuda.device_count())))
-        return ("cpu",) * world_size
-    devices = tuple(d.strip() for d in value.split(",") if d.strip())
-    if not devices or len(devices) > world_size:
-        raise ValueError(f"{NODE_TITLE}: devices {value!r}: give 1 to {world_size} devices (rank 0 first), or 'auto'")
+            devices = tuple(f"cuda:{i}" for i in range(min(world_size, torch.cuda.device_count())))
+        else:
+            devices = ("cpu",) * world_size
+    else:
+        devices = tuple(d.strip() for d in value.split(",") if d.strip())
+        there = local_devices()
+        if not devices:
+            raise ValueError(f"{NODE_TITLE}: devices {value!r} lists no device; give one per local rank, rank 0 first "
+                             f"(this machine has: {', '.join(there)}), or 'auto'")
+        for entry in devices:
+            if entry not in there:
+                raise ValueError(f"{NODE_TITLE}: devices entry {entry!r} is not a device of this machine, which has: "
+                                 f"{', '.join(there)}. Set devices to a comma-separated list of those, rank 0 first "
+                                 "(e.g. \"cuda:0,cuda:1\" or \"cpu,cpu\"), or 'auto'")
+        if len(devices) > world_size:
+            raise ValueError(f"{NODE_TITLE}: devices {value!r} lists {len(devices)} devices for world_size "
+                             f"{world_size}: give 1 to {world_size} devices (rank 0 first), or raise world_size")
+        cuda = [d for d in devices if d != "cpu"]
+        if len(set(cuda)) < len(cuda):
+            raise ValueError(f"{NODE_TITLE}: devices {value!r} names a GPU twice; give each rank its own GPU, or use "
+                             "cpu ranks")
+    remote = world_size - len(devices)
+    if remote and is_loopback(master_address):
+        raise ValueError(f"{NODE_TITLE}: world_size {world_size} with devices {value!r} ({len(devices)} here) leaves "
+                         f"{remote} rank(s) to other machines, but master_address {master_address!r} is loopback: no "
+                         "other machine can join. Raise the number of devices to world_size (e.g. "
+                         f"\"{','.join(['cpu'] * world_size)}\"), lower world_size, or set master_address to this "
+                         "machine's network address and start the remote ranks (README)")
     return devices
 
 
-def resolve_degrees(settings: SequenceParallelSettings, heads: int) -> SequenceParallelConfig:
+def resolve_degrees(settings: SequenceParallelSettings, heads: int | None) -> SequenceParallelConfig:
     """'auto': Ulysses when the head count divides the world size's, else ring attention. With ``cfg_parallel`` the
-    degrees share half the world (two cfg halves)."""
+    degrees share half the world (two cfg halves). ``heads`` None: not known (explicit degrees are not checked
+    against it). ValueError naming the input and the fix."""
     world = settings.group.world_size
     cfg = 2 if settings.cfg_parallel else 1
     if world % cfg:
-        raise ValueError(f"{NODE_TITLE}: cfg_parallel needs an even world_size (two halves), got {world}")
+        raise ValueError(f"{NODE_TITLE}: cfg_parallel splits the ranks into two halves, so it needs an even "
+                         f"world_size, got {world}; set world_size to {world + 1} or {world - 1}, or turn cfg_parallel "
+                         "off")
     world //= cfg
+    what = "world_size / 2 (cfg_parallel)" if cfg > 1 else "world_size"
     u, r = settings.ulysses_degree, settings.ring_degree
+    for name, degree in (("ulysses_degree", u), ("ring_degree", r)):
+        if degree is not None and world % degree:
+            raise ValueError(f"{NODE_TITLE}: {name} {degree} does not divide {what} {world}; set it to a divisor of "
+                             f"{world} or 'auto'")
     if u is None and r is None:
+        if heads is None:
+            raise ValueError(f"{NODE_TITLE}: cannot read the model's head count; set ulysses_degree and ring_degree "
+                             "instead of 'auto'")
         u, r = (world, 1) if heads % world == 0 else (1, world)
     elif u is None:
         u = world // r
     elif r is None:
         r = world // u
     if u * r != world:
-        what = "world_size / 2 (cfg_parallel)" if cfg > 1 else "world_size"
-        raise ValueError(f"{NODE_TITLE}: ulysses_degree {u} x ring_degree {r} must equal {what} {world}")
-    if heads % u:
+        raise ValueError(f"{NODE_TITLE}: ulysses_degree {u} x ring_degree {r} must equal {what} {world}; set one of "
+                         "them to 'auto'")
+    if heads is not None and heads % u:
         raise ValueError(f"{NODE_TITLE}: the model has {heads} attention heads, which ulysses_degree {u} does not "
                          "divide; set ulysses_degree to a divisor or 'auto'")
     return SequenceParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg)
@@ -136,6 +193,7 @@ class SequenceParallelSession(ShardSession):
         self.steps = StepTotals()  # per sampler step on this rank: calls, seconds, bytes sent, skipped calls
         self.calls_unsplit: list[str] = []  # why a call with cfg_degree > 1 ran its batch whole (one per call)
         self._call_start: tuple[float, int] | None = None
+        self.in_call = False  # a call was sent to the workers and has not returned on this rank
 
     def after_load(self, patcher) -> None:
         self._join(patcher)
@@ -170,10 +228,11 @@ class SequenceParallelSession(ShardSession):
                   "weights": self.group.serial_of_weights, "run": self.run_id}
         try:
             answers = self.group.send_command("call", header, (call_args, call_kwargs, sent, features))
-        except (pickle.PicklingError, TypeError, AttributeError):
-            check_picklable(sent, self.feature.describe())  # names the option that cannot be sent
+        except PlainDataError:
+            check_sendable(sent, self.feature.describe())  # names the option that cannot be sent
             raise
         self.calls += 1
+        self.in_call = True
         super().before_call(args, kwargs, transformer_options)
         self.runtime.gate.hold(answers)  # the workers check the call while this rank computes up to its first exchange
 
@@ -196,13 +255,16 @@ class SequenceParallelSession(ShardSession):
 
     def call_output(self, output: Any) -> Any:
         self.runtime.gate.release()  # a call whose every exchange was skipped still hears every worker's answer
-        return super().call_output(output)
+        output = super().call_output(output)
+        self.in_call = False
+        return output
 
     def explain_failure(self, error: Exception) -> Exception | None:
         """A call that stopped mid-way (a rank failed, rank 0 raised or was interrupted) leaves the workers blocked in
         its collectives: the group is closed here, at once (local workers killed), and the next run starts a fresh
         one. A torch.distributed error becomes a ``SequenceParallelError`` naming the ranks that broke the call; any
         other error (an interrupt, the model's own) stays as it is."""
+        self.in_call = False  # handled here: the run's close need not
         group = self.group
         if group is None or group is not sp_group.active_group():
             return None
@@ -215,7 +277,9 @@ class SequenceParallelSession(ShardSession):
 
     def close(self, status: str) -> None:
         self.remove()
-        if status == "error":  # the group may be out of step (a rank died or raised): start afresh next run
+        if self.in_call and self.group is not None:  # a call stopped mid-way by what no session was asked to explain
+            sp_group.close_group(broken=True)  # (an interrupt that is no Exception): its workers are blocked in it
+        elif status == "error":  # the group may be out of step (a rank died or raised): start afresh next run
             sp_group.close_group()
         elif self.calls and self.group is not None:
             try:  # the workers end the run too (their caches' and offload's close)
@@ -308,16 +372,26 @@ class SequenceParallel(io.ComfyNode):
         if family.sequence_plan is None:
             raise ValueError(f"{NODE_TITLE}: {family.display_name} is not supported yet{_refusal(family)}; "
                              f"supported: {supported_families()}")
-        local = resolve_devices(devices, world_size)
+        local = resolve_devices(devices, world_size, master_address)
         if backend == AUTO:
             backend = "nccl" if local[0].startswith("cuda") else "gloo"
+        if backend == "nccl" and any(not d.startswith("cuda") for d in local):
+            raise ValueError(f"{NODE_TITLE}: backend nccl needs a GPU for every rank, but devices {devices!r} has "
+                             f"{', '.join(d for d in local if not d.startswith('cuda'))}; set backend to gloo or 'auto', "
+                             "or list GPUs only")
         if world_size > len(local) and master_port == 0:
             raise ValueError(f"{NODE_TITLE}: {world_size - len(local)} rank(s) are remote: set master_port so they "
                              "know where to join")
+        sp_group.check_platform(backend)
         settings = SequenceParallelSettings(
             sp_group.GroupSettings(world_size, backend, local, master_address, master_port),
             ulysses_degree=None if ulysses_degree == AUTO else int(ulysses_degree),
             ring_degree=None if ring_degree == AUTO else int(ring_degree), cfg_parallel=bool(cfg_parallel))
+        try:
+            heads = _heads(model.model.diffusion_model, family)
+        except ValueError:
+            heads = None  # 'auto' degrees say so below; explicit ones are checked at the run
+        resolve_degrees(settings, heads)  # every degree the model or the world cannot take, before any rank starts
         feature = AppliedFeature(KIND, Category.SEQUENCE_PARALLEL, NODE_TITLE, cls.hidden.unique_id, settings)
         return io.NodeOutput(attach_feature(model, feature))
 

@@ -1,28 +1,30 @@
 """What rank 0 (the ComfyUI process) and its sequence-parallel workers say to each other, and how a rank joins.
 
 A command (``Command``: op, serial, header, payload) goes to every worker over its control connection (``control``:
-one TCP connection per worker, nothing polls); each checks its header (op, serial, plan, tensor shapes) and answers
-"ok" or its error BEFORE any collective of the command, so a mismatch is an error on rank 0, never a hang. Tensors
-(weights) then go through torch.distributed collectives, whose process-group timeout bounds every wait; a model
-call's own tensors travel in its command, as raw bytes after its pickle (``encode``).
+one TCP connection per worker, opened with a proof of the group's secret, ``trust``); each checks its header (op,
+serial, plan, tensor shapes) and answers "ok" or its error BEFORE any collective of the command, so a mismatch is an
+error on rank 0, never a hang. Tensors (weights) then go through torch.distributed collectives, whose process-group
+timeout bounds every wait; a model call's small tensors travel in its command, as raw bytes after its JSON
+(``encode``); nothing received is unpickled.
 
 How a rank joins: rank 0 publishes the group (``GroupInfo``: world size, backend, timeouts, the port of its control
-connections) in the rendezvous ``TCPStore`` under ``group`` before any worker starts; a worker reads it, checks the
-world size it was told, claims its rank (``join/<rank>``; a rank claimed twice is an error), starts its heartbeat
-(``beat/<rank>``, a counter) and opens its control connection; rank 0 waits until every rank has claimed and
-connected (failing fast when a local worker exits, and after the join timeout naming the ranks missing) and only then
-does everyone call ``init_process_group``. A worker whose command fails mid-collective leaves its traceback under
-``error/<rank>``. With the heartbeats and those errors rank 0 says which rank broke a call (``diagnose``).
+connections), signed with the group's key, in the rendezvous ``TCPStore`` under ``group`` before any worker starts;
+a worker reads it and checks the signature and the world size it was told, claims its rank on its control connection
+(a rank claimed twice is refused there), starts its heartbeat (``beat/<rank>``, a signed count); rank 0 waits until every
+rank has connected (failing fast when a local worker exits, and after the join timeout naming the ranks missing) and
+only then does everyone call ``init_process_group``. A worker whose command fails mid-collective leaves its traceback,
+signed, under ``error/<rank>``. With the heartbeats and those errors rank 0 says which rank broke a call
+(``diagnose``); an error whose signature fails is ignored (and logged).
 
 Nothing here imports ComfyUI.
 """
 from __future__ import annotations
 
 import datetime
-import io
+import json
+import logging
 import math
 import os
-import pickle
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -31,10 +33,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ...omni_hooks.sequence_parallel.links import PeerLinkError, PeerLinks
+from .plain import PlainDataError, dtype_name, dtype_named, from_plain, to_plain
+from .trust import TrustError, group_key, mac, opened, proves, seal, unseal
+
+log = logging.getLogger("OmniHooks")
 
 STORE_PREFIX = "omnihooks_sp/"
-#: a worker adds 1 to ``beat/<rank>`` this often, from a thread of its own (a stopped or dead process stops beating)
+#: a worker raises its count in ``beat/<rank>`` this often, from a thread of its own (a stopped or dead process stops beating)
 BEAT_S = 0.25
 #: ``diagnose`` calls a rank not responding when its heartbeat did not move for this long
 STALL_S = 1.5
@@ -88,9 +93,8 @@ class GroupInfo:
     world_size: int
     backend: str
     timeouts: Timeouts
-    group_id: str  # a rank that rejoins waits for a group other than the one it served
+    group_id: str  # a rank that rejoins waits for a group other than the one it served; with the secret, the key
     control_port: int  # where rank 0 accepts the control connections (on the group's address)
-    direct_links: bool = False  # every rank a CPU process on this machine: per-call exchanges over ``PeerLinks``
 
 #: stands for the call's transformer_options in the arguments sent (the options travel separately, filtered)
 OPTIONS_SLOT = "<omnihooks transformer_options>"
@@ -114,8 +118,8 @@ class CommandRefused(SequenceParallelError):
 @dataclass(frozen=True)
 class Command:
     """One message from rank 0. ``op``: "mesh", "load", "call" or "exit"; ``serial``: its number (1, 2, ...);
-    ``header``: what every worker checks before any collective; ``payload``: the op's data (pickled, its tensors as
-    raw bytes). ``broadcast``: on a worker, the payload's tensors too large for the command, in the order rank 0
+    ``header``: what every worker checks before any collective; ``payload``: the op's data (plain data, ``plain``;
+    its tensors as raw bytes). ``broadcast``: on a worker, the payload's tensors too large for the command, in the order rank 0
     broadcasts them once every worker accepted it (``encode``)."""
 
     op: str
@@ -125,55 +129,36 @@ class Command:
     broadcast: tuple[torch.Tensor, ...] = ()
 
 
-# This pack's import name in this process: ComfyUI imports it under its folder's name, a worker under another one.
-PACKAGE = __name__.rsplit(".nodes.", 1)[0]
-
-
 _ALIGN = 16  # each tensor's bytes start at a multiple of this in an encoded command
 #: a tensor of more bytes than this does not travel in the command: rank 0 broadcasts it over the process group once
 #: every worker accepted the command (NCCL between GPUs: no copy through the CPU; one message per rank in a tree)
 BROADCAST_BYTES = 256 * 1024
 
 
-@dataclass(frozen=True)
-class _TensorSlot:
-    """Stands for the ``index``-th tensor of an encoded command (its bytes travel after the pickle)."""
-
-    index: int
-    shape: tuple[int, ...]
-    dtype: str  # "float32", ...
-
-
-@dataclass(frozen=True)
-class _BroadcastSlot:
-    """Stands for the ``index``-th tensor rank 0 broadcasts after the command."""
-
-    index: int
-    shape: tuple[int, ...]
-    dtype: str
+_LENGTH = 8
 
 
 def encode(command: Command) -> tuple[bytes, list[torch.Tensor]]:
     """A command as bytes, and the payload's tensors of more than ``BROADCAST_BYTES`` (broadcast after it, in this
-    order). The bytes: this pack's import name and a pickle, each after its 8-byte length, then the raw bytes of
-    every other tensor of the payload (moved to the CPU). Tensors never go through pickle (its tensor reduction costs about a millisecond a call). Objects of this
-    pack (a feature's settings) are pickled under this process's package name, which travels with them so the
-    receiver maps it to its own (``decode``)."""
+    order). The bytes: a JSON document after its 8-byte length (op, serial, header, and the payload as ``plain``
+    data, each tensor described by its dtype, shape and place), then the raw bytes of every other tensor of the payload
+    (moved to the CPU), each at a multiple of ``_ALIGN``. PlainDataError when the payload holds something that cannot
+    travel as plain data (nothing is sent)."""
     inline: list[torch.Tensor] = []
     broadcast: list[torch.Tensor] = []
 
-    def slot(tensor: torch.Tensor) -> _TensorSlot | _BroadcastSlot:
-        dtype = str(tensor.dtype).removeprefix("torch.")
+    def slot(tensor: torch.Tensor) -> dict:
+        described = {"shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype)}
         if tensor.numel() * tensor.element_size() > BROADCAST_BYTES:
             broadcast.append(tensor.detach())
-            return _BroadcastSlot(len(broadcast) - 1, tuple(tensor.shape), dtype)
+            return {**described, "broadcast": len(broadcast) - 1}
         inline.append(tensor.detach().cpu().contiguous())
-        return _TensorSlot(len(inline) - 1, tuple(tensor.shape), dtype)
+        return {**described, "inline": len(inline) - 1}
 
-    payload = map_tensors(command.payload, slot)
-    package = PACKAGE.encode()
-    body = dumps({"op": command.op, "serial": command.serial, "header": command.header, "payload": payload})
-    parts = [len(package).to_bytes(8, "little"), package, len(body).to_bytes(8, "little"), body]
+    document = {"op": command.op, "serial": command.serial, "header": to_plain(command.header, slot),
+                "payload": to_plain(command.payload, slot)}
+    body = json.dumps(document, separators=(",", ":")).encode()
+    parts = [len(body).to_bytes(_LENGTH, "little"), body]
     for tensor in inline:
         parts += [bytes(-sum(map(len, parts)) % _ALIGN), tensor.reshape(-1).view(torch.uint8).numpy().tobytes()]
     return b"".join(parts), broadcast
@@ -181,56 +166,52 @@ def encode(command: Command) -> tuple[bytes, list[torch.Tensor]]:
 
 def decode(data: bytes | bytearray, device: torch.device | str = "cpu") -> Command:
     """``encode``'s command; its tensors share ``data`` when it is a bytearray (else a copy of it). The tensors rank
-    0 broadcasts after it are made empty on ``device`` (the command's ``broadcast``), to be received in place."""
-    view = memoryview(data)
-    size = int.from_bytes(view[:8], "little")
-    sender = bytes(view[8:8 + size]).decode()
-    offset = 16 + size + int.from_bytes(view[8 + size:16 + size], "little")
-    fields = loads(view[16 + size:offset], rename=(sender, PACKAGE))
+    0 broadcasts after it are made empty on ``device`` (the command's ``broadcast``), to be received in place.
+    PlainDataError when ``data`` is not such a command (a length, a dtype, a shape or a place that does not fit)."""
+    if len(data) < _LENGTH:
+        raise PlainDataError("malformed command: shorter than its length field")
+    size = int.from_bytes(bytes(data[:_LENGTH]), "little")
+    if size > len(data) - _LENGTH:
+        raise PlainDataError(f"malformed command: a document of {size} bytes in {len(data)}")
+    try:
+        document = json.loads(bytes(data[_LENGTH:_LENGTH + size]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise PlainDataError(f"malformed command: {exc}") from None
+    if not isinstance(document, dict) or set(document) != {"op", "serial", "header", "payload"} \
+            or not isinstance(document["op"], str) or type(document["serial"]) is not int:
+        raise PlainDataError("malformed command: not a command document")
     buffer = data if isinstance(data, bytearray) else bytearray(data)  # writable: the tensors share it
+    offset = _LENGTH + size
+    inline_count, broadcast = 0, {}
 
-    def tensor(value: _TensorSlot) -> torch.Tensor:
-        nonlocal offset
-        dtype = getattr(torch, value.dtype)
-        count = math.prod(value.shape) * torch.empty((), dtype=dtype).element_size()
+    def tensor(value: dict) -> torch.Tensor:
+        nonlocal offset, inline_count
+        dtype, shape = dtype_named(value.get("dtype")), value.get("shape")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise PlainDataError(f"malformed command: a tensor shape {shape!r}")
+        if "broadcast" in value:
+            if value["broadcast"] != len(broadcast):
+                raise PlainDataError("malformed command: broadcast tensors out of order")
+            broadcast[len(broadcast)] = torch.empty(shape, dtype=dtype, device=device)
+            return broadcast[len(broadcast) - 1]
+        if value.get("inline") != inline_count:
+            raise PlainDataError("malformed command: tensors out of order")
+        inline_count += 1
+        count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         offset += -offset % _ALIGN
+        if offset + count > len(buffer):
+            raise PlainDataError("malformed command: a tensor beyond its end")
         flat = torch.frombuffer(buffer, dtype=torch.uint8, count=count, offset=offset) if count else \
             torch.empty(0, dtype=torch.uint8)
         offset += count
-        return flat.view(dtype).reshape(value.shape)
+        return flat.view(dtype).reshape(shape)
 
-    broadcast: dict[int, torch.Tensor] = {}
-
-    def filled(value: _TensorSlot | _BroadcastSlot) -> torch.Tensor:
-        if isinstance(value, _TensorSlot):
-            return tensor(value)
-        broadcast[value.index] = torch.empty(value.shape, dtype=getattr(torch, value.dtype), device=device)
-        return broadcast[value.index]
-
-    fields["payload"] = _map(fields["payload"], (_TensorSlot, _BroadcastSlot), filled)
-    return Command(**fields, broadcast=tuple(broadcast[i] for i in range(len(broadcast))))
-
-
-def dumps(value: Any) -> bytes:
-    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-class _RenamingUnpickler(pickle.Unpickler):
-    def __init__(self, file, rename: tuple[str, str]):
-        super().__init__(file)
-        self.sender, self.receiver = rename
-
-    def find_class(self, module: str, name: str):
-        if module == self.sender or module.startswith(self.sender + "."):
-            module = self.receiver + module[len(self.sender):]
-        return super().find_class(module, name)
-
-
-def loads(data: bytes, rename: tuple[str, str] | None = None) -> Any:
-    """``pickle.loads``; ``rename=(sender's package, ours)`` maps the sender's import name of this pack to ours."""
-    if rename is None or rename[0] == rename[1]:
-        return pickle.loads(data)
-    return _RenamingUnpickler(io.BytesIO(data), rename).load()
+    header = from_plain(document["header"], tensor)
+    payload = from_plain(document["payload"], tensor)
+    if not isinstance(header, dict):
+        raise PlainDataError("malformed command: its header is not a dict")
+    return Command(document["op"], document["serial"], header, payload,
+                   broadcast=tuple(broadcast[i] for i in range(len(broadcast))))
 
 
 def _map(value: Any, kind: type | tuple[type, ...], fn: Callable[[Any], Any]) -> Any:
@@ -264,63 +245,70 @@ def tensor_signature(value: Any) -> list:
     return []
 
 
-def check_picklable(options: dict, where: str) -> None:
-    """ValueError naming each transformer option that cannot be sent to the other ranks."""
+def check_sendable(options: dict, where: str) -> None:
+    """ValueError naming each transformer option that cannot be sent to the other ranks as plain data."""
     for key, value in options.items():
         try:
-            pickle.dumps(value)
-        except Exception as exc:
+            to_plain(value, lambda tensor: {})
+        except PlainDataError as exc:
             raise ValueError(
                 f"{where}: transformer option {key!r} ({type(value).__name__}) cannot be sent to the other ranks "
                 f"({exc}); another node put a Python object there. Remove that node from this model, or run without "
                 "Sequence Parallel") from None
 
 
-def publish_group(commands: dist.Store, info: GroupInfo) -> None:
-    """Rank 0, before any worker starts: what joining ranks read (``commands``: the prefixed store)."""
-    commands.set("group", dumps({"world_size": info.world_size, "backend": info.backend,
-                                 "timeouts": asdict(info.timeouts), "group_id": info.group_id,
-                                 "control_port": info.control_port, "direct_links": info.direct_links}))
+_GROUP = "group"
 
 
-def read_group(commands: dist.Store) -> GroupInfo:
-    """A worker: rank 0's ``GroupInfo`` (waits up to the store's timeout for rank 0 to publish it)."""
-    data = loads(commands.get("group"))
-    return GroupInfo(data["world_size"], data["backend"], Timeouts(**data["timeouts"]), data["group_id"],
-                     data["control_port"], data["direct_links"])
+def publish_group(commands: dist.Store, info: GroupInfo, key: bytes) -> None:
+    """Rank 0, before any worker starts: what joining ranks read (``commands``: the prefixed store), signed with the
+    group's ``key``."""
+    body = {"world_size": info.world_size, "backend": info.backend, "timeouts": asdict(info.timeouts),
+            "control_port": info.control_port}
+    commands.set(_GROUP, seal(key, _GROUP, body, group_id=info.group_id))
 
 
-def claim_rank(commands: dist.Store, rank: int, world_size: int | None, info: GroupInfo) -> None:
-    """A worker takes ``rank`` in the group ``info`` describes; ValueError when the world size it was told differs
-    from rank 0's, the rank is outside the group, or another process already took it."""
+def read_group(commands: dist.Store, secret: bytes) -> tuple[GroupInfo, bytes]:
+    """A worker: rank 0's ``GroupInfo`` and the group's key (waits up to the store's timeout for rank 0 to publish
+    it). ValueError when what is there is not a group signed with a key from ``secret``."""
+    data = commands.get(_GROUP)
+    try:
+        group_id = opened(data).get("group_id")
+        if not isinstance(group_id, str):
+            raise TrustError("no group id")
+        key = group_key(secret, group_id)
+        body = unseal(key, _GROUP, data)
+        timeouts = Timeouts(**{name: float(body["timeouts"][name]) for name in Timeouts.ENV})
+        info = GroupInfo(int(body["world_size"]), str(body["backend"]), timeouts, group_id, int(body["control_port"]))
+    except (TrustError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"Sequence Parallel worker: the group in rank 0's store is not one this worker can join "
+                         f"({exc}); rank 0 and this worker must hold the same secret (OMNIHOOKS_SP_SECRET or "
+                         "OMNIHOOKS_SP_SECRET_FILE on both machines; the pack's own workers get it from their "
+                         "parent)") from None
+    if info.backend not in ("gloo", "nccl"):
+        raise ValueError(f"Sequence Parallel worker: rank 0's group has backend {info.backend!r}")
+    return info, key
+
+
+def check_rank(rank: int, world_size: int | None, info: GroupInfo) -> None:
+    """ValueError when the world size a worker was told differs from rank 0's, or its rank is outside the group (rank
+    0 refuses a rank taken already when the worker connects)."""
     if world_size is not None and world_size != info.world_size:
         raise ValueError(f"Sequence Parallel worker: --world-size {world_size} but rank 0's Sequence Parallel node "
                          f"has world_size {info.world_size}; start the worker with the node's world size")
     if not 0 < rank < info.world_size:
         raise ValueError(f"Sequence Parallel worker: rank {rank} is outside 1..{info.world_size - 1} (rank 0 is the "
                          f"ComfyUI process; world_size {info.world_size})")
-    if commands.add(f"join/{rank}", 1) != 1:
-        raise ValueError(f"Sequence Parallel worker: rank {rank} has already joined from another process; give each "
-                         "worker its own rank (--rank, or --first-rank under torchrun)")
 
 
-def missing_ranks(commands: dist.Store, world_size: int) -> list[int]:
-    """The worker ranks that have not claimed their rank yet."""
-    return [rank for rank in range(1, world_size) if not commands.check([f"join/{rank}"])]
-
-
-def init_group(store: dist.Store, rank: int, info: GroupInfo) -> PeerLinks | None:
-    """Join the default process group through ``store`` (every rank has claimed its rank; rank 0 hosts the store),
-    then connect the direct links when the group has them."""
+def init_group(store: dist.Store, rank: int, info: GroupInfo) -> None:
+    """Join the default process group through ``store`` (every rank has connected; rank 0 hosts the store)."""
     dist.init_process_group(info.backend, store=store, rank=rank, world_size=info.world_size,
                             timeout=datetime.timedelta(seconds=info.timeouts.collective_s))
-    if not info.direct_links:
-        return None
-    return PeerLinks.connect(command_store(store), rank, info.world_size, info.timeouts.collective_s)
 
 
 def command_store(store: dist.Store) -> dist.PrefixStore:
-    """The store of this protocol's keys (the group, joins, heartbeats, errors) inside the rendezvous store."""
+    """The store of this protocol's keys (the group, heartbeats, errors) inside the rendezvous store."""
     return dist.PrefixStore(STORE_PREFIX, store)
 
 
@@ -329,23 +317,43 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-class Heartbeat:
-    """A worker's heartbeat: a daemon thread adds 1 to ``beat/<rank>`` every ``BEAT_S`` over its own store
-    connection, until ``stop``. A process that is killed, stopped (SIGSTOP) or cut off stops beating: rank 0 reads
-    a stalled counter as "not responding"."""
+def _beat(key: bytes, rank: int, count: int) -> bytes:
+    return f"{count}:{mac(key, f'beat/{rank}', str(count).encode()).hex()}".encode()
 
-    def __init__(self, host: str, port: int, rank: int, timeout_s: float):
+
+def read_beat(commands: dist.Store, rank: int, key: bytes) -> int | None:
+    """Worker ``rank``'s heartbeat count, None when it has none or what is there fails the group's signature.
+    Read with ``get``, never ``add``: a value that is not a number makes the store drop the connection that adds."""
+    name = f"beat/{rank}"
+    if not commands.check([name]):
+        return None
+    count, _, proof = bytes(commands.get(name)).partition(b":")
+    try:
+        if proves(key, name, bytes.fromhex(proof.decode("ascii")), count):
+            return int(count)
+    except ValueError:
+        pass
+    return None
+
+
+class Heartbeat:
+    """A worker's heartbeat: a daemon thread writes a rising count, signed, to ``beat/<rank>`` every ``BEAT_S`` over
+    its own store connection, until ``stop``. A process that is killed, stopped (SIGSTOP) or cut off stops beating:
+    rank 0 reads a stalled count as "not responding"."""
+
+    def __init__(self, host: str, port: int, rank: int, timeout_s: float, key: bytes):
         self._store = command_store(connect_store(host, port, timeout_s))
-        self._key = f"beat/{rank}"
+        self._name, self._key, self._rank, self._count = f"beat/{rank}", key, rank, 1
         self._stopped = threading.Event()
-        self._store.add(self._key, 1)
+        self._store.set(self._name, _beat(key, rank, self._count))
         self._thread = threading.Thread(target=self._beat, name=f"omnihooks-sp-heartbeat-{rank}", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
         while not self._stopped.wait(BEAT_S):
+            self._count += 1
             try:
-                self._store.add(self._key, 1)
+                self._store.set(self._name, _beat(self._key, self._rank, self._count))
             except Exception:  # rank 0's store is gone: the group is over, the main thread notices on its own
                 return
 
@@ -355,35 +363,36 @@ class Heartbeat:
 
 
 class HeartbeatWatch:
-    """Which workers stopped beating: a rank whose ``beat/<rank>`` counter did not move for ``stall_s`` since this
-    watch first read it, or since it last moved (a rank whose counter cannot be read counts as stalled)."""
+    """Which workers stopped beating: a rank whose ``beat/<rank>`` count did not move for ``stall_s`` since this
+    watch first read it, or since it last moved (a rank whose count cannot be read, or fails the group's signature,
+    counts as not moving)."""
 
-    def __init__(self, commands: dist.Store, stall_s: float = STALL_S):
-        self.commands = commands
+    def __init__(self, commands: dist.Store, key: bytes, stall_s: float = STALL_S):
+        self.commands, self.key = commands, key
         self.stall_s = stall_s
-        self._seen: dict[int, tuple[int, float]] = {}  # rank: (count, when it was first read at that count)
+        self._seen: dict[int, tuple[int | None, float]] = {}  # rank: (count, when it was first read at that count)
 
     def stalled(self, rank: int) -> bool:
         try:
-            count = self.commands.add(f"beat/{rank}", 0)
+            count = read_beat(self.commands, rank, self.key)
         except Exception:
-            return True
+            count = None
         now = time.monotonic()
         seen = self._seen.get(rank)
-        if seen is None or seen[0] != count:
+        if seen is None or count is not None and seen[0] != count:
             self._seen[rank] = (count, now)
             return False
         return now - seen[1] >= self.stall_s
 
 
-def diagnose(commands: dist.Store, world_size: int,
-             exit_codes: Callable[[], dict[int, int | None]]) -> dict[int, str]:
+def diagnose(commands: dist.Store, world_size: int, exit_codes: Callable[[], dict[int, int | None]],
+             key: bytes) -> dict[int, str]:
     """Why a call failed, per worker rank that is not healthy: exited (``exit_codes()``: the local workers' rank and
     exit code, None while running; read last, as a killed process may take a moment to end), not responding (heartbeat
     stalled for ``STALL_S``: hung, stopped or gone) or raised (its ``error/<rank>``, last line). Waits ``STALL_S``.
     Ranks not listed look healthy."""
     ranks = range(1, world_size)
-    watch = HeartbeatWatch(commands)
+    watch = HeartbeatWatch(commands, key)
     for rank in ranks:
         watch.stalled(rank)  # the counts to compare with
     time.sleep(STALL_S)
@@ -391,7 +400,7 @@ def diagnose(commands: dist.Store, world_size: int,
     codes = exit_codes()
     for rank in ranks:
         code = codes.get(rank)
-        error = _reported_error(commands, rank)
+        error = reported_error(commands, rank, key)
         if code is not None:
             found[rank] = f"its process exited ({describe_exit(code)})"
         elif watch.stalled(rank):
@@ -401,11 +410,25 @@ def diagnose(commands: dist.Store, world_size: int,
     return found
 
 
-def _reported_error(commands: dist.Store, rank: int) -> str | None:
-    key = f"error/{rank}"
-    if not commands.check([key]):
+def report_error(commands: dist.Store, rank: int, key: bytes, text: str) -> None:
+    """A worker: its traceback, signed, for rank 0's ``diagnose``."""
+    commands.set(f"error/{rank}", seal(key, f"error/{rank}", {"text": text}))
+
+
+def reported_error(commands: dist.Store, rank: int, key: bytes) -> str | None:
+    """The last line of the error worker ``rank`` reported, None when it reported none. What fails the group's
+    signature is ignored (and logged): anyone who reaches the store can write there."""
+    name = f"error/{rank}"
+    if not commands.check([name]):
         return None
-    lines = [line for line in loads(commands.get(key)).strip().splitlines() if line.strip()]
+    try:
+        text = unseal(key, name, commands.get(name))["text"]
+        if not isinstance(text, str):
+            raise TrustError("no text")
+    except (TrustError, KeyError, ValueError) as exc:
+        log.warning("OmniHooks Sequence Parallel: ignored %s in the group's store: %s", name, exc)
+        return None
+    lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else "(no message)"
 
 
@@ -422,9 +445,9 @@ def describe_exit(code: int) -> str:
 
 
 def is_collective_failure(error: BaseException) -> bool:
-    """Whether ``error`` came out of an exchange between the ranks (torch.distributed or the direct links: a failed or
-    timed-out collective, a closed connection)."""
-    if isinstance(error, (dist.DistError, PeerLinkError)):
+    """Whether ``error`` came out of an exchange between the ranks (torch.distributed: a failed or timed-out
+    collective, a closed connection)."""
+    if isinstance(error, dist.DistError):
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and any(mark in text for mark in ("gloo", "NCCL", "c10d", "ProcessGroup"))

@@ -12,10 +12,10 @@ import importlib
 
 import comfy.model_management
 import comfy.model_patcher
+import comfy.supported_models_base
 import torch
 
 from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequenceParallelMesh
-from ...omni_hooks.sequence_parallel.links import PeerLinks
 from ..families import family_named
 from ..features import AppliedFeature, RunSession, run_call
 from .shard import KIND, ShardSession
@@ -31,7 +31,6 @@ class WorkerRank:
         self.patcher: comfy.model_patcher.ModelPatcher | None = None
         self.family = None
         self.meshes: dict[tuple[int, int, int], SequenceParallelMesh] = {}  # (ulysses, ring, cfg)
-        self.links: PeerLinks | None = None  # the group's direct links, if it has them
         self.weights_serial: int | None = None
         self.degrees: tuple[int, int, int] | None = None  # of the call being run
         self.run: RunSession | None = None
@@ -57,7 +56,7 @@ class WorkerRank:
     def execute(self, command: Command) -> None:
         if command.op == "mesh":
             key = (command.header["ulysses"], command.header["ring"], command.header["cfg"])
-            self.meshes[key] = SequenceParallelMesh.from_config(SequenceParallelConfig(*key), self.links)
+            self.meshes[key] = SequenceParallelMesh.from_config(SequenceParallelConfig(*key))
         elif command.op == "load":
             broadcast_tensors(list(self.patcher.model.diffusion_model.state_dict().values()))
             self.weights_serial = command.serial
@@ -94,7 +93,12 @@ class WorkerRank:
         payload = command.payload
         self.patcher = None
         module, qualname = payload["config_class"]
-        config = getattr(importlib.import_module(module), qualname)(payload["unet_config"])
+        if not isinstance(module, str) or module.split(".")[0] != "comfy":
+            raise ValueError(f"Sequence Parallel worker: {module!r} is not a module of ComfyUI")
+        config_class = getattr(importlib.import_module(module), qualname, None)
+        if not (isinstance(config_class, type) and issubclass(config_class, comfy.supported_models_base.BASE)):
+            raise ValueError(f"Sequence Parallel worker: {module}.{qualname} is not a ComfyUI model config")
+        config = config_class(payload["unet_config"])
         config.set_inference_dtype(payload["unet_dtype"], payload["manual_cast_dtype"])
         base_model = config.get_model({}, "", device=torch.device("cpu")).eval()
         names = [(name, tuple(t.shape), str(t.dtype)) for name, t in base_model.diffusion_model.state_dict().items()]

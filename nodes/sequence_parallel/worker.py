@@ -14,6 +14,10 @@ at ``--join``. One rank without torchrun::
 
     python <pack>/nodes/sequence_parallel/worker.py --join <ComfyUI host>:<port> --rank R --world-size N --comfyui <ComfyUI folder>
 
+Every rank proves it holds the group's secret (README, 'Sequence Parallel on several machines'): a rank started by
+hand reads it from ``OMNIHOOKS_SP_SECRET`` or the file ``OMNIHOOKS_SP_SECRET_FILE`` names, set to the same value as
+for ComfyUI; the pack's own workers get a fresh one per group from their parent, through their stdin.
+
 The backend and the timeouts come from rank 0. When rank 0 closes its group (a failure, another setting of the node)
 the worker joins the next group at the same address by itself, and exits when none starts within the join timeout
 (``OMNIHOOKS_SP_JOIN_TIMEOUT_S`` of the worker's environment, default 120 s) or with ``--once``. The worker needs
@@ -50,7 +54,8 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> ar
     parser.add_argument("--comfyui", default=env.get("COMFYUI_PATH", "."), help="the ComfyUI folder (its code)")
     parser.add_argument("--once", action="store_true", help="serve one group and exit (default: after rank 0 closes "
                         "a group, wait for its next one at --join, up to the join timeout)")
-    parser.add_argument("--parent-pid", type=int, default=None, help="(local workers) exit when this process is gone; "
+    parser.add_argument("--secret-from-parent", action="store_true", help="(the pack's own local workers) read the "
+                        "group's secret from the first line of stdin, and exit when stdin closes (the parent is gone); "
                         "implies --once")
     args = parser.parse_args(argv)
     if args.rank is None:
@@ -76,14 +81,57 @@ def _load_pack():
     return module
 
 
-def _parent_gone(parent_pid: int | None) -> bool:
-    if parent_pid is None:
-        return False
-    try:
-        os.kill(parent_pid, 0)
-        return False
-    except OSError:
-        return True
+class _Parent:
+    """The local parent's pipe (this process's stdin): the group's secret on its first line, then nothing until the
+    parent closes it or exits, which a thread notices (portable: no signal to a process id). Read with ``os.read`` on
+    the descriptor: a thread blocked in Python's buffered stdin would hold its lock when the interpreter exits."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._fd = sys.stdin.fileno()
+        line = b""
+        while not line.endswith(b"\n") and len(line) < 1024:
+            chunk = os.read(self._fd, 1)
+            if not chunk:
+                break
+            line += chunk
+        try:
+            self.secret = bytes.fromhex(line.strip().decode("ascii"))
+        except ValueError:
+            self.secret = b""
+        if len(self.secret) < 16:
+            raise SystemExit("Sequence Parallel worker: --secret-from-parent, but stdin did not hold the group's secret")
+        self.gone = threading.Event()
+        threading.Thread(target=self._watch, name="omnihooks-sp-parent", daemon=True).start()
+
+    def _watch(self) -> None:
+        try:
+            while os.read(self._fd, 4096):
+                pass
+        except OSError:
+            pass
+        self.gone.set()
+
+
+def _secret(args: argparse.Namespace) -> bytes:
+    """The group's secret: from the parent's pipe, or the one the user set."""
+    parent = getattr(args, "parent", None)
+    if parent is not None:
+        return parent.secret
+    from .trust import SECRET_ENV, SECRET_FILE_ENV, user_secret
+
+    secret = user_secret()
+    if secret is None:
+        raise SystemExit(f"Sequence Parallel worker: set the group's secret in {SECRET_ENV} (or a file named by "
+                         f"{SECRET_FILE_ENV}), the same as for ComfyUI on rank 0's machine "
+                         "(README, 'Sequence Parallel on several machines')")
+    return secret
+
+
+def _parent_gone(args: argparse.Namespace) -> bool:
+    parent = getattr(args, "parent", None)
+    return parent is not None and parent.gone.is_set()
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -111,7 +159,7 @@ def serve_groups(args: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         try:
             store = connect_store(*_address(args), max(1.0, deadline - time.monotonic()))
-            info = read_group(command_store(store))
+            info, _ = read_group(command_store(store), _secret(args))
         except dist.DistError:  # no rank 0 there (yet, or any more)
             time.sleep(0.5)
             continue
@@ -137,11 +185,12 @@ def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
     import torch.distributed as dist
 
     from .control import ControlClient
-    from .protocol import Heartbeat, claim_rank, command_store, dumps, init_group, is_collective_failure, read_group
+    from .protocol import Heartbeat, check_rank, command_store, init_group, is_collective_failure, read_group, \
+        report_error
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     commands = command_store(store)
-    info = read_group(commands)
+    info, key = read_group(commands, _secret(args))
     args.backend = info.backend
     if info.backend == "nccl" and not args.device.startswith("cuda"):
         raise SystemExit(f"Sequence Parallel worker rank {args.rank}: rank 0 uses NCCL, which needs a CUDA device; "
@@ -151,12 +200,11 @@ def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))
     worker = WorkerRank(args.device)
-    claim_rank(commands, args.rank, args.world_size, info)
-    heartbeat = Heartbeat(*_address(args), args.rank, info.timeouts.join_s)
-    control = None
+    check_rank(args.rank, args.world_size, info)
+    control = ControlClient(_address(args)[0], info.control_port, args.rank, info.timeouts.join_s, key)
+    heartbeat = Heartbeat(*_address(args), args.rank, info.timeouts.join_s, key)
     try:
-        control = ControlClient(_address(args)[0], info.control_port, args.rank, info.timeouts.join_s)
-        worker.links = init_group(store, args.rank, info)
+        init_group(store, args.rank, info)
         inbox = _Inbox(args, control)
         while True:
             command = inbox.next()
@@ -169,7 +217,7 @@ def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
             try:
                 worker.execute(command)
             except Exception:
-                commands.set(f"error/{args.rank}", dumps(traceback.format_exc()))
+                report_error(commands, args.rank, key, traceback.format_exc())
                 traceback.print_exc()
                 return 2, info.group_id  # a collective failed: the group is broken, rank 0 closes it
     except (ConnectionError, EOFError) as exc:
@@ -182,10 +230,7 @@ def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
         print(f"Sequence Parallel worker rank {args.rank}: rank 0 is gone ({exc})", file=sys.stderr)
         return 1, info.group_id
     finally:
-        if control is not None:
-            control.close()
-        if worker.links is not None:
-            worker.links.close()
+        control.close()
         heartbeat.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -203,7 +248,7 @@ class _Inbox:
         from .protocol import decode
 
         self.serial += 1
-        received = self.control.receive(give_up=lambda: _parent_gone(self.args.parent_pid))
+        received = self.control.receive(give_up=lambda: _parent_gone(self.args))
         return None if received is None else decode(received[1], self.args.device)
 
     def answer(self, command, worker) -> bool:
@@ -232,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pack = _load_pack()
     worker_module = importlib.import_module(f"{pack.__name__}.nodes.sequence_parallel.worker")
-    if args.parent_pid is not None or args.once:  # the pack's own workers: one group, started again by rank 0
+    args.parent = worker_module._Parent() if args.secret_from_parent else None
+    if args.secret_from_parent or args.once:  # the pack's own workers: one group, started again by rank 0
         return worker_module.serve(args)
     return worker_module.serve_groups(args)
 

@@ -83,9 +83,8 @@ class PendingShift:
 
 
 class Communicator:
-    """The collectives of one group. A group of one sends nothing and returns its input. Before any real collective
-    the ``gate``'s pending check runs. A group with ``links`` (``PeerLinks``) exchanges over them, else through
-    torch.distributed."""
+    """The collectives of one group, through torch.distributed (gloo between CPU ranks, NCCL between GPUs). A group
+    of one sends nothing and returns its input. Before any real collective the ``gate``'s pending check runs."""
 
     def __init__(self, group: RankGroup, stats: CommStats, simulated: bool = False,
                  gate: ExchangeGate | None = None):
@@ -112,13 +111,7 @@ class Communicator:
         if self.simulated:
             return out
         self.gate.release()
-        links, me = self.group.links, self.group.rank
-        if links is None:
-            dist.all_to_all_single(out, x, group=self.group.process_group)
-            return out
-        out[me] = x[me]
-        others = [i for i in range(size) if i != me]
-        links.exchange({self.group.ranks[i]: x[i] for i in others}, {self.group.ranks[i]: out[i] for i in others})
+        dist.all_to_all_single(out, x, group=self.group.process_group)
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int, kind: str) -> torch.Tensor:
@@ -134,13 +127,7 @@ class Communicator:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(size)]
         self.gate.release()
-        links, me = self.group.links, self.group.rank
-        if links is None:
-            dist.all_gather(parts, x, group=self.group.process_group)
-        else:
-            parts[me] = x
-            others = [i for i in range(size) if i != me]
-            links.exchange({self.group.ranks[i]: x for i in others}, {self.group.ranks[i]: parts[i] for i in others})
+        dist.all_gather(parts, x, group=self.group.process_group)
         return torch.cat(parts, dim)
 
     def start_shift(self, x: torch.Tensor, kind: str) -> PendingShift:
@@ -152,9 +139,6 @@ class Communicator:
             return PendingShift(received, [])
         group = self.group
         self.gate.release()
-        if group.links is not None:  # at once: the next member's send does not wait for this rank's receive
-            group.links.exchange({group.global_rank(group.rank + 1): x}, {group.global_rank(group.rank - 1): received})
-            return PendingShift(received, [])
         ops = [dist.P2POp(dist.isend, x, peer=group.global_rank(group.rank + 1), group=group.process_group),
                dist.P2POp(dist.irecv, received, peer=group.global_rank(group.rank - 1), group=group.process_group)]
         return PendingShift(received, dist.batch_isend_irecv(ops))
@@ -169,14 +153,6 @@ class Communicator:
         if self.simulated:
             return out
         self.gate.release()
-        links, me = self.group.links, self.group.rank
-        if links is None:
-            reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-            dist.all_reduce(out, op=reduce_op, group=self.group.process_group)
-            return out
-        parts = [torch.empty_like(out) for _ in range(self.size)]
-        parts[me] = out
-        others = [i for i in range(self.size) if i != me]
-        links.exchange({self.group.ranks[i]: out for i in others}, {self.group.ranks[i]: parts[i] for i in others})
-        stacked = torch.stack(parts)  # reduced in member order: every member gets the same bits
-        return stacked.sum(0) if op == "sum" else stacked.amax(0)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        dist.all_reduce(out, op=reduce_op, group=self.group.process_group)
+        return out

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from .config import SequenceParallelConfig
-from .links import PeerLinks
 
 SIMULATED = "simulated"
 
@@ -26,14 +25,12 @@ class RankGroup:
     """One communication group as this process sees it.
 
     ``ranks``: the members' ranks in the default group, in group order; ``rank``: this process's index among them;
-    ``process_group``: the torch.distributed group (None for a group of one or a simulated mesh); ``links``: direct
-    connections to the other ranks (``PeerLinks``) that the group's exchanges take instead of torch.distributed.
+    ``process_group``: the torch.distributed group (None for a group of one or a simulated mesh).
     """
 
     ranks: tuple[int, ...]
     rank: int
     process_group: Any = None
-    links: PeerLinks | None = None
 
     @property
     def size(self) -> int:
@@ -71,15 +68,14 @@ class SequenceParallelMesh:
         return self.backend == SIMULATED
 
     @classmethod
-    def from_config(cls, config: SequenceParallelConfig, links: PeerLinks | None = None) -> "SequenceParallelMesh":
+    def from_config(cls, config: SequenceParallelConfig) -> "SequenceParallelMesh":
         """Build the mesh from torch.distributed (collective over the SP group; the hybrid creates subgroups, which
-        every rank of the default group must do in the same order). ``links``: every group's exchanges go over these
-        direct connections (CPU ranks of one machine) instead of its process group."""
+        every rank of the default group must do in the same order)."""
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("apply_sequence_parallel: torch.distributed is not initialized; call "
                              "torch.distributed.init_process_group(...) in every rank first")
         if config.cfg_degree > 1:
-            return cls._with_cfg(config, links)
+            return cls._with_cfg(config)
         group = config.process_group
         ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
         size = config.sequence_parallel_size
@@ -101,16 +97,16 @@ class SequenceParallelMesh:
                                  "subgroups and needs process_group=None (the default group)")
             ulysses_groups, ring_groups = _layout(ranks, u, r)
             # every rank creates every group, in the same order, as torch.distributed.new_group requires
-            ulysses = _create_groups(ulysses_groups, links)
-            ring = _create_groups(ring_groups, links)
+            ulysses = _create_groups(ulysses_groups)
+            ring = _create_groups(ring_groups)
         else:
-            whole = RankGroup(ranks, me, pg, links)
+            whole = RankGroup(ranks, me, pg)
             ulysses = whole if u > 1 else RankGroup((ranks[me],), 0)
             ring = whole if r > 1 else RankGroup((ranks[me],), 0)
-        return cls(sp=RankGroup(ranks, me, pg, links), ulysses=ulysses, ring=ring, backend=backend, device=device)
+        return cls(sp=RankGroup(ranks, me, pg), ulysses=ulysses, ring=ring, backend=backend, device=device)
 
     @classmethod
-    def _with_cfg(cls, config: SequenceParallelConfig, links: PeerLinks | None) -> "SequenceParallelMesh":
+    def _with_cfg(cls, config: SequenceParallelConfig) -> "SequenceParallelMesh":
         """CFG parallel: every rank creates every half's groups, then the cfg groups, then the whole mesh's."""
         world, size = dist.get_world_size(), config.sequence_parallel_size
         if world != config.world_size:
@@ -120,17 +116,17 @@ class SequenceParallelMesh:
         me = dist.get_rank()
         halves = [tuple(range(c * size, (c + 1) * size)) for c in range(config.cfg_degree)]
         single = RankGroup((me,), 0)
-        sp = _create_groups(halves, links) if size > 1 else single
+        sp = _create_groups(halves) if size > 1 else single
         u, r = config.ulysses_degree, config.ring_degree
         if u > 1 and r > 1:
             layouts = [_layout(half, u, r) for half in halves]
-            ulysses = _create_groups([g for layout in layouts for g in layout[0]], links)
-            ring = _create_groups([g for layout in layouts for g in layout[1]], links)
+            ulysses = _create_groups([g for layout in layouts for g in layout[0]])
+            ring = _create_groups([g for layout in layouts for g in layout[1]])
         else:
             ulysses = sp if u > 1 else single
             ring = sp if r > 1 else single
-        cfg = _create_groups([tuple(g + c * size for c in range(config.cfg_degree)) for g in range(size)], links)
-        whole = cls.from_config(config.whole_config(), links)
+        cfg = _create_groups([tuple(g + c * size for c in range(config.cfg_degree)) for g in range(size)])
+        whole = cls.from_config(config.whole_config())
         return cls(sp=sp, ulysses=ulysses, ring=ring, backend=whole.backend, device=whole.device, cfg=cfg, whole=whole)
 
     @classmethod
@@ -148,14 +144,14 @@ class SequenceParallelMesh:
                    ring=RankGroup(ring, ring.index(rank)), backend=SIMULATED, device=torch.device("cpu"))
 
 
-def _create_groups(groups: list[tuple[int, ...]], links: PeerLinks | None = None) -> RankGroup:
-    """Create a process group for each member tuple; return this process's one (with ``links``)."""
+def _create_groups(groups: list[tuple[int, ...]]) -> RankGroup:
+    """Create a process group for each member tuple; return this process's one."""
     mine = None
     me = dist.get_rank()
     for members in groups:
         made = dist.new_group(list(members))
         if me in members:
-            mine = RankGroup(members, members.index(me), made, links)
+            mine = RankGroup(members, members.index(me), made)
     return mine
 
 

@@ -29,6 +29,8 @@ TEST_DEADLINE_S = 240.0  # a worker's start (importing ComfyUI) takes tens of se
 # the environment of rank 0 and of the workers it starts; torchrun's worker reads the join timeout itself
 TIMEOUTS = {"OMNIHOOKS_SP_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S), "OMNIHOOKS_SP_ACK_TIMEOUT_S": "20",
             "OMNIHOOKS_SP_JOIN_TIMEOUT_S": "150"}
+#: the secret the user sets on every machine for remote ranks (rank 0's environment and the remote worker's)
+REMOTE_SECRET = {"OMNIHOOKS_SP_SECRET": "a-test-secret-of-enough-length"}
 
 
 @pytest.fixture(scope="module")
@@ -267,12 +269,14 @@ def test_an_interrupt_inside_a_model_call_unblocks_the_workers_at_once(sp, wan, 
         assert psnr_db(sample(case, model), reference) >= MIN_PSNR_DB
 
 
-def test_a_remote_rank_started_by_torchrun_joins_equals_one_process_and_rejoins_the_next_group(sp, wan, ports_before):
+def test_a_remote_rank_started_by_torchrun_joins_equals_one_process_and_rejoins_the_next_group(
+        sp, wan, ports_before, monkeypatch):
     from omnitest.comfy_path import comfyui_path
     from omnitest.tiny_models import sample
 
     node, group, _ = sp
     case, reference = wan
+    monkeypatch.setenv("OMNIHOOKS_SP_SECRET", REMOTE_SECRET["OMNIHOOKS_SP_SECRET"])
     port = free_port()
     model = _with_sp(node, case, devices=("cpu",), port=port)  # rank 1 is remote
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
@@ -281,7 +285,8 @@ def test_a_remote_rank_started_by_torchrun_joins_equals_one_process_and_rejoins_
     worker_join_s = 30  # how long the remote rank waits for rank 0's next group
     with deadline(TEST_DEADLINE_S, "torchrun remote rank"):
         torchrun = subprocess.Popen(command, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **TIMEOUTS, "OMNIHOOKS_SP_JOIN_TIMEOUT_S": str(worker_join_s)})
+                                    env={**os.environ, **TIMEOUTS, **REMOTE_SECRET,
+                                         "OMNIHOOKS_SP_JOIN_TIMEOUT_S": str(worker_join_s)})
         try:
             assert psnr_db(sample(case, model), reference) >= MIN_PSNR_DB
             first = group.active_group()
@@ -303,6 +308,7 @@ def test_a_remote_rank_that_never_joins_fails_the_start_within_the_join_timeout(
     node, group, protocol = sp
     case, _ = wan
     monkeypatch.setenv("OMNIHOOKS_SP_JOIN_TIMEOUT_S", "3")
+    monkeypatch.setenv("OMNIHOOKS_SP_SECRET", REMOTE_SECRET["OMNIHOOKS_SP_SECRET"])
     port = free_port()
     model = _with_sp(node, case, devices=("cpu",), port=port)
     with deadline(60, "a start without the remote rank"):

@@ -1,6 +1,6 @@
-"""What rank 0 sends its workers, as bytes: a command's tensors travel beside its pickle, not through it, and come back
-equal (dtype, shape, values; bfloat16, bool, empty, non-contiguous and 0-dim tensors), in place in lists, tuples and
-dicts; what is not a tensor is pickled as it was."""
+"""What rank 0 sends its workers, as bytes: a command is a JSON document and the raw bytes of its tensors, which come
+back equal (dtype, shape, values; bfloat16, bool, empty, non-contiguous and 0-dim tensors), in place in lists, tuples
+and dicts; what is not a tensor comes back as it was. The control connections that carry them."""
 from __future__ import annotations
 
 import pytest
@@ -35,7 +35,7 @@ def test_a_commands_tensors_come_back_equal_and_in_place(protocol):
     command = protocol.Command("call", 3, {"serial": 3}, (args, kwargs, options, (1, 2)))
     data, broadcast = protocol.encode(command)
     assert broadcast == []  # every tensor small enough to travel in the command
-    assert len(data) < 2000  # the tensors' bytes are not pickled (pickled, six tensors take about 2,500)
+    assert len(data) < 2000  # the tensors' raw bytes, each described once
     got = protocol.decode(data)
     assert (got.op, got.serial, got.header) == ("call", 3, {"serial": 3})
     sent, received = _tensors(command.payload), _tensors(got.payload)
@@ -66,6 +66,32 @@ def test_a_tensor_too_large_for_the_command_is_left_to_the_broadcast_and_receive
 
 # -- control connections ------------------------------------------------------------------------------------------
 
+KEY = b"k" * 32
+
+
+def _connect(module, server, rank, key):
+    """A client of ``server`` (its handshake served by ``accept_waiting`` while it connects)."""
+    import threading
+
+    made, failed = [], []
+
+    def connect():
+        try:
+            made.append(module.ControlClient("127.0.0.1", server.port, rank, timeout_s=5, key=key))
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    deadline = __import__("time").monotonic() + 10
+    while thread.is_alive() and __import__("time").monotonic() < deadline:
+        server.accept_waiting()
+        thread.join(0.01)
+    thread.join(5)
+    if failed:
+        raise failed[0]
+    return made[0]
+
 @pytest.fixture
 def control():
     """Rank 0's control server with workers 1 and 2 connected (clients in this process); closed after the test."""
@@ -75,15 +101,12 @@ def control():
 
     module = pack_module("nodes.sequence_parallel.control")
     listener = socket.create_server(("127.0.0.1", 0))
-    server = module.ControlServer(listener)
-    clients = {rank: module.ControlClient("127.0.0.1", server.port, rank, timeout_s=5) for rank in (1, 2)}
-    extra = module.ControlClient("127.0.0.1", server.port, 1, timeout_s=5)  # rank 1 again: not taken
-    deadline = __import__("time").monotonic() + 10
-    while server.missing(3) and __import__("time").monotonic() < deadline:
-        server.accept_waiting(3)
+    server = module.ControlServer(listener, KEY, 3)
+    clients = {}
+    for rank in (1, 2):
+        clients[rank] = _connect(module, server, rank, KEY)
     server.stop_listening()
     yield module, server, clients
-    extra.close()
     for client in clients.values():
         client.close()
     server.close()
