@@ -5,17 +5,17 @@ and the pack starting rank 1.
   while the original MODEL sampled in the same prompt is untouched;
 * with Apply TeaCache the skip count equals the one-process run's, and the run's entry says 2 devices;
 * a worker killed mid-run is a clear execution error, and the next prompt passes;
-* a remote rank started with torchrun (the README's command, with the secret, at this machine's network address)
-  joins and completes a prompt;
 * no worker outlives the server.
+
+A rank started by hand with torchrun joins through the group, with the secret, in
+tests/host/sequence_parallel/test_sp_faults_host.py: on loopback, where these tests stay (the node itself accepts
+remote ranks only at a master_address other than loopback, checked in test_sp_node_inputs_host.py).
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,7 +25,6 @@ import torch
 
 from omnitest.graphs import fresh_nonce, tiny_wan_graph
 from omnitest.quality import psnr_db
-from omnitest.server import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.server
 
@@ -137,58 +136,6 @@ def test_a_worker_killed_mid_run_is_a_clear_error_and_the_next_prompt_passes(com
     assert psnr_db(again.latent(), baseline) >= MIN_PSNR_DB
     (respawned,) = worker_pids(comfy_server)
     assert respawned != worker
-
-
-def _network_address() -> str | None:
-    """An address of this machine other than loopback (the interface of its default route), None without one."""
-    import ipaddress
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the interface
-            address = probe.getsockname()[0]
-    except OSError:
-        return None
-    return None if ipaddress.ip_address(address).is_loopback or address == "0.0.0.0" else address
-
-
-def test_a_remote_rank_started_with_torchrun_joins_and_completes_a_prompt(comfy, comfy_server, models, monkeypatch):
-    """The README's command: the secret set for ComfyUI and for the worker, rank 0 at an address other machines
-    reach (this machine's own, here)."""
-    address = _network_address()
-    if address is None:
-        pytest.skip("no network address besides loopback on this machine")
-    secret = {"OMNIHOOKS_SP_SECRET": "a-test-secret-of-enough-length"}
-    for name, value in secret.items():
-        monkeypatch.setenv(name, value)
-    comfy.close()
-    comfy_server.stop()
-    comfy_server.ensure_running()  # ComfyUI reads the secret from its environment
-    comfy = comfy_server.client()
-    comfy.connect()
-    baseline = comfy.run(tiny_wan_graph(steps=STEPS, nonce=fresh_nonce()).prompt()).latent()
-    port = free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               str(REPO_ROOT / "nodes" / "sequence_parallel" / "worker.py"), "--join", f"{address}:{port}",
-               "--first-rank", "1", "--world-size", "2", "--comfyui", str(comfy_server.comfy_root), "--once"]
-    torchrun = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,  # killable as a group
-                                env={**os.environ, **secret, "OMP_NUM_THREADS": "1",
-                                     "OMNIHOOKS_SP_JOIN_TIMEOUT_S": "120"})
-    try:
-        remote = tiny_wan_graph([sequence_parallel(devices="cpu", master_address=address, master_port=port)],
-                                steps=STEPS, nonce=fresh_nonce())
-        result = comfy.run(remote.prompt(), timeout=240)
-        assert psnr_db(result.latent(), baseline) >= MIN_PSNR_DB
-        assert worker_pids(comfy_server) == []  # rank 1 is the torchrun process, not one the pack started
-        # another setting of the node closes that group: the remote rank (--once) ends, and torchrun with it
-        comfy.run(tiny_wan_graph([sequence_parallel()], steps=2, nonce=fresh_nonce()).prompt(), timeout=240)
-        assert torchrun.wait(timeout=60) == 0
-    finally:
-        comfy.close()
-        if torchrun.poll() is None:
-            os.killpg(torchrun.pid, signal.SIGKILL)  # torchrun and the rank it started
-            torchrun.wait(timeout=10)
 
 
 def test_no_worker_outlives_the_server(comfy, comfy_server, models):
