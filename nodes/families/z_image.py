@@ -44,23 +44,37 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 
 
 # Sequence parallelism. Inside ``patchify_and_embed``, ``x_embedder``'s tokens are padded to the pad multiple and run
-# through ``noise_refiner`` (image-only attention, the table's image part ``freqs_cis[:, cap:]``), then ``layers``
-# attend ``cat(caption, image)`` with the whole table ``freqs_cis`` [B, caption + image, 1, D/2, 2, 2]. The image tokens
-# are split at ``noise_refiner.0`` (after the pad tokens are appended, so every rank sees the one-process sequence),
-# the refiners' image-only table alike at every refiner, and the joint table at every layer with its caption part
-# whole (the caption length is the table's length minus the whole image sequence). Every refiner and layer attention is
-# exchanged (a layer attends ``[caption | image shard]``); ``final_layer``'s output ``[caption | image shard]`` is
-# gathered back to ``[caption | image]`` before unpatchify. The cached stack (layers .. final_layer) sees this rank's
-# shard; the caption refiner attends locally over the whole caption.
+# through ``noise_refiner`` (image-only attention, the table's image part), then ``layers`` attend ``cat(caption,
+# image)`` with the whole table ``freqs_cis`` [B, caption + image, 1, D/2, 2, 2]. ``patchify_and_embed`` must return
+# the whole refined image: ComfyUI 0.33 gives the caption length as the joint length minus the image length measured
+# before the refiner, so a shard there would put unpatchify at the wrong offset. Hence the image tokens are split at
+# ``noise_refiner.0`` (after the pad tokens are appended, so every rank sees the one-process sequence), the refiners'
+# image-only table alike at every refiner, and the last refiner's output is gathered back to the whole image. The
+# joint sequence is split again at ``layers.0``, its caption part whole (the input's length minus the whole image
+# sequence), and the joint table likewise at every layer: the cached stack (layers .. final_layer; the head's cache
+# decides on the split arguments) sees this rank's ``[caption | image shard]``. Every refiner and layer attention is
+# exchanged; ``final_layer``'s output is gathered back to ``[caption | image]`` before unpatchify. The caption refiner
+# attends locally over the whole caption.
 
 
 def _sequence_plan(dm: torch.nn.Module) -> dict:
     if not is_z_image(dm) or len(dm.noise_refiner) == 0:
         raise ValueError(f"Sequence Parallel: {type(dm).__name__} without Z-Image's noise refiner does not fit the "
                          "Z-Image plan")
+    split_image = {"x": SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True)}
+    split_table = {"freqs_cis": SequenceParallelInput(split_dim=1, expected_dims=6, auto_pad=True)}
+    gather_image = SequenceParallelOutput(gather_dim=1, expected_dims=3)
+    last = len(dm.noise_refiner) - 1
+    if last == 0:  # one spec per module id: the only refiner takes both splits, and "*" names it for the gather
+        refiner = {"noise_refiner.0": {**split_image, **split_table}, "noise_refiner.*": gather_image}
+    else:
+        refiner = {"noise_refiner.0": split_image, "noise_refiner.*": split_table,
+                   f"noise_refiner.{last}": gather_image}
     return {
-        "noise_refiner.0": {"x": SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True)},
-        "noise_refiner.*": {"freqs_cis": SequenceParallelInput(split_dim=1, expected_dims=6, auto_pad=True)},
+        **refiner,
+        "layers.0": {"x": SequenceParallelPartialInput(
+            split_dim=1, expected_dims=3, auto_pad=True,
+            text_len_source=ReplicatedTokens("x", dim=1, beside="sequence"))},
         "layers.*": {"freqs_cis": SequenceParallelPartialInput(
             split_dim=1, expected_dims=6, auto_pad=True,
             text_len_source=ReplicatedTokens("freqs_cis", dim=1, beside="sequence"))},

@@ -3,8 +3,10 @@ ranks against one process (``omnitest.sp_families.rank_family_plan``), Ulysses a
 these model classes, each test skips in one line naming the version.
 
 Flux 2 attends ``[512 padded text tokens | image shard]``; Z-Image splits its image tokens (pad tokens included) before
-the noise refiner and gathers ``[caption | image]`` back from the final layer; HunyuanVideo 1.5 carries its ByT5 glyph
-tokens (and, for the super-resolution model, the low-resolution latent's channels) with the text at the rear.
+the noise refiner and gathers them after it (ComfyUI 0.33 derives the caption length from the refined sequence's
+length), splits the image part of ``[caption | image]`` again at the first layer and gathers it back from the final
+layer; HunyuanVideo 1.5 carries its ByT5 glyph tokens (and, for the super-resolution model, the low-resolution
+latent's channels) with the text at the rear.
 """
 from __future__ import annotations
 
@@ -19,20 +21,22 @@ TIMEOUT_S = 300
 ULYSSES, RING = (2, 1), (1, 2)
 _IMAGE_15_TOKENS = (1, 128, 3, 5)           # Flux 2: patch 1, 15 tokens, the last shard padded
 _VIDEO_15_TOKENS = (1, 32, 1, 3, 5)         # HunyuanVideo 1.5: patch 1x1x1, 15 tokens
+_Z_IMAGE_TWO_REFINERS = {"n_refiner_layers": 2}  # the released models' count: split, gather at different refiners
 
 
-@pytest.mark.parametrize("case, degrees, latent_shape, sites", [
-    ("flux2", ULYSSES, None, 2),
-    ("flux2", RING, _IMAGE_15_TOKENS, 2),
-    ("z_image", ULYSSES, None, 3),            # one noise-refiner layer and two layers
-    ("z_image", RING, None, 3),
-    ("hunyuan_video15", ULYSSES, None, 2),
-    ("hunyuan_video15", RING, _VIDEO_15_TOKENS, 2),
-    ("hunyuan_video15_sr", ULYSSES, None, 2),
+@pytest.mark.parametrize("case, overrides, degrees, latent_shape, sites", [
+    ("flux2", None, ULYSSES, None, 2),
+    ("flux2", None, RING, _IMAGE_15_TOKENS, 2),
+    ("z_image", None, ULYSSES, None, 3),      # one noise-refiner layer and two layers
+    ("z_image", None, RING, None, 3),
+    ("z_image", _Z_IMAGE_TWO_REFINERS, ULYSSES, None, 4),
+    ("hunyuan_video15", None, ULYSSES, None, 2),
+    ("hunyuan_video15", None, RING, _VIDEO_15_TOKENS, 2),
+    ("hunyuan_video15_sr", None, ULYSSES, None, 2),
 ])
-def test_plan_on_two_ranks_equals_one_process(rank_pool, case, degrees, latent_shape, sites):
+def test_plan_on_two_ranks_equals_one_process(rank_pool, case, overrides, degrees, latent_shape, sites):
     from omnitest import tiny_models
 
     assert case in CASES
-    tiny_models.build_case(case)  # skips on a ComfyUI without the model's class
-    assert_plan_equals_one_process(rank_pool, case, None, *degrees, latent_shape, sites, TIMEOUT_S)
+    tiny_models.build_case(case, unet_overrides=overrides)  # skips on a ComfyUI without the model's class
+    assert_plan_equals_one_process(rank_pool, case, overrides, *degrees, latent_shape, sites, TIMEOUT_S)
