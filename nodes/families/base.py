@@ -50,6 +50,17 @@ class Variant:
         object.__setattr__(self, "recommendations", MappingProxyType(dict(recommendations)))
 
 
+def calibrate_first(name: str, model: str, *notes: str) -> Variant:
+    """The variant ``name`` of a model (``model``, as users call it) for which neither cache has published numbers:
+    each cache's ``auto`` recommends nothing and says to run its Calibrate node once; ``notes`` follow that line."""
+    def choice(what: str, node: str) -> AutoChoice:
+        return AutoChoice(None, (f"no {what} are published for {model}: run {node} once on this model, then choose "
+                                 "the calibration", *notes))
+
+    return Variant(name, teacache=choice("TeaCache coefficients", "TeaCache Calibrate"),
+                   magcache=choice("MagCache curves", "MagCache Calibrate"))
+
+
 #: ``matches(base_model, diffusion_model)``: True when this family handles the model (``base_model`` is ComfyUI's
 #: ``comfy.model_base.BaseModel``, ``diffusion_model`` its ``.diffusion_model``).
 Matcher = Callable[[torch.nn.Module, torch.nn.Module], bool]

@@ -23,15 +23,12 @@ import torch
 
 from ...omni_hooks.blockstack import ArgsKwargs, BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg
+from .base import Expectations, ForwardParameters, ModelFamily, Variant, calibrate_first, call_arg
 
 VISUAL = TensorArg("visual_embed", 0)
 _MODULE = "comfy.ldm.kandinsky5.model"
 # model_dim of the released video checkpoints (Kandinsky 5.0 Video Lite 2B, Pro 19B); the image model is 2560
 _VIDEO_SIZES = {1792: "Lite", 4096: "Pro"}
-_CALIBRATE = ("no {what} are published for Kandinsky 5: run {node} once on this model, then choose the "
-              "calibration")
-
 
 @dataclass(frozen=True)
 class GridTokens:
@@ -82,10 +79,7 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
     image = isinstance(base_model, getattr(comfy.model_base, "Kandinsky5Image", ()))
     name = ("Kandinsky 5 image" if image else
             f"Kandinsky 5 video {_VIDEO_SIZES.get(dm.model_dim) or f'(model_dim {dm.model_dim})'}")
-    return Variant(name,
-                   teacache=AutoChoice(None, (_CALIBRATE.format(what="TeaCache coefficients",
-                                                                node="TeaCache Calibrate"),)),
-                   magcache=AutoChoice(None, (_CALIBRATE.format(what="MagCache curves", node="MagCache Calibrate"),)))
+    return calibrate_first(name, "Kandinsky 5")
 
 
 FAMILY = ModelFamily(

@@ -24,16 +24,13 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, PackedStreams, TensorArg, pack_streams, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg
+from .base import Expectations, ForwardParameters, ModelFamily, Variant, calibrate_first, call_arg
 
 X = TensorArg("x", 0)  # the (video, audio) pair a block receives and returns
 NORM_INPUT = TensorArg("input", 0)  # norm_out(vx), audio_norm_out(ax): LayerNorms called positionally
 
 # inner_dim (video) of the released checkpoints: LTX-2 19B
 _SIZES = {4096: "19B"}
-_CALIBRATE = ("no {what} are published for LTX-2: run {node} once on this model (it measures video and audio "
-              "together), then choose the calibration")
-
 
 def _av_model_class() -> type | tuple:
     """``LTXAVModel`` when ComfyUI's module is loaded (a model of it can only exist then), else ()."""
@@ -68,10 +65,7 @@ def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
 
 def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
     size = _SIZES.get(dm.inner_dim) or f"inner_dim {dm.inner_dim}"
-    return Variant(f"LTX-2 {size}",
-                   teacache=AutoChoice(None, (_CALIBRATE.format(what="TeaCache coefficients",
-                                                                node="TeaCache Calibrate"),)),
-                   magcache=AutoChoice(None, (_CALIBRATE.format(what="MagCache curves", node="MagCache Calibrate"),)))
+    return calibrate_first(f"LTX-2 {size}", "LTX-2", "a calibration measures the video and the audio together")
 
 
 FAMILY = ModelFamily(

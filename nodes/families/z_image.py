@@ -20,7 +20,7 @@ from ...omni_hooks.sequence_parallel import (
     SequenceParallelPartialInput,
     SequenceParallelSelfAttention,
 )
-from .base import ModelFamily, AutoChoice, Variant
+from .base import ModelFamily, Variant, calibrate_first
 from .lumina2 import is_z_image, lumina_modulated_input, lumina_stack
 
 
@@ -29,18 +29,12 @@ def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
     return is_z_image(dm) and hasattr(dm, "final_layer")
 
 
-_CALIBRATE = ("no {what} are published for Z-Image (vllm-omni's TeaCache numbers are Qwen-Image's, marked there as "
-              "'need to be tuned'): run {node} once on this model, then choose the calibration")
-
-
 def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
     few_step = ("Z-Image Turbo samples in about 8 steps: the caches keep its first and last steps computed and skip "
                 "little; see the run statistics")
-    return Variant(
-        f"Z-Image (dim {dm.dim}, {len(dm.layers)} layers)",
-        teacache=AutoChoice(None, (_CALIBRATE.format(what="TeaCache coefficients", node="TeaCache Calibrate"),
-                                   few_step)),
-        magcache=AutoChoice(None, (_CALIBRATE.format(what="MagCache curves", node="MagCache Calibrate"), few_step)))
+    return calibrate_first(f"Z-Image (dim {dm.dim}, {len(dm.layers)} layers)",
+                           "Z-Image (vllm-omni's TeaCache numbers are Qwen-Image's, marked there as 'need to be tuned')",
+                           few_step)
 
 
 # Sequence parallelism. Inside ``patchify_and_embed``, ``x_embedder``'s tokens are padded to the pad multiple and run
