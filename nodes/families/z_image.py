@@ -11,6 +11,8 @@ ComfyUI before 0.3.75 has no Z-Image: no NextDiT there is built that way and not
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ...omni_hooks.sequence_parallel import (
@@ -18,6 +20,7 @@ from ...omni_hooks.sequence_parallel import (
     SequenceParallelInput,
     SequenceParallelOutput,
     SequenceParallelPartialInput,
+    SequenceParallelRefusedInput,
     SequenceParallelSelfAttention,
 )
 from .base import ModelFamily, Variant, calibrate_first
@@ -48,7 +51,14 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 # sequence), and the joint table likewise at every layer: the cached stack (layers .. final_layer; the head's cache
 # decides on the split arguments) sees this rank's ``[caption | image shard]``. Every refiner and layer attention is
 # exchanged; ``final_layer``'s output is gathered back to ``[caption | image]`` before unpatchify. The caption refiner
-# attends locally over the whole caption.
+# attends locally over the whole caption. Z-Image Omni (reference images, newer hosts) passes ``timestep_zero_index``,
+# slices of the whole sequence, to the refiners and layers: on a shard they would modulate the wrong tokens, so a call
+# with it is refused at the first refiner, before any exchange.
+_TIMESTEP_ZERO = "timestep_zero_index"
+_TIMESTEP_ZERO_REFUSED = SequenceParallelRefusedInput(
+    "Sequence Parallel: Z-Image with reference images (Z-Image Omni) is not supported (their tokens are modulated by "
+    "their position in the whole sequence); fix: remove the reference images, or remove Sequence Parallel from this "
+    "workflow")
 
 
 def _sequence_plan(dm: torch.nn.Module) -> dict:
@@ -58,6 +68,8 @@ def _sequence_plan(dm: torch.nn.Module) -> dict:
     split_image = {"x": SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True)}
     split_table = {"freqs_cis": SequenceParallelInput(split_dim=1, expected_dims=6, auto_pad=True)}
     gather_image = SequenceParallelOutput(gather_dim=1, expected_dims=3)
+    if _TIMESTEP_ZERO in inspect.signature(type(dm.noise_refiner[0]).forward).parameters:
+        split_image = {**split_image, _TIMESTEP_ZERO: _TIMESTEP_ZERO_REFUSED}
     last = len(dm.noise_refiner) - 1
     if last == 0:  # one spec per module id: the only refiner takes both splits, and "*" names it for the gather
         refiner = {"noise_refiner.0": {**split_image, **split_table}, "noise_refiner.*": gather_image}

@@ -40,3 +40,25 @@ def test_plan_on_two_ranks_equals_one_process(rank_pool, case, overrides, degree
     assert case in CASES
     tiny_models.build_case(case, unet_overrides=overrides)  # skips on a ComfyUI without the model's class
     assert_plan_equals_one_process(rank_pool, case, overrides, *degrees, latent_shape, sites, TIMEOUT_S)
+
+
+def test_z_image_with_reference_images_is_refused_before_any_exchange():
+    """Z-Image Omni passes ``timestep_zero_index`` (slices of the whole sequence) to its refiners and layers, on hosts
+    whose blocks take it: the plan refuses such a call at the first refiner, where the sequence is first split (before
+    any exchange), naming the fix. A call without it (``None``, plain Z-Image) is not refused."""
+    import inspect
+
+    from omnitest import tiny_models
+    from omnitest.pack import pack_module
+
+    sp = pack_module("omni_hooks.sequence_parallel")
+    dm = tiny_models.build_case("z_image").diffusion_model
+    plan = pack_module("nodes.families.z_image").FAMILY.sequence_plan(dm)
+    takes_it = "timestep_zero_index" in inspect.signature(type(dm.noise_refiner[0]).forward).parameters
+    refused = {module: name for module, specs in plan.items() if isinstance(specs, dict)
+               for name, spec in specs.items() if isinstance(spec, sp.SequenceParallelRefusedInput)}
+    assert refused == ({"noise_refiner.0": "timestep_zero_index"} if takes_it else {})
+    if takes_it:
+        reason = plan["noise_refiner.0"]["timestep_zero_index"].reason
+        assert "reference images" in reason and "fix: " in reason
+        assert isinstance(plan["noise_refiner.0"]["x"], sp.SequenceParallelInput)  # the split is still there
