@@ -77,7 +77,7 @@ class AppliedFeature:
     category: Category
     node_title: str    # "Apply TeaCache"
     node_id: str | None
-    settings: Any      # a frozen dataclass of what the node resolved at execute time
+    config: Any        # the feature's one frozen config (omni_hooks), built by the node, read unchanged by its hooks
     # set for one run by the drift check: what it could not verify about the model (a cache then computes every step)
     unverified: tuple[str, ...] = ()
 

@@ -21,6 +21,8 @@ import torch
 from comfy_api.latest import io
 
 from ...omni_hooks.context import CallContext
+from ...omni_hooks.cache_config import StackCacheConfig
+from ...omni_hooks.few_step import FewStepRule
 from ...omni_hooks.stack_cache import StackCacheRun
 from ...omni_hooks.stats import BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
@@ -31,7 +33,7 @@ from ..families import DetectedModel, model_input
 from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, named, register_feature
 from ..stats_store import FeatureReport
 from .inputs import (cache_device_for, cache_device_input, calibration_name, calibration_sampler_inputs,
-                          check_cache_device, forecast_input, sample_calibrating, validate_calibration_name)
+                     forecast_input, forecast_order, sample_calibrating, validate_calibration_name)
 
 log = logging.getLogger("OmniHooks")
 
@@ -43,15 +45,6 @@ class Recommendation(Protocol):
 
     key: str
     family: str
-
-
-class CacheSettings(Protocol):
-    """What an Apply node resolved at execute time (a frozen, deepcopy-safe dataclass)."""
-
-    threshold: float
-    cache_device: str
-    model_label: str
-    notes: tuple[str, ...]
 
 
 class BlockStackCache(abc.ABC):
@@ -104,13 +97,15 @@ class BlockStackCache(abc.ABC):
         """The Apply node's inputs that tune the policy (between ``model`` and ``cache_device``)."""
 
     @abc.abstractmethod
-    def make_settings(self, adapter: DetectedModel, recommendation: Recommendation | None, tuning: dict[str, Any],
-                      auto: bool) -> CacheSettings:
-        """The Apply node's settings (``recommendation`` None: a calibration run); ValueError if they are bad."""
+    def make_config(self, adapter: DetectedModel, recommendation: Recommendation | None, tuning: dict[str, Any],
+                    shared: dict[str, Any]) -> StackCacheConfig:
+        """The Apply node's frozen config (``recommendation`` None: a calibration run), built from the cache's own
+        ``tuning`` inputs and the ``shared`` fields every cache has (``StackCacheConfig``'s, already resolved);
+        ValueError if it is bad (the config's own check)."""
 
     @abc.abstractmethod
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> StackCacheRun:
-        """Install this cache's hooks for one run on ``diffusion_model``."""
+        """Install this cache's hooks for one run on ``diffusion_model``; the run reads ``session.config``."""
 
     @abc.abstractmethod
     def collect_calibration(self, run: StackCacheRun) -> Any:
@@ -158,29 +153,31 @@ class BlockStackCache(abc.ABC):
                              f"{adapter.describe()}. Choose '{AUTO}' or a {adapter.family} {word}.")
         return found
 
-    def settings_for(self, model, inputs: dict[str, Any], calibrate: bool = False) -> CacheSettings:
-        """Resolve an Apply node's inputs (all but ``model``) into its settings; ValueError naming the node."""
+    def config_for(self, model, inputs: dict[str, Any], calibrate: bool = False) -> StackCacheConfig:
+        """Build an Apply node's one frozen config from its inputs (all but ``model``) and the detected model; the
+        config checks itself once. ValueError naming the node."""
         title = self.apply_title
         adapter = families.detect_for_node(title, model)
         tuning = dict(inputs)
         value = tuning.pop(self.variant_input, AUTO)
-        check_cache_device(title, tuning["cache_device"])
         for input_name, number in tuning.items():
             if isinstance(number, float) and not math.isfinite(number):
                 raise ValueError(f"{title}: {input_name} must be a finite number, got {number}")
-        start, end = tuning["start_percent"], tuning["end_percent"]
-        if not 0.0 <= start <= end <= 1.0:
-            raise ValueError(f"{title}: start_percent ({start}) must not be above end_percent ({end})")
         recommendation = None if calibrate else self.resolve(adapter, value)
+        auto = value == AUTO and not calibrate
         try:
-            return self.make_settings(adapter, recommendation, tuning, value == AUTO and not calibrate)
+            shared = dict(start_percent=float(tuning.pop("start_percent")), end_percent=float(tuning.pop("end_percent")),
+                          cache_device=cache_device_for(model, tuning.pop("cache_device")), calibrate=calibrate,
+                          forecast_order=forecast_order(tuning.pop("forecast", "off")), few_step=FewStepRule(),
+                          notes=tuple(adapter.recommendation(self.kind).notes) if auto else ())
+            return self.make_config(adapter, recommendation, tuning, shared)
         except ValueError as e:
             raise named(title, e) from None
 
-    def applied(self, node_title: str, node_id: str | None, settings: CacheSettings) -> AppliedFeature:
-        """The marker a node of this cache leaves on its MODEL clone."""
+    def applied(self, node_title: str, node_id: str | None, config: StackCacheConfig) -> AppliedFeature:
+        """The marker a node of this cache leaves on its MODEL clone: it carries ``config`` to the run's hooks."""
         return AppliedFeature(kind=self.kind, category=Category.CACHE, node_title=node_title, node_id=node_id,
-                              settings=settings)
+                              config=config)
 
     def session(self, patcher, feature: AppliedFeature) -> CacheSession:
         """One sampling run of this cache (the lifecycle's session factory for ``kind``)."""
@@ -199,11 +196,11 @@ class CacheSession(FeatureSession):
     def __init__(self, cache: BlockStackCache, patcher, feature: AppliedFeature):
         super().__init__(patcher, feature)
         self.cache = cache
-        settings: CacheSettings = feature.settings
-        self.settings = settings
-        self.stats = CacheRunStats(kind=cache.kind, model=settings.model_label, threshold=settings.threshold,
-                                   notes=list(settings.notes))
-        if feature.unverified and getattr(settings, "calibrate", False):  # a calibration must record: no fallback
+        config: StackCacheConfig = feature.config
+        self.config = config  # the node's own object: the run's hooks read it unchanged
+        self.stats = CacheRunStats(kind=cache.kind, model=config.model_label, threshold=config.threshold,
+                                   notes=list(config.notes))
+        if feature.unverified and config.calibrate:  # a calibration must record: no fallback
             raise ModelDriftError(f"{feature.describe()}: cannot calibrate, the model could not be fully checked "
                                   f"before the run: {'; '.join(feature.unverified)}")
         if feature.unverified:  # the drift check could not verify the model: no hook, every step computed
@@ -211,7 +208,6 @@ class CacheSession(FeatureSession):
                                    + "; ".join(feature.unverified))
         self.call_started = 0.0  # of the current call, while caching is disabled
         self.adapter = families.detect(patcher)
-        self.cache_device = cache_device_for(patcher, settings.cache_device)
         self.run: StackCacheRun | None = None
         self.calibration: list[Any] = []  # what each installed run recorded while calibrating
 
@@ -227,7 +223,7 @@ class CacheSession(FeatureSession):
 
     def end_call(self, context: CallContext) -> None:
         if self.stats.disabled is not None:
-            record = computed_record(context, self.settings.threshold, time.perf_counter() - self.call_started)
+            record = computed_record(context, self.config.threshold, time.perf_counter() - self.call_started)
             self.stats.record(record)
         else:
             record = self.run.end_call() if self.run is not None else None
@@ -254,7 +250,7 @@ def computed_record(context: CallContext, threshold: float, seconds: float) -> E
 
 
 def percent_window_inputs(end_note: str = "") -> list[io.Input]:
-    """start_percent / end_percent, which every cache has (checked by ``settings_for``)."""
+    """start_percent / end_percent, which every cache has (checked by its ``StackCacheConfig``)."""
     return [
         io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01,
                        tooltip="Caching starts at this fraction of this sampler's steps; earlier steps are always "
@@ -300,8 +296,8 @@ class ApplyCacheNode(io.ComfyNode):
     @classmethod
     def execute(cls, model, **inputs: Any) -> io.NodeOutput:
         cache = cls.cache
-        settings = cache.settings_for(model, inputs)
-        return io.NodeOutput(attach_feature(model, cache.applied(cache.apply_title, cls.hidden.unique_id, settings)))
+        config = cache.config_for(model, inputs)
+        return io.NodeOutput(attach_feature(model, cache.applied(cache.apply_title, cls.hidden.unique_id, config)))
 
 
 class CalibrateCacheNode(io.ComfyNode):
@@ -344,8 +340,8 @@ class CalibrateCacheNode(io.ComfyNode):
             calibration_files.check_writable(cache.kind)  # before sampling, not after
         except ValueError as e:
             raise named(title, e) from None
-        settings = cache.settings_for(model, dict(cache.calibrate_tuning), calibrate=True)
-        latent, sessions = sample_calibrating(model, cache.applied(title, cls.hidden.unique_id, settings), seed,
+        config = cache.config_for(model, dict(cache.calibrate_tuning), calibrate=True)
+        latent, sessions = sample_calibrating(model, cache.applied(title, cls.hidden.unique_id, config), seed,
                                               steps, cfg, sampler_name, scheduler, positive, negative, latent_image)
         parts = [part for session in sessions for part in session.calibration]
         try:

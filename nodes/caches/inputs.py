@@ -19,15 +19,13 @@ def cache_device_input() -> io.Combo.Input:
                           "for long videos at the cost of a copy per reused step.")
 
 
-def check_cache_device(node_title: str, value: str) -> None:
-    # ComfyUI 0.3.64 does not validate V3 combo values at /prompt, so the node does
+def cache_device_for(model, value: str) -> torch.device | None:
+    """The device the ``cache_device`` input names for ``model`` (a ModelPatcher): its offload device, or None (keep
+    cached tensors where they were computed). ValueError for an unknown value (ComfyUI 0.3.64 does not validate V3
+    combo values at /prompt, so the node does)."""
     if value not in CACHE_DEVICES:
-        raise ValueError(f"{node_title}: unknown cache_device {value!r}; choose one of {CACHE_DEVICES}")
-
-
-def cache_device_for(patcher, value: str) -> torch.device | None:
-    """The device cached tensors go to; None keeps them where they were computed."""
-    return torch.device(patcher.offload_device) if value == "offload device" else None
+        raise ValueError(f"unknown cache_device {value!r}; choose one of {CACHE_DEVICES}")
+    return torch.device(model.offload_device) if value == "offload device" else None
 
 
 FORECAST_ORDERS = {"off": 0, "1st order": 1, "2nd order": 2}
@@ -43,9 +41,8 @@ def forecast_input() -> io.Combo.Input:
                           "are computed for the same quality; keeps 2 / 3 residuals per branch in memory.")
 
 
-def forecast_order(tuning: dict) -> int:
-    """The order the ``forecast`` input asks for (absent: 'off'); ValueError for an unknown value."""
-    value = tuning.get("forecast", "off")
+def forecast_order(value: str) -> int:
+    """The order the ``forecast`` input's ``value`` asks for; ValueError for an unknown value."""
     if value not in FORECAST_ORDERS:  # ComfyUI 0.3.64 does not validate V3 combo values at /prompt
         raise ValueError(f"unknown forecast {value!r}; choose one of {list(FORECAST_ORDERS)}")
     return FORECAST_ORDERS[value]

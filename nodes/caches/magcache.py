@@ -30,13 +30,11 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
-from ...omni_hooks.few_step import FewStepRule
 from ...omni_hooks.magcache import MagCacheConfig, MagCacheRun, MagCacheStrategy, apply_mag_cache_hook, interleave
 from ...omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_interleaved
 from . import calibration_files
 from .base import (ApplyCacheNode, BlockStackCache, CacheSession, CalibrateCacheNode, percent_window_inputs,
                    register_cache)
-from .inputs import forecast_order
 from ..families import DetectedModel
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
 
@@ -46,23 +44,6 @@ CALIBRATE_NODE_ID = "OmniHooks.MagCacheCalibrate"
 CALIBRATE_TITLE = "MagCache Calibrate"
 KIND = "magcache"
 log = logging.getLogger("OmniHooks")
-
-
-@dataclass(frozen=True)
-class MagCacheSettings:
-    """What Apply MagCache resolved at execute time (deepcopy-safe; travels with the MODEL clone)."""
-
-    threshold: float
-    max_skip_steps: int
-    retention_ratio: float
-    start_percent: float
-    end_percent: float
-    cache_device: str
-    curves: tuple[tuple[str, tuple[float, ...]], ...]   # per branch kind ("default", "cond", "uncond")
-    model_label: str
-    calibrate: bool = False
-    notes: tuple[str, ...] = ()  # what the user should know about the choice 'auto' made
-    forecast_order: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,15 +85,6 @@ def _curves_from_file(name: str, data: dict) -> dict[str, list[float]]:
             raise bad("has an interleaved 'mag_ratios' of odd length")
         return split_interleaved(values)
     return {"default": values}
-
-
-def _config(settings: MagCacheSettings, cache_device: torch.device | None) -> MagCacheConfig:
-    return MagCacheConfig(
-        threshold=settings.threshold, max_skip_steps=settings.max_skip_steps,
-        retention_ratio=settings.retention_ratio, start_percent=settings.start_percent,
-        end_percent=settings.end_percent, cache_device=cache_device, calibrate=settings.calibrate,
-        forecast_order=settings.forecast_order, few_step=FewStepRule(),
-        mag_ratios=None if settings.calibrate else {name: list(values) for name, values in settings.curves})
 
 
 def _rounded(values: list[float]) -> list[float]:
@@ -216,24 +188,19 @@ class MagCache(BlockStackCache):
             *percent_window_inputs(),
         ]
 
-    def make_settings(self, adapter: DetectedModel, found: MagCacheCurve | ResolvedCurve | None,
-                      tuning: dict[str, Any], auto: bool) -> MagCacheSettings:
+    def make_config(self, adapter: DetectedModel, found: MagCacheCurve | ResolvedCurve | None,
+                    tuning: dict[str, Any], shared: dict[str, Any]) -> MagCacheConfig:
         calibrate = found is None
-        start, end = float(tuning["start_percent"]), float(tuning["end_percent"])
-        settings = MagCacheSettings(
+        return MagCacheConfig(
             threshold=float(tuning["threshold"]), max_skip_steps=int(tuning["max_skip_steps"]),
-            retention_ratio=float(tuning["retention_ratio"]), start_percent=start, end_percent=end,
-            cache_device=tuning["cache_device"], curves=() if calibrate else found.curves,
-            model_label=f"{adapter.variant}, {'calibrate' if calibrate else found.key}", calibrate=calibrate,
-            notes=tuple(adapter.recommendation(KIND).notes) if auto else (), forecast_order=forecast_order(tuning))
-        _config(settings, None)  # validate now, at execute time, rather than in the sampler
-        return settings
+            retention_ratio=float(tuning["retention_ratio"]),
+            mag_ratios=None if calibrate else {name: tuple(values) for name, values in found.curves},
+            model_label=f"{adapter.variant}, {'calibrate' if calibrate else found.key}", **shared)
 
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> MagCacheRun:
         adapter = session.adapter
         strategy = MagCacheStrategy(name=adapter.family, build_stack=adapter.build_stack)
-        return apply_mag_cache_hook(diffusion_model, _config(session.settings, session.cache_device), strategy,
-                                    session.stats, implicit_calls=False)
+        return apply_mag_cache_hook(diffusion_model, session.config, strategy, session.stats, implicit_calls=False)
 
     def collect_calibration(self, run: MagCacheRun) -> dict[str, dict[str, list[float]]]:
         return run.get_calibration_result()
@@ -259,4 +226,4 @@ class MagCacheCalibrate(CalibrateCacheNode):
     cache = MAGCACHE
 
 
-__all__ = ["ApplyMagCache", "MAGCACHE", "MagCache", "MagCacheCalibrate", "MagCacheSettings", "calibration_data"]
+__all__ = ["ApplyMagCache", "MAGCACHE", "MagCache", "MagCacheCalibrate", "calibration_data"]

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from comfy_api.latest import io
 
-from ...omni_hooks.few_step import FewStepRule
 from ...omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients
 from . import calibration_files
 from .base import (ApplyCacheNode, BlockStackCache, CacheSession, CalibrateCacheNode, percent_window_inputs,
                    register_cache)
-from .inputs import forecast_order
 from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients, for_family
 from ..families import DetectedModel
 
@@ -27,33 +24,13 @@ RECOMMENDED = -1.0
 IDENTITY = (0.0, 0.0, 0.0, 1.0, 0.0)  # calibration runs measure the raw relative change
 
 
-@dataclass(frozen=True)
-class TeaCacheSettings:
-    """What Apply TeaCache resolved at execute time (deepcopy-safe; travels with the MODEL clone)."""
-
-    rel_l1_thresh: float
-    start_percent: float
-    end_percent: float
-    cache_device: str
-    coefficients: tuple[float, ...]
-    signal: str
-    ret_steps: int
-    model_label: str
-    calibrate: bool = False
-    notes: tuple[str, ...] = ()  # what the user should know about the choice 'auto' made
-    forecast_order: int = 0
-
-    @property
-    def threshold(self) -> float:
-        return self.rel_l1_thresh
-
-
 def _bad_file(name: str, what: str) -> ValueError:
     return ValueError(f"{NODE_TITLE}: calibration {name!r} ({calibration_files.directory(KIND)}) {what}; "
                       f"run TeaCache Calibrate again, or choose another variant.")
 
 
 MIN_CALIBRATION_STEPS = 8
+
 
 
 class TeaCache(BlockStackCache):
@@ -125,32 +102,23 @@ class TeaCache(BlockStackCache):
             *percent_window_inputs(" The first and last steps are always computed."),
         ]
 
-    def make_settings(self, adapter: DetectedModel, found: TeaCacheCoefficients | None, tuning: dict[str, Any],
-                      auto: bool) -> TeaCacheSettings:
+    def make_config(self, adapter: DetectedModel, found: TeaCacheCoefficients | None, tuning: dict[str, Any],
+                    shared: dict[str, Any]) -> TeaCacheConfig:
         calibrate = found is None
         if calibrate:
             found = TeaCacheCoefficients(key="calibrate", family=adapter.family, coefficients=IDENTITY,
                                          threshold=0.0)
         rel_l1_thresh = tuning["rel_l1_thresh"]
-        threshold = found.threshold if rel_l1_thresh == RECOMMENDED else rel_l1_thresh
-        if threshold < 0:
+        if rel_l1_thresh != RECOMMENDED and rel_l1_thresh < 0:
             raise ValueError(f"rel_l1_thresh must be -1 (recommended) or >= 0, got {rel_l1_thresh}")
-        return TeaCacheSettings(rel_l1_thresh=threshold, start_percent=tuning["start_percent"],
-                                end_percent=tuning["end_percent"], cache_device=tuning["cache_device"],
-                                coefficients=found.coefficients, signal=found.signal, ret_steps=found.ret_steps,
-                                model_label=f"{adapter.variant}, {found.key}", calibrate=calibrate,
-                                notes=tuple(adapter.recommendation(KIND).notes) if auto else (),
-                                forecast_order=forecast_order(tuning))
+        threshold = found.threshold if rel_l1_thresh == RECOMMENDED else rel_l1_thresh
+        return TeaCacheConfig(threshold=threshold, coefficients=found.coefficients, ret_steps=found.ret_steps,
+                              signal=found.signal, model_label=f"{adapter.variant}, {found.key}", **shared)
 
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> TeaCacheRun:
-        settings: TeaCacheSettings = session.settings
-        config = TeaCacheConfig(rel_l1_thresh=settings.rel_l1_thresh, coefficients=settings.coefficients,
-                                ret_steps=settings.ret_steps, start_percent=settings.start_percent,
-                                end_percent=settings.end_percent, cache_device=session.cache_device,
-                                calibrate=settings.calibrate, forecast_order=settings.forecast_order,
-                                few_step=FewStepRule())
+        config: TeaCacheConfig = session.config
         stack = session.adapter.build_stack(diffusion_model)
-        signal = session.adapter.build_modulated_input(diffusion_model, settings.signal)
+        signal = session.adapter.build_modulated_input(diffusion_model, config.signal)
         return apply_teacache_hook(stack, config, signal, session.stats)
 
     def collect_calibration(self, run: TeaCacheRun) -> list[tuple[float, float]]:
@@ -185,4 +153,4 @@ class TeaCacheCalibrate(CalibrateCacheNode):
     cache = TEACACHE
 
 
-__all__ = ["ApplyTeaCache", "TEACACHE", "TeaCache", "TeaCacheCalibrate", "TeaCacheSettings"]
+__all__ = ["ApplyTeaCache", "TEACACHE", "TeaCache", "TeaCacheCalibrate"]

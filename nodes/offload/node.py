@@ -196,7 +196,7 @@ class OffloadSession(FeatureSession):
 
     def __init__(self, patcher, feature: AppliedFeature):
         super().__init__(patcher, feature)
-        self.settings: OffloadSettings = feature.settings
+        self.settings: OffloadSettings = feature.config
         self.notes: list[str] = []
         self.status: str | None = None
         self.target: torch.device | None = None
@@ -495,7 +495,7 @@ class CPUOffload(io.ComfyNode):
                 vram_budget_gb: float) -> io.NodeOutput:
         settings = settings_for(model, blocks_to_offload, prefetch_blocks, pin_memory, vram_budget_gb)
         feature = AppliedFeature(kind=KIND, category=Category.OFFLOAD, node_title=NODE_TITLE,
-                                 node_id=cls.hidden.unique_id, settings=settings)
+                                 node_id=cls.hidden.unique_id, config=settings)
         return io.NodeOutput(attach_feature(model, feature))
 
 

@@ -184,7 +184,7 @@ class SequenceParallelSession(ShardSession):
 
     def __init__(self, patcher, feature: AppliedFeature):
         super().__init__(patcher, feature)
-        self.settings: SequenceParallelSettings = feature.settings
+        self.settings: SequenceParallelSettings = feature.config
         self.family = detect(patcher).model_family
         self.group: sp_group.SequenceParallelGroup | None = None
         self.degrees: tuple[int, int, int] | None = None  # (ulysses, ring, cfg)

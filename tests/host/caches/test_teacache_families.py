@@ -96,8 +96,8 @@ def run_node_auto(env, model):
 def test_auto_picks_the_published_coefficients(env):
     case = env.tiny.build_case("ltxv")
     patched = run_node_auto(env, case.patcher)
-    settings = patched.model_options["transformer_options"]["omni_hooks.features"][0].settings
-    assert settings.model_label.endswith(", ltxv") and settings.rel_l1_thresh == 0.06
+    config = patched.model_options["transformer_options"]["omni_hooks.features"][0].config
+    assert config.model_label.endswith(", ltxv") and config.threshold == 0.06
 
 
 def test_a_variant_of_another_family_is_a_clear_error(env):
@@ -200,7 +200,7 @@ def test_a_reused_call_on_the_same_input_reproduces_the_computed_call(env, case)
 
     def twice(executor, *args, **kwargs):
         dm = executor.class_obj
-        config = teacache.TeaCacheConfig(rel_l1_thresh=1e9, coefficients=(0, 0, 0, 1, 0), ret_steps=0,
+        config = teacache.TeaCacheConfig(threshold=1e9, coefficients=(0, 0, 0, 1, 0), ret_steps=0,
                                          force_last_step=False)
         signal = detected.build_modulated_input(dm, "default")
         run = teacache.apply_teacache_hook(detected.build_stack(dm), config, signal)

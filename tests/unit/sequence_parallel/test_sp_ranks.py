@@ -356,7 +356,7 @@ def rank_signal(rank: int) -> ModulatedInput:
 
 def rank_teacache(ulysses: int, ring: int):
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = TeaCacheConfig(rel_l1_thresh=0.07)
+    config = TeaCacheConfig(threshold=0.07)
     # what this rank alone would decide (no sequence parallelism, its own signal)
     alone = ToyDiT()
     local_run = apply_teacache_hook(toy_stack(alone), config, rank_signal(rank))
@@ -429,7 +429,7 @@ def rank_sp_with_offload_and_teacache(ulysses: int, ring: int):
         model = ToyDiT()
         sp = apply_sequence_parallel(model, degrees(ulysses, ring), sp_plan())
         handle = apply_layerwise_offload(list(model.blocks), "cpu", prefetch_blocks=1) if offload else None
-        run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(rel_l1_thresh=0.07), rank_signal(rank))
+        run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(threshold=0.07), rank_signal(rank))
         outputs = sample(model, run, sp)
         block_calls = handle.collect_stats().block_calls if handle is not None else None
         return outputs, [e.computed for e in run.stats.evaluations], block_calls
