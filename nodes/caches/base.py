@@ -249,15 +249,15 @@ def computed_record(context: CallContext, threshold: float, seconds: float) -> E
                                                      threshold=threshold) for label in labels])
 
 
-def percent_window_inputs(end_note: str = "") -> list[io.Input]:
+def percent_window_inputs(end_note: str = "", default_note: str = "") -> list[io.Input]:
     """start_percent / end_percent, which every cache has (checked by its ``StackCacheConfig``)."""
     return [
         io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01,
                        tooltip="Caching starts at this fraction of this sampler's steps; earlier steps are always "
-                       "computed (they set the composition)."),
+                       f"computed (they set the composition).{default_note}"),
         io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01,
                        tooltip=f"Caching stops after this fraction of this sampler's steps; later steps are always "
-                       f"computed.{end_note}"),
+                       f"computed.{end_note}{default_note}"),
     ]
 
 

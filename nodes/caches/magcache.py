@@ -53,6 +53,7 @@ class ResolvedCurve:
     key: str
     family: str
     curves: tuple[tuple[str, tuple[float, ...]], ...]
+    note: str = ""
 
 
 CALIBRATE_HINT = ("run 'MagCache Calibrate' once on this model (with the sampler settings you generate with) and "
@@ -195,7 +196,8 @@ class MagCache(BlockStackCache):
             threshold=float(tuning["threshold"]), max_skip_steps=int(tuning["max_skip_steps"]),
             retention_ratio=float(tuning["retention_ratio"]),
             mag_ratios=None if calibrate else {name: tuple(values) for name, values in found.curves},
-            model_label=f"{adapter.variant}, {'calibrate' if calibrate else found.key}", **shared)
+            model_label=f"{adapter.variant}, {'calibrate' if calibrate else found.key}",
+            **{**shared, "notes": shared["notes"] + ((found.note,) if found is not None and found.note else ())})
 
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> MagCacheRun:
         adapter = session.adapter

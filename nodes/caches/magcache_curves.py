@@ -67,8 +67,7 @@ class MagCacheCurve:
     curves: tuple[tuple[str, tuple[float, ...]], ...]
     calibrated_steps: int
     source: str
-    phase: str | None = None   # Wan 2.2 A14B: which expert's part of the curve
-    note: str = ""
+    note: str = ""             # Wan 2.2 A14B: which expert's part of the curve (a note of the run using it)
 
     @property
     def ratios(self) -> dict[str, tuple[float, ...]]:
@@ -372,7 +371,7 @@ def _build() -> dict[str, MagCacheCurve]:
             parts = {name: [1.0] + values[part][1:] for name, values in curves.items()}
             key = f"{raw.key} ({phase})"
             published[key] = MagCacheCurve(key, raw.family, _freeze(parts), len(next(iter(parts.values()))),
-                                           raw.source, phase=phase, note=_A14B_NOTES[(raw.key, phase)])
+                                           raw.source, note=_A14B_NOTES[(raw.key, phase)])
     return published
 
 

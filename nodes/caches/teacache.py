@@ -32,6 +32,15 @@ def _bad_file(name: str, what: str) -> ValueError:
 MIN_CALIBRATION_STEPS = 8
 
 
+def published_window(found: TeaCacheCoefficients, start: float, end: float) -> dict[str, float]:
+    """The caching window of a run with ``found``: the user's start_percent / end_percent where set (another value
+    than the input's default, 0 / 1), the published window of ``found`` otherwise (Flux Kontext 0.2-0.9, ...); the
+    user's two values where combining them would leave no window."""
+    window = (start if start != 0.0 else found.start_percent, end if end != 1.0 else found.end_percent)
+    if window[0] > window[1]:
+        window = (start, end)
+    return {"start_percent": window[0], "end_percent": window[1]}
+
 
 class TeaCache(BlockStackCache):
     """TeaCache: skips the blocks while the polynomial-rescaled change of the modulated input stays small."""
@@ -90,7 +99,7 @@ class TeaCache(BlockStackCache):
         except (TypeError, ValueError):
             raise _bad_file(name, "has a 'recommended_threshold' that is not a number") from None
         return TeaCacheCoefficients(key=value, family=data.get("family", adapter.family), coefficients=coefficients,
-                                    threshold=threshold, signal=signal, note=f"calibrated: {name}")
+                                    threshold=threshold, signal=signal, source=f"calibration file {name}")
 
     def tuning_inputs(self) -> list[io.Input]:
         return [
@@ -99,7 +108,10 @@ class TeaCache(BlockStackCache):
                            "published recommendation for the detected model (e.g. 0.08 Wan 2.1 T2V 1.3B, 0.2 "
                            "Wan 14B, 0.4 Flux dev). 0 = never skip (output identical to no node). Higher = "
                            "faster, less faithful."),
-            *percent_window_inputs(" The first and last steps are always computed."),
+            *percent_window_inputs(" The first and last steps are always computed.",
+                                   default_note=" Left at its default, the published window of the chosen "
+                                   "coefficients applies (Flux Kontext 0.2-0.9, Lumina 2 from 0.2, HiDream full from "
+                                   "0.1, HiDream fast to 0.9); any other value is yours."),
         ]
 
     def make_config(self, adapter: DetectedModel, found: TeaCacheCoefficients | None, tuning: dict[str, Any],
@@ -113,7 +125,8 @@ class TeaCache(BlockStackCache):
             raise ValueError(f"rel_l1_thresh must be -1 (recommended) or >= 0, got {rel_l1_thresh}")
         threshold = found.threshold if rel_l1_thresh == RECOMMENDED else rel_l1_thresh
         return TeaCacheConfig(threshold=threshold, coefficients=found.coefficients, ret_steps=found.ret_steps,
-                              signal=found.signal, model_label=f"{adapter.variant}, {found.key}", **shared)
+                              signal=found.signal, model_label=f"{adapter.variant}, {found.key}",
+                              **{**shared, **published_window(found, shared["start_percent"], shared["end_percent"])})
 
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> TeaCacheRun:
         config: TeaCacheConfig = session.config

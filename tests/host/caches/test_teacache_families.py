@@ -93,6 +93,43 @@ def run_node_auto(env, model):
                     cache_device="compute device", model_variant="auto")[0]
 
 
+def window_reasons(run) -> list[tuple[float, bool, set[str]]]:
+    """Per evaluation: its position in the run (0..1), whether it was computed, its branches' reasons."""
+    return [(e["step"] / max(e["total_steps"] - 1, 1), e["computed"], {b["reason"] for b in e["branches"]})
+            for e in run["evaluations"]]
+
+
+@pytest.mark.parametrize("case_name, variant, window", [
+    ("flux_kontext", "flux-kontext", (0.2, 0.9)),   # the published Flux Kontext window, chosen by name
+    ("hidream", "auto", (0.1, 1.0)),                # 'auto' picks HiDream I1 full, published from 0.1
+])
+def test_the_published_window_applies_where_the_inputs_keep_their_defaults(env, case_name, variant, window):
+    from omnitest.pack import run_node
+
+    case = env.tiny.build_case(case_name)
+    patched = run_node(env.teacache.ApplyTeaCache, model=case.patcher, rel_l1_thresh=1e9, start_percent=0.0,
+                       end_percent=1.0, cache_device="compute device", model_variant=variant)[0]
+    config = patched.model_options["transformer_options"]["omni_hooks.features"][0].config
+    assert (config.start_percent, config.end_percent) == window
+    env.tiny.sample(case, model=patched, steps=20)
+    evaluations = window_reasons(env.last_run())
+    outside = [e for e in evaluations if not window[0] <= e[0] <= window[1]]
+    assert outside and all(computed and reasons == {"window"} for _, computed, reasons in outside
+                           if reasons != {"forced"} and reasons != {"first"})
+    assert all(computed for _, computed, _ in outside)
+    assert not any("window" in reasons for position, _, reasons in evaluations if window[0] <= position <= window[1])
+
+
+def test_the_users_own_window_keeps_priority(env):
+    from omnitest.pack import run_node
+
+    case = env.tiny.build_case("flux_kontext")
+    patched = run_node(env.teacache.ApplyTeaCache, model=case.patcher, rel_l1_thresh=0.3, start_percent=0.5,
+                       end_percent=1.0, cache_device="compute device", model_variant="flux-kontext")[0]
+    config = patched.model_options["transformer_options"]["omni_hooks.features"][0].config
+    assert (config.start_percent, config.end_percent) == (0.5, 0.9)  # start is the user's, end the published one
+
+
 def test_auto_picks_the_published_coefficients(env):
     case = env.tiny.build_case("ltxv")
     patched = run_node_auto(env, case.patcher)
