@@ -4,7 +4,7 @@ A node never touches the torch module. It calls ``attach_feature``, which clones
 deepcopy-safe ``AppliedFeature`` to the clone's list of features and (once per clone lineage) adds one pair of keyed
 patcher wrappers that drive every feature of the MODEL:
 
-  * OUTER_SAMPLE, one sampling run: a ``RunSession`` holds one ``FeatureSession`` per applied feature, created in
+  * OUTER_SAMPLE, one sampling run: a ``SamplingRun`` holds one ``FeatureSession`` per applied feature, created in
     ``SESSION_ORDER`` (weights, then sharding, then caching) inside the ``try`` whose ``finally`` closes them in
     reverse order, errors and interrupts included, then publishes the run's one statistics entry
     (``nodes.stats_store``), made of each session's ``report()``. The guider's model options are swapped for a copy
@@ -41,7 +41,7 @@ from .stats_store import FeatureReport, RunHeader
 log = logging.getLogger("OmniHooks")
 
 FEATURES_KEY = "omni_hooks.features"  # transformer_options: the tuple of AppliedFeature on this MODEL
-RUN_KEY = "omni_hooks.run"             # transformer_options of one run's model-options copy: the live RunSession
+RUN_KEY = "omni_hooks.run"             # transformer_options of one run's model-options copy: the live SamplingRun
 WRAPPER_KEY = "omni_hooks"
 
 
@@ -259,7 +259,7 @@ def step_of(transformer_options: dict, schedules: dict | None = None) -> StepInf
 
 
 @dataclass
-class RunSession:
+class SamplingRun:
     """One sampling run of a MODEL's features: their sessions in ``SESSION_ORDER`` and what they share."""
 
     patcher: Any
@@ -355,7 +355,7 @@ def _outer_sample(executor, *args, **kwargs):
     guider = executor.class_obj
     original_options = guider.model_options
     features = tuple(original_options.get("transformer_options", {}).get(FEATURES_KEY, ()))
-    run = RunSession(patcher=guider.model_patcher)
+    run = SamplingRun(patcher=guider.model_patcher)
     guider.model_options = comfy.model_patcher.create_model_options_clone(original_options)
     guider.model_options["transformer_options"][RUN_KEY] = run
     status = "error"
@@ -397,7 +397,7 @@ def checked_for_drift(patcher, features: tuple[AppliedFeature, ...]) -> tuple[Ap
 def _prepare_sampling(executor, model_patcher, *args, **kwargs):
     loaded = executor(model_patcher, *args, **kwargs)
     options = kwargs.get("model_options") or {}
-    run: RunSession | None = options.get("transformer_options", {}).get(RUN_KEY)
+    run: SamplingRun | None = options.get("transformer_options", {}).get(RUN_KEY)
     if run is not None:
         # prepare_sampling(model, noise_shape, conds, model_options=...)
         noise_shape = kwargs.get("noise_shape", args[0] if args else None)
@@ -424,7 +424,7 @@ def _transformer_options(args: tuple, kwargs: dict) -> dict:
     return dicts[-1] if dicts else {}
 
 
-def call_context(run: RunSession, options: dict) -> CallContext:
+def call_context(run: SamplingRun, options: dict) -> CallContext:
     """The context of one model call: one branch key and label per batch chunk, and the step."""
     uuids = [str(u) for u in options.get("uuids", [])]
     cond_or_uncond = list(options.get("cond_or_uncond", []))
@@ -435,7 +435,7 @@ def call_context(run: RunSession, options: dict) -> CallContext:
     return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps, sigma=step.sigma)
 
 
-def run_call(run: RunSession, diffusion_model: torch.nn.Module, forward: Callable[..., Any], args: tuple,
+def run_call(run: SamplingRun, diffusion_model: torch.nn.Module, forward: Callable[..., Any], args: tuple,
              kwargs: dict, options: dict) -> Any:
     """One model call of ``run``: hooks installed on ``diffusion_model``, every session's ``before_call``,
     ``call_arguments`` and ``begin_call``, ``forward(*args, **kwargs)``, ``call_output`` and ``end_call`` in reverse. A failure of the call is replaced by
@@ -469,7 +469,7 @@ def run_call(run: RunSession, diffusion_model: torch.nn.Module, forward: Callabl
 
 def _diffusion_model(executor, *args, **kwargs):
     options = _transformer_options(args, kwargs)
-    run: RunSession | None = options.get(RUN_KEY)
+    run: SamplingRun | None = options.get(RUN_KEY)
     if run is None or not run.sessions:
         return executor(*args, **kwargs)
     return run_call(run, executor.class_obj, executor, args, kwargs, options)

@@ -40,7 +40,7 @@ log = logging.getLogger("OmniHooks")
 AUTO = "auto"
 
 
-class Recommendation(Protocol):
+class PublishedEntry(Protocol):
     """A published table entry: it names the family it fits."""
 
     key: str
@@ -63,9 +63,9 @@ class BlockStackCache(abc.ABC):
     calibrate_node_id: ClassVar[str]
     calibrate_title: ClassVar[str]
     calibrate_description: ClassVar[str]
-    variant_input: ClassVar[str]           # the combo input that picks the recommendation ("model_variant", "curve")
+    variant_input: ClassVar[str]           # the combo input that picks the published entry ("model_variant", "curve")
     variant_tooltip: ClassVar[str]
-    published: ClassVar[Mapping[str, Recommendation]]
+    published: ClassVar[Mapping[str, PublishedEntry]]
     calibrate_tuning: ClassVar[Mapping[str, Any]]  # the tuning inputs a calibration run uses
     min_calibration_steps: ClassVar[int]
     calibration_noun: ClassVar[str]        # what the calibration file holds ("fitted coefficients", "curve")
@@ -76,12 +76,12 @@ class BlockStackCache(abc.ABC):
 
     # -- what each cache says for itself ----------------------------------------------------------------------------
 
-    def auto_key(self, adapter: DetectedModel) -> str | None:
-        """The published key 'auto' picks for this model, or None (default: the family data's recommendation)."""
-        return adapter.recommendation(self.kind).key
+    def auto_key(self, detected: DetectedModel) -> str | None:
+        """The published key 'auto' picks for this model, or None (default: the family's auto choice)."""
+        return detected.auto_choice(self.kind).key
 
     @abc.abstractmethod
-    def no_auto_fit(self, adapter: DetectedModel) -> str:
+    def no_auto_fit(self, detected: DetectedModel) -> str:
         """The error text when 'auto' picks nothing for this model."""
 
     @abc.abstractmethod
@@ -89,17 +89,17 @@ class BlockStackCache(abc.ABC):
         """ValueError naming the calibration file when no model could use it (the variant list then skips it)."""
 
     @abc.abstractmethod
-    def from_file(self, adapter: DetectedModel, value: str, name: str, data: dict) -> Recommendation:
-        """The recommendation a calibration file's contents give; ValueError for a malformed file."""
+    def from_file(self, detected: DetectedModel, value: str, name: str, data: dict) -> PublishedEntry:
+        """The entry a calibration file's contents give (shaped as a published entry); ValueError for a malformed file."""
 
     @abc.abstractmethod
     def tuning_inputs(self) -> list[io.Input]:
         """The Apply node's inputs that tune the policy (between ``model`` and ``cache_device``)."""
 
     @abc.abstractmethod
-    def make_config(self, adapter: DetectedModel, recommendation: Recommendation | None, tuning: dict[str, Any],
+    def make_config(self, detected: DetectedModel, entry: PublishedEntry | None, tuning: dict[str, Any],
                     shared: dict[str, Any]) -> StackCacheConfig:
-        """The Apply node's frozen config (``recommendation`` None: a calibration run), built from the cache's own
+        """The Apply node's frozen config (``entry`` None: a calibration run), built from the cache's own
         ``tuning`` inputs and the ``shared`` fields every cache has (``StackCacheConfig``'s, already resolved);
         ValueError if it is bad (the config's own check)."""
 
@@ -112,7 +112,7 @@ class BlockStackCache(abc.ABC):
         """What a calibrating run recorded (read before the run is removed)."""
 
     @abc.abstractmethod
-    def calibration_file(self, parts: list[Any], adapter: DetectedModel) -> dict:
+    def calibration_file(self, parts: list[Any], detected: DetectedModel) -> dict:
         """The calibration file's contents from every run's recorded part; ValueError if nothing was recorded."""
 
     @abc.abstractmethod
@@ -126,13 +126,13 @@ class BlockStackCache(abc.ABC):
         names = calibration_files.list_names(self.kind, validate=self.check_file)
         return [AUTO, *self.published, *(calibration_files.option(name) for name in names)]
 
-    def resolve(self, adapter: DetectedModel, value: str) -> Recommendation:
-        """The recommendation for this model and widget value: 'auto', a calibration file or a published entry."""
+    def resolve(self, detected: DetectedModel, value: str) -> PublishedEntry:
+        """The entry for this model and widget value: 'auto', a calibration file or a published entry."""
         title, word = self.apply_title, self.variant_input
         if value == AUTO:
-            key = self.auto_key(adapter)
+            key = self.auto_key(detected)
             if key is None:
-                raise ValueError(f"{title}: {self.no_auto_fit(adapter)}")
+                raise ValueError(f"{title}: {self.no_auto_fit(detected)}")
             return self.published[key]
         name = calibration_files.parse_option(value)
         if name is not None:
@@ -140,37 +140,37 @@ class BlockStackCache(abc.ABC):
                 data = calibration_files.load(self.kind, name)
             except ValueError as e:
                 raise named(title, e) from None
-            family = data.get("family", adapter.family)
-            if family != adapter.family:
+            family = data.get("family", detected.family)
+            if family != detected.family:
                 raise ValueError(f"{title}: calibration {name!r} was made on a {family} model, but this MODEL is "
-                                 f"{adapter.describe()}. Calibrate this model, or choose another {word}.")
-            return self.from_file(adapter, value, name, data)
+                                 f"{detected.describe()}. Calibrate this model, or choose another {word}.")
+            return self.from_file(detected, value, name, data)
         found = self.published.get(value)
         if found is None:
             raise ValueError(f"{title}: unknown {word} {value!r}; choose one from the list")
-        if found.family != adapter.family:
+        if found.family != detected.family:
             raise ValueError(f"{title}: {word} {value!r} is for {found.family} models, but this MODEL is "
-                             f"{adapter.describe()}. Choose '{AUTO}' or a {adapter.family} {word}.")
+                             f"{detected.describe()}. Choose '{AUTO}' or a {detected.family} {word}.")
         return found
 
     def config_for(self, model, inputs: dict[str, Any], calibrate: bool = False) -> StackCacheConfig:
         """Build an Apply node's one frozen config from its inputs (all but ``model``) and the detected model; the
         config checks itself once. ValueError naming the node."""
         title = self.apply_title
-        adapter = families.detect_for_node(title, model)
+        detected = families.detect_for_node(title, model)
         tuning = dict(inputs)
         value = tuning.pop(self.variant_input, AUTO)
         for input_name, number in tuning.items():
             if isinstance(number, float) and not math.isfinite(number):
                 raise ValueError(f"{title}: {input_name} must be a finite number, got {number}")
-        recommendation = None if calibrate else self.resolve(adapter, value)
+        entry = None if calibrate else self.resolve(detected, value)
         auto = value == AUTO and not calibrate
         try:
             shared = dict(start_percent=float(tuning.pop("start_percent")), end_percent=float(tuning.pop("end_percent")),
                           cache_device=cache_device_for(model, tuning.pop("cache_device")), calibrate=calibrate,
                           forecast_order=forecast_order(tuning.pop("forecast", "off")), few_step=FewStepRule(),
-                          notes=tuple(adapter.recommendation(self.kind).notes) if auto else ())
-            return self.make_config(adapter, recommendation, tuning, shared)
+                          notes=tuple(detected.auto_choice(self.kind).notes) if auto else ())
+            return self.make_config(detected, entry, tuning, shared)
         except ValueError as e:
             raise named(title, e) from None
 
@@ -207,7 +207,7 @@ class CacheSession(FeatureSession):
             self.stats.disabled = ("the model could not be fully checked before the run: "
                                    + "; ".join(feature.unverified))
         self.call_started = 0.0  # of the current call, while caching is disabled
-        self.adapter = families.detect(patcher)
+        self.detected = families.detect(patcher)
         self.run: StackCacheRun | None = None
         self.calibration: list[Any] = []  # what each installed run recorded while calibrating
 
@@ -335,7 +335,7 @@ class CalibrateCacheNode(io.ComfyNode):
                 negative, latent_image, name: str) -> io.NodeOutput:
         cache, title = cls.cache, cls.cache.calibrate_title
         name = calibration_name(title, name)
-        adapter = families.detect_for_node(title, model)
+        detected = families.detect_for_node(title, model)
         try:
             calibration_files.check_writable(cache.kind)  # before sampling, not after
         except ValueError as e:
@@ -345,7 +345,7 @@ class CalibrateCacheNode(io.ComfyNode):
                                               steps, cfg, sampler_name, scheduler, positive, negative, latent_image)
         parts = [part for session in sessions for part in session.calibration]
         try:
-            data = cache.calibration_file(parts, adapter)
+            data = cache.calibration_file(parts, detected)
         except ValueError as e:
             raise named(title, e) from None
         data["sampler"] = {"steps": steps, "cfg": cfg, "sampler_name": sampler_name, "scheduler": scheduler}
@@ -354,5 +354,5 @@ class CalibrateCacheNode(io.ComfyNode):
         except ValueError as e:  # non-finite results (a NaN cfg, a model producing NaN): the old file stays
             raise named(title, e) from None
         what = cache.describe_calibration(data)
-        log.info("OmniHooks %s: %s on %s, saved to %s", title, what, adapter.describe(), path)
+        log.info("OmniHooks %s: %s on %s, saved to %s", title, what, detected.describe(), path)
         return io.NodeOutput(latent, json.dumps(data, indent=1), ui={"text": [f"saved {path.name}: {what}"]})

@@ -8,7 +8,7 @@ import torch
 from comfy_api.latest import io
 
 from . import calibration_files
-from ..features import RUN_KEY, AppliedFeature, FeatureSession, RunSession, attach_feature
+from ..features import RUN_KEY, AppliedFeature, FeatureSession, SamplingRun, attach_feature
 
 CACHE_DEVICES = ["compute device", "offload device"]
 
@@ -99,7 +99,7 @@ def sample_calibrating(model, feature: AppliedFeature, seed: int, steps: int, cf
 
     def keep_sessions(executor, *args, **kwargs):
         # runs inside the lifecycle's OUTER_SAMPLE wrapper, so the run's sessions exist already
-        run: RunSession = executor.class_obj.model_options["transformer_options"][RUN_KEY]
+        run: SamplingRun = executor.class_obj.model_options["transformer_options"][RUN_KEY]
         sessions.extend(s for s in run.sessions if s.feature == feature)
         return executor(*args, **kwargs)
 

@@ -148,28 +148,28 @@ class MagCache(BlockStackCache):
     calibration_output_tooltip = ("The recorded curve as JSON: mag_ratios, std and cos_dist per branch, and the "
                                   "CFG-interleaved list.")
 
-    def auto_key(self, adapter: DetectedModel) -> str | None:
-        key = adapter.recommendation(KIND).key
-        if key is not None and adapter.recommendation(KIND).notes:
-            log.info("OmniHooks %s: 'auto' chose the %r curve for %s. %s", NODE_TITLE, key, adapter.describe(),
-                     " ".join(adapter.recommendation(KIND).notes))
+    def auto_key(self, detected: DetectedModel) -> str | None:
+        key = detected.auto_choice(KIND).key
+        if key is not None and detected.auto_choice(KIND).notes:
+            log.info("OmniHooks %s: 'auto' chose the %r curve for %s. %s", NODE_TITLE, key, detected.describe(),
+                     " ".join(detected.auto_choice(KIND).notes))
         return key
 
-    def no_auto_fit(self, adapter: DetectedModel) -> str:
-        notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in adapter.recommendation(KIND).notes)
-        if not for_family(adapter.family):
-            return (f"no MagCache curve is published for {adapter.describe()} models. {notes}To use MagCache, "
+    def no_auto_fit(self, detected: DetectedModel) -> str:
+        notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in detected.auto_choice(KIND).notes)
+        if not for_family(detected.family):
+            return (f"no MagCache curve is published for {detected.describe()} models. {notes}To use MagCache, "
                     f"{CALIBRATE_HINT}.")
-        return (f"no published MagCache curve fits {adapter.describe()}. {notes}Choose a {adapter.family} curve, or "
+        return (f"no published MagCache curve fits {detected.describe()}. {notes}Choose a {detected.family} curve, or "
                 f"{CALIBRATE_HINT}.")
 
     def check_file(self, name: str, data: dict) -> dict[str, list[float]]:
         """The per-branch curves of a calibration file; a clear error for a malformed one."""
         return _curves_from_file(name, data)
 
-    def from_file(self, adapter: DetectedModel, value: str, name: str, data: dict) -> ResolvedCurve:
+    def from_file(self, detected: DetectedModel, value: str, name: str, data: dict) -> ResolvedCurve:
         curves = _curves_from_file(name, data)
-        return ResolvedCurve(key=value, family=data.get("family", adapter.family),
+        return ResolvedCurve(key=value, family=data.get("family", detected.family),
                              curves=tuple((branch, tuple(values)) for branch, values in curves.items()))
 
     def tuning_inputs(self) -> list[io.Input]:
@@ -189,29 +189,29 @@ class MagCache(BlockStackCache):
             *percent_window_inputs(),
         ]
 
-    def make_config(self, adapter: DetectedModel, found: MagCacheCurve | ResolvedCurve | None,
+    def make_config(self, detected: DetectedModel, found: MagCacheCurve | ResolvedCurve | None,
                     tuning: dict[str, Any], shared: dict[str, Any]) -> MagCacheConfig:
         calibrate = found is None
         return MagCacheConfig(
             threshold=float(tuning["threshold"]), max_skip_steps=int(tuning["max_skip_steps"]),
             retention_ratio=float(tuning["retention_ratio"]),
             mag_ratios=None if calibrate else {name: tuple(values) for name, values in found.curves},
-            model_label=f"{adapter.variant}, {'calibrate' if calibrate else found.key}",
+            model_label=f"{detected.variant}, {'calibrate' if calibrate else found.key}",
             **{**shared, "notes": shared["notes"] + ((found.note,) if found is not None and found.note else ())})
 
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> MagCacheRun:
-        adapter = session.adapter
-        strategy = MagCacheStrategy(name=adapter.family, build_stack=adapter.build_stack)
+        detected = session.detected
+        strategy = MagCacheStrategy(name=detected.family, build_stack=detected.build_stack)
         return apply_mag_cache_hook(diffusion_model, session.config, strategy, session.stats, implicit_calls=False)
 
     def collect_calibration(self, run: MagCacheRun) -> dict[str, dict[str, list[float]]]:
         return run.get_calibration_result()
 
-    def calibration_file(self, parts: list[dict[str, dict[str, list[float]]]], adapter: DetectedModel) -> dict:
+    def calibration_file(self, parts: list[dict[str, dict[str, list[float]]]], detected: DetectedModel) -> dict:
         result: dict[str, dict[str, list[float]]] = {}
         for part in parts:
             result.update(part)
-        return {"family": adapter.family, "variant": adapter.variant, **calibration_data(result)}
+        return {"family": detected.family, "variant": detected.variant, **calibration_data(result)}
 
     def describe_calibration(self, data: dict) -> str:
         return ", ".join(f"{label} {len(values)}" for label, values in data["mag_ratios"].items()) + " ratios"

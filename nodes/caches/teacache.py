@@ -71,9 +71,9 @@ class TeaCache(BlockStackCache):
     calibration_output = "coefficients"
     calibration_output_tooltip = "The fitted polynomial and its data, as JSON."
 
-    def no_auto_fit(self, adapter: DetectedModel) -> str:
-        return (f"no published TeaCache coefficients fit {adapter.describe()}. "
-                + " ".join(adapter.recommendation(KIND).notes)
+    def no_auto_fit(self, detected: DetectedModel) -> str:
+        return (f"no published TeaCache coefficients fit {detected.describe()}. "
+                + " ".join(detected.auto_choice(KIND).notes)
                 + " Choose a model_variant, or run 'TeaCache Calibrate' on this model and choose its file.")
 
     def check_file(self, name: str, data: dict) -> tuple[float, ...]:
@@ -86,19 +86,19 @@ class TeaCache(BlockStackCache):
                                   f"{str(coefficients)[:80]})")
         return tuple(float(c) for c in coefficients)
 
-    def from_file(self, adapter: DetectedModel, value: str, name: str, data: dict) -> TeaCacheCoefficients:
+    def from_file(self, detected: DetectedModel, value: str, name: str, data: dict) -> TeaCacheCoefficients:
         """The coefficient set of a calibration file's contents; a clear error for a malformed file."""
         coefficients = self.check_file(name, data)
         signal = data.get("signal", "default")
-        signals = {"default", *(c.signal for c in for_family(adapter.family))}
+        signals = {"default", *(c.signal for c in for_family(detected.family))}
         if signal not in signals:
-            raise _bad_file(name, f"has signal {str(signal)[:40]!r}, which {adapter.family} models do not have "
+            raise _bad_file(name, f"has signal {str(signal)[:40]!r}, which {detected.family} models do not have "
                                   f"(one of {sorted(signals)})")
         try:
             threshold = float(data.get("recommended_threshold", 0.2))
         except (TypeError, ValueError):
             raise _bad_file(name, "has a 'recommended_threshold' that is not a number") from None
-        return TeaCacheCoefficients(key=value, family=data.get("family", adapter.family), coefficients=coefficients,
+        return TeaCacheCoefficients(key=value, family=data.get("family", detected.family), coefficients=coefficients,
                                     threshold=threshold, signal=signal, source=f"calibration file {name}")
 
     def tuning_inputs(self) -> list[io.Input]:
@@ -114,36 +114,36 @@ class TeaCache(BlockStackCache):
                                    "0.1, HiDream fast to 0.9); any other value is yours."),
         ]
 
-    def make_config(self, adapter: DetectedModel, found: TeaCacheCoefficients | None, tuning: dict[str, Any],
+    def make_config(self, detected: DetectedModel, found: TeaCacheCoefficients | None, tuning: dict[str, Any],
                     shared: dict[str, Any]) -> TeaCacheConfig:
         calibrate = found is None
         if calibrate:
-            found = TeaCacheCoefficients(key="calibrate", family=adapter.family, coefficients=IDENTITY,
+            found = TeaCacheCoefficients(key="calibrate", family=detected.family, coefficients=IDENTITY,
                                          threshold=0.0)
         rel_l1_thresh = tuning["rel_l1_thresh"]
         if rel_l1_thresh != RECOMMENDED and rel_l1_thresh < 0:
             raise ValueError(f"rel_l1_thresh must be -1 (recommended) or >= 0, got {rel_l1_thresh}")
         threshold = found.threshold if rel_l1_thresh == RECOMMENDED else rel_l1_thresh
         return TeaCacheConfig(threshold=threshold, coefficients=found.coefficients, ret_steps=found.ret_steps,
-                              signal=found.signal, model_label=f"{adapter.variant}, {found.key}",
+                              signal=found.signal, model_label=f"{detected.variant}, {found.key}",
                               **{**shared, **published_window(found, shared["start_percent"], shared["end_percent"])})
 
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> TeaCacheRun:
         config: TeaCacheConfig = session.config
-        stack = session.adapter.build_stack(diffusion_model)
-        signal = session.adapter.build_modulated_input(diffusion_model, config.signal)
+        stack = session.detected.build_stack(diffusion_model)
+        signal = session.detected.build_modulated_input(diffusion_model, config.signal)
         return apply_teacache_hook(stack, config, signal, session.stats)
 
     def collect_calibration(self, run: TeaCacheRun) -> list[tuple[float, float]]:
         return run.calibration_pairs()
 
-    def calibration_file(self, parts: list[list[tuple[float, float]]], adapter: DetectedModel) -> dict:
+    def calibration_file(self, parts: list[list[tuple[float, float]]], detected: DetectedModel) -> dict:
         pairs = [pair for part in parts for pair in part]
         coefficients = fit_coefficients(pairs)
         return {
             "kind": KIND,
-            "family": adapter.family,
-            "variant": adapter.variant,
+            "family": detected.family,
+            "variant": detected.variant,
             "signal": "default",
             "coefficients": coefficients,
             "points": len(pairs),

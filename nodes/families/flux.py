@@ -145,7 +145,7 @@ FAMILY = ModelFamily(
     build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
     resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "final_layer"),
     sequence_plan=flux_layout_sequence_plan, attention_sites=flux_layout_attention_sites,
-    recommendation_keys={"teacache": frozenset({"flux"}), "magcache": frozenset({"flux"})},
+    auto_keys={"teacache": frozenset({"flux"}), "magcache": frozenset({"flux"})},
     expects=Expectations(
         blocks=FLUX_LAYOUT_BLOCKS,
         call=ForwardParameters(("x", "timestep", "context", "y", "guidance", "ref_latents", "control",

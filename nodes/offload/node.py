@@ -31,7 +31,7 @@ from comfy_api.latest import io
 
 from ...omni_hooks.base import HookPhase, HookRegistry, ModelHook, remove_hook_and_restore
 from ...omni_hooks.context import CallContext
-from ...omni_hooks.offload import LayerwiseOffloadHandle, OffloadStats, apply_layerwise_offload, unpackable_reason
+from ...omni_hooks.offload import LayerwiseOffloadRun, OffloadStats, apply_layerwise_offload, unpackable_reason
 from .. import families
 from ..families import detect_for_node, model_input
 from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, LoadRequest, attach_feature, \
@@ -201,7 +201,7 @@ class OffloadSession(FeatureSession):
         self.status: str | None = None
         self.target: torch.device | None = None
         self.plan: OffloadPlan | None = None
-        self.handle: LayerwiseOffloadHandle | None = None
+        self.run: LayerwiseOffloadRun | None = None
         self.promotion = Promotion()
         self.promoted_bytes = 0  # kept for the statistics after ``close`` undid the promotion
         self.freed_device_bytes = 0
@@ -245,7 +245,7 @@ class OffloadSession(FeatureSession):
             for index in plan.promoted:
                 self.promoted_bytes += self.promotion.promote(blocks[index], target)
             if plan.offloaded:
-                self.handle = apply_layerwise_offload(
+                self.run = apply_layerwise_offload(
                     [blocks[i] for i in plan.offloaded], target, prefetch_blocks=self.settings.prefetch_blocks,
                     pin_memory=self._pin_memory(target), keep_resident=_unmovable)
                 self.freed_device_bytes = sum(footprints[i].device_bytes for i in plan.offloaded)
@@ -287,19 +287,19 @@ class OffloadSession(FeatureSession):
     # -- statistics -----------------------------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
-        """JSON-safe: the offload handle's ``OffloadStats.summary()`` (zeros when nothing was offloaded) plus what
+        """JSON-safe: the offload run's ``OffloadStats.summary()`` (zeros when nothing was offloaded) plus what
         the run decided and saw: ``active``, ``status``, block counts, promoted and freed bytes, computed and skipped
         calls and the bytes moved during skipped calls (0 by design), the bytes moved and the copy wait when the
         blocks were placed (before the first call), the device's weight bytes during the run, ``unchanged_reason`` (why nothing was
         offloaded, else None), ``steps`` (``StepTotals``: per sampler step its calls, skipped calls, bytes moved and
         copy wait) and ``notes`` (the library's and the run's)."""
-        stats = self.handle.stats if self.handle is not None else self._idle_stats()
+        stats = self.run.stats if self.run is not None else self._idle_stats()
         summary = stats.summary()
         plan = self.plan
         summary.update({
             "model": self.settings.model_label,
             "status": self.status,
-            "active": self.handle is not None or self.promoted_bytes > 0,
+            "active": self.run is not None or self.promoted_bytes > 0,
             "blocks_total": self.settings.block_count,
             "blocks_offloaded": len(plan.offloaded) if plan else 0,
             "blocks_promoted": len(plan.promoted) if plan else 0,
@@ -328,9 +328,9 @@ class OffloadSession(FeatureSession):
     def log_line(self) -> str:
         node = f"node #{self.feature.node_id}, " if self.feature.node_id else ""
         head = f"{NODE_TITLE} ({node}{self.settings.model_label}, {self.status or 'running'})"
-        if self.handle is None and not self.promoted_bytes:
+        if self.run is None and not self.promoted_bytes:
             return f"{head}: " + ("; ".join(self.notes) or "nothing offloaded")
-        parts = [self.handle.stats.log_line() if self.handle is not None else "no block offloaded"]
+        parts = [self.run.stats.log_line() if self.run is not None else "no block offloaded"]
         if self.promoted_bytes:
             parts.append(f"{len(self.plan.promoted)} resident blocks completed on the device "
                          f"({gib(self.promoted_bytes)})")
@@ -396,7 +396,7 @@ class OffloadSession(FeatureSession):
     def _account(self, patcher) -> None:
         """Tell ComfyUI's model management the weight bytes this model holds on the device during the run."""
         model = patcher.model
-        delta = (self.handle.device_bytes if self.handle is not None else 0) + self.promotion.nbytes \
+        delta = (self.run.device_bytes if self.run is not None else 0) + self.promotion.nbytes \
             - self.freed_device_bytes
         own = model.model_loaded_weight_memory
         model.model_loaded_weight_memory = max(0, own + delta)
@@ -404,11 +404,11 @@ class OffloadSession(FeatureSession):
         self.device_weight_bytes = model.model_loaded_weight_memory
 
     def _bytes_moved(self) -> int:
-        return self.handle.stats.bytes_moved if self.handle is not None else 0
+        return self.run.stats.bytes_moved if self.run is not None else 0
 
     def _copy_wait(self) -> float:
         """The copy waits measured so far (on CUDA, a wait still being timed counts at a later call)."""
-        return self.handle.stats.copy_wait_seconds if self.handle is not None else 0.0
+        return self.run.stats.copy_wait_seconds if self.run is not None else 0.0
 
     def _idle_stats(self) -> OffloadStats:
         device = str(self.target if self.target is not None else self.patcher.load_device)
@@ -419,7 +419,7 @@ class OffloadSession(FeatureSession):
     def _undo(self) -> None:
         """Undo everything ``after_load`` did, each part whatever the others did; re-raise the first failure."""
         failure: BaseException | None = None
-        for step in (self._unhook_host_streams, self._remove_handle, self.promotion.undo, self._undo_account):
+        for step in (self._unhook_host_streams, self._remove_run, self.promotion.undo, self._undo_account):
             try:
                 step()
             except Exception as e:
@@ -433,9 +433,9 @@ class OffloadSession(FeatureSession):
         for block in hooked:
             remove_hook_and_restore(block, HOST_STREAMS_HOOK)
 
-    def _remove_handle(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()  # keeps the handle: its stats are final now
+    def _remove_run(self) -> None:
+        if self.run is not None:
+            self.run.remove()  # keeps the run: its stats are final now
 
     def _undo_account(self) -> None:
         accounted, self.accounted = self.accounted, None

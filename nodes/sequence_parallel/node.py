@@ -234,15 +234,15 @@ class SequenceParallelSession(ShardSession):
         self.calls += 1
         self.in_call = True
         super().before_call(args, kwargs, transformer_options)
-        self.runtime.gate.hold(answers)  # the workers check the call while this rank computes up to its first exchange
+        self.run.gate.hold(answers)  # the workers check the call while this rank computes up to its first exchange
 
     def begin_call(self, context) -> None:
         super().begin_call(context)
-        if self.degrees is not None and self.degrees[2] > 1 and self.runtime.batch_part()[1] == 1:
-            batch = self.runtime.whole_call and call_batch(*self.runtime.whole_call)
+        if self.degrees is not None and self.degrees[2] > 1 and self.run.batch_part()[1] == 1:
+            batch = self.run.whole_call and call_batch(*self.run.whole_call)
             self.calls_unsplit.append(f"a batch of {batch} does not split into cfg_degree {self.degrees[2]} equal "
                                       "parts: the call ran on every rank with the sequence split only")
-        self._call_start = (time.perf_counter(), self.runtime.stats.bytes_sent)
+        self._call_start = (time.perf_counter(), self.run.stats.bytes_sent)
 
     def end_call(self, context) -> None:
         if self._call_start is None:
@@ -250,11 +250,11 @@ class SequenceParallelSession(ShardSession):
         started, sent = self._call_start
         self._call_start = None
         self.steps.add(context.step, seconds=time.perf_counter() - started,
-                       bytes_sent=self.runtime.stats.bytes_sent - sent,
+                       bytes_sent=self.run.stats.bytes_sent - sent,
                        decided=int(context.blocks_run is not None), skipped=int(context.blocks_run is False))
 
     def call_output(self, output: Any) -> Any:
-        self.runtime.gate.release()  # a call whose every exchange was skipped still hears every worker's answer
+        self.run.gate.release()  # a call whose every exchange was skipped still hears every worker's answer
         output = super().call_output(output)
         self.in_call = False
         return output
@@ -296,14 +296,14 @@ class SequenceParallelSession(ShardSession):
         group = self.settings.group
         return {"world_size": group.world_size, "ulysses_degree": ulysses, "ring_degree": ring, "cfg_degree": cfg,
                 "backend": group.backend, "local_devices": list(group.devices),
-                "calls": self.calls, "bytes_sent": self.runtime.stats.bytes_sent if self.runtime else 0,
+                "calls": self.calls, "bytes_sent": self.run.stats.bytes_sent if self.run else 0,
                 **self._activity()}
 
     def _activity(self) -> dict[str, Any]:
         """What the card shows beyond the setup: per sampler step its calls, seconds on this rank, bytes this rank
         sent, the calls a cache decided for every rank (``decided``, agreed over the group) and of those the skipped
         ones (``StepTotals``); bytes sent per exchange kind; the calls whose batch ran whole and why."""
-        by_kind = self.runtime.stats.snapshot() if self.runtime else {}
+        by_kind = self.run.stats.snapshot() if self.run else {}
         return {"steps": self.steps.to_list(), "bytes_sent_by_exchange": {k: r.bytes_sent for k, r in by_kind.items()},
                 "calls_unsplit": len(self.calls_unsplit),
                 "unsplit_reason": self.calls_unsplit[0] if self.calls_unsplit else None}

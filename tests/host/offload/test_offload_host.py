@@ -409,7 +409,7 @@ def test_repeated_runs_do_not_grow_memory(env, forced):
     growth = statistics.median(rss[-4:]) - statistics.median(rss[:4])
     assert growth < 3 * one_run, f"RSS grew by {growth} bytes over 12 runs (one run allocates {one_run}): {rss}"
     for session in sessions:  # every run let go of its master copies and slots
-        assert session.handle._masters == [] and session.handle._slots == []
+        assert session.run._masters == [] and session.run._slots == []
 
 
 def test_auto_offloads_as_few_blocks_as_the_free_memory_needs(env, wan, forced, monkeypatch):

@@ -21,7 +21,7 @@ from omni_hooks.sequence_parallel import (
     SequenceParallelMesh,
     SequenceParallelOutput,
     SequenceParallelPartialInput,
-    SequenceParallelRuntime,
+    SequenceParallelRun,
     SequenceParallelSelfAttention,
     apply_sequence_parallel,
     heads_to_sequence,
@@ -120,7 +120,7 @@ def test_a_length_the_world_does_not_divide_fails_on_every_rank_naming_auto_pad(
 
 def rank_all_to_all():
     rank, world = dist.get_rank(), dist.get_world_size()
-    runtime = SequenceParallelRuntime(degrees(world, 1))
+    runtime = SequenceParallelRun(degrees(world, 1))
     b, length, heads, dim = 2, 4 * world, 2 * world, 3
     full = torch.arange(b * length * heads * dim, dtype=torch.float64).reshape(b, length, heads, dim)
     shard = full.chunk(world, 1)[rank]
@@ -152,7 +152,7 @@ def full_attention(q, k, v):
 
 def rank_ring_vs_full(joint: int, image: int):
     rank, world = dist.get_rank(), dist.get_world_size()
-    runtime = SequenceParallelRuntime(degrees(1, world))
+    runtime = SequenceParallelRun(degrees(1, world))
     g = torch.Generator().manual_seed(3)
     b, heads, dim = 2, 3, 8
     q, k, v = (torch.randn(b, joint + image, heads, dim, generator=g, dtype=torch.float64) for _ in range(3))
@@ -182,7 +182,7 @@ def rank_entry_vs_full(ulysses: int, ring: int, joint: int, image: int, heads_fi
     """The host-facing entry at a self-attention site (float64), and its byte accounting against a simulated mesh."""
     rank, world = dist.get_rank(), dist.get_world_size()
     config = degrees(ulysses, ring)
-    runtime = SequenceParallelRuntime(config)
+    runtime = SequenceParallelRun(config)
     g = torch.Generator().manual_seed(4)
     b, heads, dim = 1, 4, 8
     q, k, v = (torch.randn(b, joint + image, heads, dim, generator=g, dtype=torch.float64) for _ in range(3))
@@ -215,7 +215,7 @@ def rank_entry_vs_full(ulysses: int, ring: int, joint: int, image: int, heads_fi
     got = torch.cat([out[:, :joint], out[:, joint:joint + valid]], 1)
     want = torch.cat([reference[:, :joint], reference[:, joint + rank * local:joint + rank * local + valid]], 1)
     # the same call on a simulated mesh (meta tensors) counts exactly the bytes the real exchange sent
-    simulated = SequenceParallelRuntime(config, SequenceParallelMesh.simulated_for(config, rank))
+    simulated = SequenceParallelRun(config, SequenceParallelMesh.simulated_for(config, rank))
     simulated.padding.update(runtime.padding)
     simulated.enter_site(site)
     meta = mine(q).to("meta")
@@ -255,7 +255,7 @@ def test_hybrid_groups_follow_the_ulysses_low_layout(rank_pool):
 
 
 def rank_indivisible_heads():
-    runtime = SequenceParallelRuntime(degrees(2, 1))
+    runtime = SequenceParallelRun(degrees(2, 1))
     runtime.enter_site(ActiveSite(SequenceParallelSelfAttention(), 0, torch.nn.Identity()))
     q = torch.zeros(1, 4, 3 * 8)
     try:
