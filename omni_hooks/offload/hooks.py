@@ -74,11 +74,12 @@ class LayerwiseOffloadRun:
     object, original device, dtype, shape, strides and values) and unregisters the hooks.
     """
 
-    def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device | str, config: OffloadConfig):
+    def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device | str, config: OffloadConfig,
+                 keep_resident: KeepResidentFn | None = None):
         self.blocks = list(blocks)
-        self.config = config
+        self.config = config  # the caller's frozen config, read unchanged
         self.device = _resolve_device(device)
-        self.layouts = _layouts(self.blocks, config.keep_resident, config.offload_buffers)
+        self.layouts = _layouts(self.blocks, keep_resident, config.offload_buffers)
         self.prefetch_blocks = config.prefetch_blocks
         slot_count = min(len(self.blocks), 1 + self.prefetch_blocks)
         slot_bytes = max(layout.nbytes for layout in self.layouts)
@@ -290,14 +291,16 @@ def apply_layerwise_offload(blocks: Sequence[torch.nn.Module], device: torch.dev
                             offload_buffers: bool = True, measure_waits: bool = True) -> LayerwiseOffloadRun:
     """Offload ``blocks`` (a block stack, in execution order) to the CPU and stream them to ``device`` block by block.
 
-    See ``OffloadConfig`` for the options. Returns the applied run: ``remove()`` undoes everything, ``stats`` /
+    See ``OffloadConfig`` for the options; ``keep_resident``: tensors for which it returns True are not offloaded and
+    are left where they are (the host places them, e.g. a block's small modulation table that a cache reads before the
+    block runs). Returns the applied run: ``remove()`` undoes everything, ``stats`` /
     ``collect_stats()`` report it. Raises ValueError (changing nothing) for an empty or repeated block list, a block
     that is already offloaded, a tensor shared between blocks or one that cannot be packed as plain bytes.
     """
     config = OffloadConfig(prefetch_blocks=prefetch_blocks, pin_memory=pin_memory,
-                           pinned_budget_bytes=pinned_budget_bytes, keep_resident=keep_resident,
-                           offload_buffers=offload_buffers, measure_waits=measure_waits)
-    return LayerwiseOffloadRun(blocks, device, config).apply()
+                           pinned_budget_bytes=pinned_budget_bytes, offload_buffers=offload_buffers,
+                           measure_waits=measure_waits)
+    return LayerwiseOffloadRun(blocks, device, config, keep_resident).apply()
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:

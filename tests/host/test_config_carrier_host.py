@@ -50,3 +50,38 @@ def test_the_cache_hook_reads_the_nodes_config(monkeypatch, wan, kind):
     config = applied_config(patched)
     tiny_models.sample(wan, model=patched, steps=STEPS)
     assert runs and all(run.config is config for run in runs)
+
+
+def test_the_offload_run_reads_the_nodes_config(monkeypatch, wan):
+    import torch
+    from omnitest import tiny_models
+    from omnitest.pack import pack_module, run_node
+
+    node = pack_module("nodes.offload.node")
+    monkeypatch.setattr(node, "offload_target", lambda patcher: torch.device("cpu"))  # the real path, on the CPU
+    runs = spy(monkeypatch, node, "LayerwiseOffloadRun")
+    patched = run_node(node.CPUOffload, model=wan.patcher, blocks_to_offload=1, prefetch_blocks=1, pin_memory="auto",
+                       vram_budget_gb=0.0)[0]
+    config = applied_config(patched)
+    tiny_models.sample(wan, model=patched, steps=STEPS)
+    assert runs and all(run.config is config for run in runs)
+
+
+def test_the_sequence_parallel_run_reads_the_nodes_config(monkeypatch, wan):
+    """Rank 0's side (one local worker, gloo on the CPU): the worker rebuilds the config from the command's plain
+    data in its own process, so only rank 0 can hold the node's very object."""
+    from omnitest import tiny_models
+    from omnitest.pack import pack_module, run_node
+
+    node = pack_module("nodes.sequence_parallel.node")
+    group = pack_module("nodes.sequence_parallel.group")
+    runs = spy(monkeypatch, pack_module("nodes.sequence_parallel.shard"), "apply_sequence_parallel")
+    patched = run_node(node.SequenceParallel, node_id="30", model=wan.patcher, world_size=2, ulysses_degree="auto",
+                       ring_degree="auto", devices="auto", backend="auto", master_address="127.0.0.1", master_port=0,
+                       cfg_parallel=False)[0]
+    config = applied_config(patched)
+    try:
+        tiny_models.sample(wan, model=patched, steps=2)
+    finally:
+        group.close_group()
+    assert runs and all(run.config is config for run in runs)
