@@ -1,12 +1,13 @@
-"""What every block-stack cache shares: the base class ``BlockStackCache``, its per-run ``CacheSession`` (a feature
-of the run lifecycle in ``nodes.features``) and the base classes of its two nodes.
+"""What every block-stack cache shares: the base class ``BlockStackCache`` (behaviour only), its ``CacheCalibration``,
+its per-run ``CacheSession`` (a feature of the run lifecycle in ``nodes.features``) and the base classes of its two
+nodes.
 
-A cache subclass says what differs between caches (class attributes and methods): the published table and how
-'auto' picks from it, the calibration file format, the node inputs that tune the policy, and how a run's
-``StackCacheRun`` is made. Everything else is here once: resolving 'auto' / a calibration file / a published entry,
-the per-run session, the Apply node (clone + ``attach_feature``) and the Calibrate node (a KSampler that records,
-then saves a named file). A new cache is a module with a subclass, its table, ``register_cache(Subclass())`` and two
-node classes (``class ApplyX(ApplyCacheNode): cache = X``).
+A cache subclass says what differs between caches: its published table and how 'auto' picks from it, how its
+frozen config is built from the node's inputs and how a run's hooks are made; its ``CacheCalibration`` says what a
+calibrating run records and the file it saves. Everything else is here once: resolving 'auto' / a calibration file /
+a published entry, the per-run session, what the Apply node does (clone + ``attach_feature``) and what the Calibrate
+node does (a KSampler that records, then saves a named file). Each node declares its own schema inline
+(``define_schema``), its shared inputs from ``nodes.caches.inputs``.
 """
 from __future__ import annotations
 
@@ -29,11 +30,11 @@ from . import calibration_files
 from .. import families
 from .. import stats_store
 from ..drift import ModelDriftError
-from ..families import DetectedModel, model_input
+from ..families import DetectedModel
 from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, named, register_feature
 from ..stats_store import FeatureReport
-from .inputs import (cache_device_for, cache_device_input, calibration_name, calibration_sampler_inputs,
-                     forecast_input, forecast_order, sample_calibrating, validate_calibration_name)
+from .inputs import (cache_device_for, calibration_name, forecast_order, sample_calibrating,
+                     validate_calibration_name)
 
 log = logging.getLogger("OmniHooks")
 
@@ -47,32 +48,48 @@ class PublishedEntry(Protocol):
     family: str
 
 
+class CacheCalibration(abc.ABC):
+    """What a cache records while calibrating and the file it saves (one instance per cache, its ``calibration``)."""
+
+    min_steps: ClassVar[int]  # the fewest sampler steps a calibration can use
+
+    @abc.abstractmethod
+    def check_file(self, name: str, data: dict) -> object:
+        """ValueError naming the calibration file when no model could use it (the variant list then skips it)."""
+
+    @abc.abstractmethod
+    def from_file(self, detected: DetectedModel, value: str, name: str, data: dict) -> PublishedEntry:
+        """The entry a calibration file's contents give (shaped as a published entry); ValueError for a malformed
+        file."""
+
+    @abc.abstractmethod
+    def collect(self, run: StackCacheRun) -> Any:
+        """What a calibrating run recorded (read before the run is removed)."""
+
+    @abc.abstractmethod
+    def file_contents(self, parts: list[Any], detected: DetectedModel) -> dict:
+        """The calibration file's contents from every run's recorded part; ValueError if nothing was recorded."""
+
+    @abc.abstractmethod
+    def describe(self, data: dict) -> str:
+        """A calibration file's contents in a few words (the Calibrate node's log line and UI text)."""
+
+
 class BlockStackCache(abc.ABC):
     """One block-stack cache: what makes it differ from the others, as class attributes and methods to override,
-    and what every cache does alike (resolving 'auto' / a calibration file / a published entry, validating the Apply
-    node's inputs, making a run's ``CacheSession``), here once.
+    and what every cache does alike (resolving 'auto' / a calibration file / a published entry, building the Apply
+    node's config, making a run's ``CacheSession``), here once. No UI text: the nodes declare their schemas.
 
     A cache is one instance of a subclass (``TeaCache()``), registered with ``register_cache``; its nodes are
     ``ApplyCacheNode`` and ``CalibrateCacheNode`` subclasses that name it in their ``cache`` attribute.
     """
 
     kind: ClassVar[str]                    # "teacache": feature kind, calibration folder, statistics kind
-    apply_node_id: ClassVar[str]
-    apply_title: ClassVar[str]
-    apply_description: ClassVar[str]
-    calibrate_node_id: ClassVar[str]
-    calibrate_title: ClassVar[str]
-    calibrate_description: ClassVar[str]
+    title: ClassVar[str]                   # the Apply node's title, which starts its error messages
     variant_input: ClassVar[str]           # the combo input that picks the published entry ("model_variant", "curve")
-    variant_tooltip: ClassVar[str]
     published: ClassVar[Mapping[str, PublishedEntry]]
-    calibrate_tuning: ClassVar[Mapping[str, Any]]  # the tuning inputs a calibration run uses
-    min_calibration_steps: ClassVar[int]
-    calibration_noun: ClassVar[str]        # what the calibration file holds ("fitted coefficients", "curve")
-    calibration_steps_tooltip: ClassVar[str]
-    calibration_sampler_tooltip: ClassVar[str]
-    calibration_output: ClassVar[str]      # the calibrate node's string output: its name and tooltip
-    calibration_output_tooltip: ClassVar[str]
+    calibration: ClassVar[CacheCalibration]
+    calibrate_inputs: ClassVar[Mapping[str, Any]]  # the Apply inputs a calibration run uses
 
     # -- what each cache says for itself ----------------------------------------------------------------------------
 
@@ -85,18 +102,6 @@ class BlockStackCache(abc.ABC):
         """The error text when 'auto' picks nothing for this model."""
 
     @abc.abstractmethod
-    def check_file(self, name: str, data: dict) -> object:
-        """ValueError naming the calibration file when no model could use it (the variant list then skips it)."""
-
-    @abc.abstractmethod
-    def from_file(self, detected: DetectedModel, value: str, name: str, data: dict) -> PublishedEntry:
-        """The entry a calibration file's contents give (shaped as a published entry); ValueError for a malformed file."""
-
-    @abc.abstractmethod
-    def tuning_inputs(self) -> list[io.Input]:
-        """The Apply node's inputs that tune the policy (between ``model`` and ``cache_device``)."""
-
-    @abc.abstractmethod
     def make_config(self, detected: DetectedModel, entry: PublishedEntry | None, tuning: dict[str, Any],
                     shared: dict[str, Any]) -> StackCacheConfig:
         """The Apply node's frozen config (``entry`` None: a calibration run), built from the cache's own
@@ -107,28 +112,16 @@ class BlockStackCache(abc.ABC):
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> StackCacheRun:
         """Install this cache's hooks for one run on ``diffusion_model``; the run reads ``session.config``."""
 
-    @abc.abstractmethod
-    def collect_calibration(self, run: StackCacheRun) -> Any:
-        """What a calibrating run recorded (read before the run is removed)."""
-
-    @abc.abstractmethod
-    def calibration_file(self, parts: list[Any], detected: DetectedModel) -> dict:
-        """The calibration file's contents from every run's recorded part; ValueError if nothing was recorded."""
-
-    @abc.abstractmethod
-    def describe_calibration(self, data: dict) -> str:
-        """A calibration file's contents in a few words (the Calibrate node's log line and UI text)."""
-
     # -- what every cache does alike --------------------------------------------------------------------------------
 
     def variant_options(self) -> list[str]:
         """'auto', the published entries, and the calibration files of this cache that can be used."""
-        names = calibration_files.list_names(self.kind, validate=self.check_file)
+        names = calibration_files.list_names(self.kind, validate=self.calibration.check_file)
         return [AUTO, *self.published, *(calibration_files.option(name) for name in names)]
 
     def resolve(self, detected: DetectedModel, value: str) -> PublishedEntry:
         """The entry for this model and widget value: 'auto', a calibration file or a published entry."""
-        title, word = self.apply_title, self.variant_input
+        title, word = self.title, self.variant_input
         if value == AUTO:
             key = self.auto_key(detected)
             if key is None:
@@ -144,7 +137,7 @@ class BlockStackCache(abc.ABC):
             if family != detected.family:
                 raise ValueError(f"{title}: calibration {name!r} was made on a {family} model, but this MODEL is "
                                  f"{detected.describe()}. Calibrate this model, or choose another {word}.")
-            return self.from_file(detected, value, name, data)
+            return self.calibration.from_file(detected, value, name, data)
         found = self.published.get(value)
         if found is None:
             raise ValueError(f"{title}: unknown {word} {value!r}; choose one from the list")
@@ -156,7 +149,7 @@ class BlockStackCache(abc.ABC):
     def config_for(self, model, inputs: dict[str, Any], calibrate: bool = False) -> StackCacheConfig:
         """Build an Apply node's one frozen config from its inputs (all but ``model``) and the detected model; the
         config checks itself once. ValueError naming the node."""
-        title = self.apply_title
+        title = self.title
         detected = families.detect_for_node(title, model)
         tuning = dict(inputs)
         value = tuning.pop(self.variant_input, AUTO)
@@ -209,7 +202,7 @@ class CacheSession(FeatureSession):
         self.call_started = 0.0  # of the current call, while caching is disabled
         self.detected = families.detect(patcher)
         self.run: StackCacheRun | None = None
-        self.calibration: list[Any] = []  # what each installed run recorded while calibrating
+        self.recorded: list[Any] = []  # what each installed run recorded while calibrating
 
     def install(self, diffusion_model: torch.nn.Module) -> None:
         if self.stats.disabled is None:
@@ -234,7 +227,7 @@ class CacheSession(FeatureSession):
         run, self.run = self.run, None
         if run is not None:
             self.stats.cache_bytes = max(self.stats.cache_bytes, run.cache_bytes())
-            self.calibration.append(self.cache.collect_calibration(run))  # before remove(), which clears the states
+            self.recorded.append(self.cache.calibration.collect(run))  # before remove(), which clears the states
             run.remove()
 
     def report(self) -> FeatureReport:
@@ -249,44 +242,11 @@ def computed_record(context: CallContext, threshold: float, seconds: float) -> E
                                                      threshold=threshold) for label in labels])
 
 
-def percent_window_inputs(end_note: str = "", default_note: str = "") -> list[io.Input]:
-    """start_percent / end_percent, which every cache has (checked by its ``StackCacheConfig``)."""
-    return [
-        io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01,
-                       tooltip="Caching starts at this fraction of this sampler's steps; earlier steps are always "
-                       f"computed (they set the composition).{default_note}"),
-        io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01,
-                       tooltip=f"Caching stops after this fraction of this sampler's steps; later steps are always "
-                       f"computed.{end_note}{default_note}"),
-    ]
-
-
-def _schema(node_id: str, title: str, description: str, inputs: list[io.Input], outputs: list[io.Output],
-            **extra: Any) -> io.Schema:
-    return io.Schema(node_id=node_id, display_name=f"{title} (OmniHooks)", category="OmniHooks",
-                     description=description, inputs=inputs, outputs=outputs, hidden=[io.Hidden.unique_id], **extra)
-
-
 class ApplyCacheNode(io.ComfyNode):
     """An Apply node: MODEL in, the same MODEL with ``cache`` attached for its sampling runs out. A subclass names
-    its cache and is the node ComfyUI registers."""
+    its cache, declares its schema (``define_schema``) and is the node ComfyUI registers."""
 
     cache: ClassVar[BlockStackCache]
-
-    @classmethod
-    def define_schema(cls) -> io.Schema:
-        cache = cls.cache
-        inputs = [
-            model_input(" Not one that already has another cache."),
-            *cache.tuning_inputs(),
-            cache_device_input(),
-            io.Combo.Input(cache.variant_input, options=cache.variant_options(), default=AUTO,
-                           tooltip=cache.variant_tooltip),
-            forecast_input(),  # last: a saved workflow's widget values keep their positions
-        ]
-        cache_name = cache.apply_title.removeprefix("Apply ")
-        output = io.Model.Output(tooltip=f"The same MODEL with {cache_name} attached for its sampling runs.")
-        return _schema(cache.apply_node_id, cache.apply_title, cache.apply_description, inputs, [output])
 
     @classmethod
     def fingerprint_inputs(cls, **inputs: Any) -> str:
@@ -297,55 +257,39 @@ class ApplyCacheNode(io.ComfyNode):
     def execute(cls, model, **inputs: Any) -> io.NodeOutput:
         cache = cls.cache
         config = cache.config_for(model, inputs)
-        return io.NodeOutput(attach_feature(model, cache.applied(cache.apply_title, cls.hidden.unique_id, config)))
+        return io.NodeOutput(attach_feature(model, cache.applied(cache.title, cls.hidden.unique_id, config)))
 
 
 class CalibrateCacheNode(io.ComfyNode):
     """A Calibrate node: a KSampler that computes every step with ``cache`` recording, and saves a named file. A
-    subclass names its cache and is the node ComfyUI registers."""
+    subclass names its cache and its ``title``, declares its schema and is the node ComfyUI registers."""
 
     cache: ClassVar[BlockStackCache]
-
-    @classmethod
-    def define_schema(cls) -> io.Schema:
-        cache = cls.cache
-        name_tooltip = (f"File name for the {cache.calibration_noun} (letters, digits, space . _ -); saved in "
-                        f"ComfyUI's user directory under omni_hooks/{cache.kind}/. An existing file of that name is "
-                        f"replaced.")
-        inputs = [
-            *calibration_sampler_inputs(
-                cache.min_calibration_steps, steps_tooltip=cache.calibration_steps_tooltip,
-                cfg_tooltip="Classifier-free guidance scale; above 1 calibrates the cond and uncond branches.",
-                sampler_tooltip=cache.calibration_sampler_tooltip),
-            io.String.Input("name", default="my-model", tooltip=name_tooltip),
-        ]
-        outputs = [io.Latent.Output(tooltip="The sampled latent (every step computed)."),
-                   io.String.Output(display_name=cache.calibration_output, tooltip=cache.calibration_output_tooltip)]
-        return _schema(cache.calibrate_node_id, cache.calibrate_title, cache.calibrate_description, inputs, outputs,
-                       is_output_node=True)
+    title: ClassVar[str]
 
     @classmethod
     def validate_inputs(cls, name: str = "") -> bool | str:
         # Only ``name``: with **kwargs ComfyUI would skip the min/max checks of every other input and repeat this
         # message once per input.
-        return validate_calibration_name(cls.cache.calibrate_title, name)
+        return validate_calibration_name(cls.title, name)
 
     @classmethod
     def execute(cls, model, seed: int, steps: int, cfg: float, sampler_name: str, scheduler: str, positive,
                 negative, latent_image, name: str) -> io.NodeOutput:
-        cache, title = cls.cache, cls.cache.calibrate_title
+        cache, title = cls.cache, cls.title
+        calibration = cache.calibration
         name = calibration_name(title, name)
         detected = families.detect_for_node(title, model)
         try:
             calibration_files.check_writable(cache.kind)  # before sampling, not after
         except ValueError as e:
             raise named(title, e) from None
-        config = cache.config_for(model, dict(cache.calibrate_tuning), calibrate=True)
+        config = cache.config_for(model, dict(cache.calibrate_inputs), calibrate=True)
         latent, sessions = sample_calibrating(model, cache.applied(title, cls.hidden.unique_id, config), seed,
                                               steps, cfg, sampler_name, scheduler, positive, negative, latent_image)
-        parts = [part for session in sessions for part in session.calibration]
+        parts = [part for session in sessions for part in session.recorded]
         try:
-            data = cache.calibration_file(parts, detected)
+            data = calibration.file_contents(parts, detected)
         except ValueError as e:
             raise named(title, e) from None
         data["sampler"] = {"steps": steps, "cfg": cfg, "sampler_name": sampler_name, "scheduler": scheduler}
@@ -353,6 +297,6 @@ class CalibrateCacheNode(io.ComfyNode):
             path = calibration_files.save(cache.kind, name, data)
         except ValueError as e:  # non-finite results (a NaN cfg, a model producing NaN): the old file stays
             raise named(title, e) from None
-        what = cache.describe_calibration(data)
+        what = calibration.describe(data)
         log.info("OmniHooks %s: %s on %s, saved to %s", title, what, detected.describe(), path)
         return io.NodeOutput(latent, json.dumps(data, indent=1), ui={"text": [f"saved {path.name}: {what}"]})

@@ -1,4 +1,6 @@
-"""Inputs and steps the cache nodes share: the cache-device choice, and the KSampler-like calibration run."""
+"""Inputs and steps the cache nodes share, for the schemas each node declares inline: the MODEL, the start/end
+window, the cache-device choice and the forecast of an Apply node; the KSampler inputs and the file name of a
+Calibrate node; and the KSampler-like calibration run."""
 from __future__ import annotations
 
 import comfy.patcher_extension as pe
@@ -8,9 +10,33 @@ import torch
 from comfy_api.latest import io
 
 from . import calibration_files
+from ..families import model_input
 from ..features import RUN_KEY, AppliedFeature, FeatureSession, SamplingRun, attach_feature
 
 CACHE_DEVICES = ["compute device", "offload device"]
+CATEGORY = "OmniHooks"
+
+
+def display_name(title: str) -> str:
+    """A node's name in ComfyUI's menus: its title and the pack's."""
+    return f"{title} (OmniHooks)"
+
+
+def cache_model_input() -> io.Model.Input:
+    """An Apply node's ``model`` input."""
+    return model_input(" Not one that already has another cache.")
+
+
+def window_inputs(end_note: str = "", default_note: str = "") -> list[io.Input]:
+    """start_percent / end_percent, which every cache has (checked by its ``StackCacheConfig``)."""
+    return [
+        io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01,
+                       tooltip="Caching starts at this fraction of this sampler's steps; earlier steps are always "
+                       f"computed (they set the composition).{default_note}"),
+        io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01,
+                       tooltip=f"Caching stops after this fraction of this sampler's steps; later steps are always "
+                       f"computed.{end_note}{default_note}"),
+    ]
 
 
 def cache_device_input() -> io.Combo.Input:
@@ -48,8 +74,16 @@ def forecast_order(value: str) -> int:
     return FORECAST_ORDERS[value]
 
 
-def calibration_sampler_inputs(min_steps: int, steps_tooltip: str, cfg_tooltip: str,
-                               sampler_tooltip: str) -> list[io.Input]:
+def calibration_name_input(kind: str, what: str) -> io.String.Input:
+    """A Calibrate node's ``name``: the file ``what`` (its contents, in words) is saved under."""
+    return io.String.Input("name", default="my-model", tooltip=(
+        f"File name for the {what} (letters, digits, space . _ -); saved in ComfyUI's user directory under "
+        f"omni_hooks/{kind}/. An existing file of that name is replaced."))
+
+
+def calibration_sampler_inputs(min_steps: int, steps_tooltip: str, sampler_tooltip: str,
+                               cfg_tooltip: str = "Classifier-free guidance scale; above 1 calibrates the cond and "
+                               "uncond branches.") -> list[io.Input]:
     """KSampler's inputs for a calibrate node, in KSampler's order."""
     return [
         io.Model.Input("model", tooltip="The MODEL to calibrate (without a cache node)."),

@@ -1,5 +1,5 @@
-"""MagCache as a ``BlockStackCache``: its settings, published curves, calibration file, and its two nodes (Apply
-MagCache, MagCache Calibrate).
+"""MagCache as a ``BlockStackCache``: its config, published curves, calibration file, and its two nodes (Apply
+MagCache, MagCache Calibrate), each declaring its schema.
 
 Same families, detection (``nodes.families``), run lifecycle (``nodes.features``), branch and batch handling and
 per-run statistics as Apply TeaCache; one cache per MODEL (Apply TeaCache and Apply MagCache on one MODEL, in either
@@ -33,8 +33,10 @@ from comfy_api.latest import io
 from ...omni_hooks.magcache import MagCacheConfig, MagCacheRun, MagCacheStrategy, apply_mag_cache_hook, interleave
 from ...omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_interleaved
 from . import calibration_files
-from .base import (ApplyCacheNode, BlockStackCache, CacheSession, CalibrateCacheNode, percent_window_inputs,
+from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
+from .inputs import (CATEGORY, cache_device_input, cache_model_input, calibration_name_input,
+                     calibration_sampler_inputs, display_name, forecast_input, window_inputs)
 from ..families import DetectedModel
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
 
@@ -111,42 +113,43 @@ def calibration_data(result: dict[str, dict[str, list[float]]]) -> dict:
     return data
 
 
+class MagCacheCalibration(CacheCalibration):
+    """MagCache's calibration: the magnitude-ratio curve per step and branch, saved as a file."""
+
+    min_steps = 4
+
+    def check_file(self, name: str, data: dict) -> dict[str, list[float]]:
+        """The per-branch curves of a calibration file; a clear error for a malformed one."""
+        return _curves_from_file(name, data)
+
+    def from_file(self, detected: DetectedModel, value: str, name: str, data: dict) -> ResolvedCurve:
+        curves = _curves_from_file(name, data)
+        return ResolvedCurve(key=value, family=data.get("family", detected.family),
+                             curves=tuple((branch, tuple(values)) for branch, values in curves.items()))
+
+    def collect(self, run: MagCacheRun) -> dict[str, dict[str, list[float]]]:
+        return run.get_calibration_result()
+
+    def file_contents(self, parts: list[dict[str, dict[str, list[float]]]], detected: DetectedModel) -> dict:
+        result: dict[str, dict[str, list[float]]] = {}
+        for part in parts:
+            result.update(part)
+        return {"family": detected.family, "variant": detected.variant, **calibration_data(result)}
+
+    def describe(self, data: dict) -> str:
+        return ", ".join(f"{label} {len(values)}" for label, values in data["mag_ratios"].items()) + " ratios"
+
+
 class MagCache(BlockStackCache):
     """MagCache: skips the blocks while the accumulated error of the calibrated magnitude-ratio curve stays small."""
 
     kind = KIND
-    apply_node_id = NODE_ID
-    apply_title = NODE_TITLE
-    apply_description = ("Skips the transformer blocks on steps where the calibrated growth of the model's residual "
-                         "(its magnitude-ratio curve) says reusing the last computed residual costs little. Detects "
-                         "the model; reports every decision. Wan 2.2 A14B: put one on each expert and choose the "
-                         "curve's '(high noise)' / '(low noise)' part; each uses its own sampler's steps.")
-    calibrate_node_id = CALIBRATE_NODE_ID
-    calibrate_title = CALIBRATE_TITLE
-    calibrate_description = ("A KSampler that computes every step and records, per step and CFG branch, how the "
-                             "magnitude of the transformer's residual changes from the previous step (mean ratio of "
-                             "per-token norms, its spread and the cosine distance), then saves that curve under "
-                             "'name'. Apply MagCache lists it as 'calibration: <name>'. Use the sampler settings you "
-                             "will generate with.")
+    title = NODE_TITLE
     variant_input = "curve"
-    variant_tooltip = ("The magnitude-ratio curve. 'auto' picks the published one for the detected model; choose "
-                       "one when the weights cannot tell (Wan I2V 720p vs 480p, Flux Kontext, Qwen-Image-Edit, Wan "
-                       "2.2 A14B '(high noise)' / '(low noise)' per expert), or a 'calibration: <name>' file from "
-                       "MagCache Calibrate (for models without a published curve). Interpolated to your step count; "
-                       "a Wan 2.2 part to its own expert's steps (ComfyUI's Wan 2.2 template, switch at step 10 of "
-                       "20, fits the parts).")
     published = PUBLISHED
-    calibrate_tuning = {"threshold": 0.0, "max_skip_steps": 0, "retention_ratio": 0.0, "start_percent": 0.0,
+    calibration = MagCacheCalibration()
+    calibrate_inputs = {"threshold": 0.0, "max_skip_steps": 0, "retention_ratio": 0.0, "start_percent": 0.0,
                         "end_percent": 1.0, "cache_device": "compute device"}
-    min_calibration_steps = 4
-    calibration_noun = "curve"
-    calibration_steps_tooltip = ("Sampling steps; the curve gets one ratio per step and branch (Apply MagCache "
-                                 "interpolates it to other step counts).")
-    calibration_sampler_tooltip = ("The sampler you will generate with; one that evaluates the model once per step "
-                                   "(euler, ...) gives exactly one ratio per step.")
-    calibration_output = "curve"
-    calibration_output_tooltip = ("The recorded curve as JSON: mag_ratios, std and cos_dist per branch, and the "
-                                  "CFG-interleaved list.")
 
     def auto_key(self, detected: DetectedModel) -> str | None:
         key = detected.auto_choice(KIND).key
@@ -163,32 +166,6 @@ class MagCache(BlockStackCache):
         return (f"no published MagCache curve fits {detected.describe()}. {notes}Choose a {detected.family} curve, or "
                 f"{CALIBRATE_HINT}.")
 
-    def check_file(self, name: str, data: dict) -> dict[str, list[float]]:
-        """The per-branch curves of a calibration file; a clear error for a malformed one."""
-        return _curves_from_file(name, data)
-
-    def from_file(self, detected: DetectedModel, value: str, name: str, data: dict) -> ResolvedCurve:
-        curves = _curves_from_file(name, data)
-        return ResolvedCurve(key=value, family=data.get("family", detected.family),
-                             curves=tuple((branch, tuple(values)) for branch, values in curves.items()))
-
-    def tuning_inputs(self) -> list[io.Input]:
-        return [
-            io.Float.Input("threshold", default=0.06, min=0.0, max=1.0, step=0.01,
-                           tooltip="How much accumulated error to tolerate before computing again (the sum of "
-                           "|1 - product of ratios| since the last computed step). 0 = never skip (output "
-                           "identical to no node). 0.06 is the safe default; 0.12-0.24 is faster and less "
-                           "faithful."),
-            io.Int.Input("max_skip_steps", display_name="K (max consecutive skips)", default=2, min=0, max=20,
-                         tooltip="K: at most this many steps in a row reuse the residual before one is computed. "
-                         "0 = never skip. 2-4 is typical (the MagCache scripts use 2-6)."),
-            io.Float.Input("retention_ratio", default=0.2, min=0.0, max=1.0, step=0.01,
-                           tooltip="This fraction of the first steps is always computed (they set the "
-                           "composition). Counted on this sampler's own steps, so for a Wan 2.2 expert it "
-                           "is per phase."),
-            *percent_window_inputs(),
-        ]
-
     def make_config(self, detected: DetectedModel, found: MagCacheCurve | ResolvedCurve | None,
                     tuning: dict[str, Any], shared: dict[str, Any]) -> MagCacheConfig:
         calibrate = found is None
@@ -204,18 +181,6 @@ class MagCache(BlockStackCache):
         strategy = MagCacheStrategy(name=detected.family, build_stack=detected.build_stack)
         return apply_mag_cache_hook(diffusion_model, session.config, strategy, session.stats, implicit_calls=False)
 
-    def collect_calibration(self, run: MagCacheRun) -> dict[str, dict[str, list[float]]]:
-        return run.get_calibration_result()
-
-    def calibration_file(self, parts: list[dict[str, dict[str, list[float]]]], detected: DetectedModel) -> dict:
-        result: dict[str, dict[str, list[float]]] = {}
-        for part in parts:
-            result.update(part)
-        return {"family": detected.family, "variant": detected.variant, **calibration_data(result)}
-
-    def describe_calibration(self, data: dict) -> str:
-        return ", ".join(f"{label} {len(values)}" for label, values in data["mag_ratios"].items()) + " ratios"
-
 
 MAGCACHE = register_cache(MagCache())
 
@@ -223,9 +188,67 @@ MAGCACHE = register_cache(MagCache())
 class ApplyMagCache(ApplyCacheNode):
     cache = MAGCACHE
 
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID, display_name=display_name(NODE_TITLE), category=CATEGORY,
+            description="Skips the transformer blocks on steps where the calibrated growth of the model's residual "
+                        "(its magnitude-ratio curve) says reusing the last computed residual costs little. Detects "
+                        "the model; reports every decision. Wan 2.2 A14B: put one on each expert and choose the "
+                        "curve's '(high noise)' / '(low noise)' part; each uses its own sampler's steps.",
+            inputs=[
+                cache_model_input(),
+                io.Float.Input("threshold", default=0.06, min=0.0, max=1.0, step=0.01,
+                               tooltip="How much accumulated error to tolerate before computing again (the sum of "
+                               "|1 - product of ratios| since the last computed step). 0 = never skip (output "
+                               "identical to no node). 0.06 is the safe default; 0.12-0.24 is faster and less "
+                               "faithful."),
+                io.Int.Input("max_skip_steps", display_name="K (max consecutive skips)", default=2, min=0, max=20,
+                             tooltip="K: at most this many steps in a row reuse the residual before one is computed. "
+                             "0 = never skip. 2-4 is typical (the MagCache scripts use 2-6)."),
+                io.Float.Input("retention_ratio", default=0.2, min=0.0, max=1.0, step=0.01,
+                               tooltip="This fraction of the first steps is always computed (they set the "
+                               "composition). Counted on this sampler's own steps, so for a Wan 2.2 expert it "
+                               "is per phase."),
+                *window_inputs(),
+                cache_device_input(),
+                io.Combo.Input("curve", options=MAGCACHE.variant_options(), default=AUTO,
+                               tooltip="The magnitude-ratio curve. 'auto' picks the published one for the detected "
+                               "model; choose one when the weights cannot tell (Wan I2V 720p vs 480p, Flux Kontext, "
+                               "Qwen-Image-Edit, Wan 2.2 A14B '(high noise)' / '(low noise)' per expert), or a "
+                               "'calibration: <name>' file from MagCache Calibrate (for models without a published "
+                               "curve). Interpolated to your step count; a Wan 2.2 part to its own expert's steps "
+                               "(ComfyUI's Wan 2.2 template, switch at step 10 of 20, fits the parts)."),
+                forecast_input(),  # last: a saved workflow's widget values keep their positions
+            ],
+            outputs=[io.Model.Output(tooltip="The same MODEL with MagCache attached for its sampling runs.")],
+            hidden=[io.Hidden.unique_id])
+
 
 class MagCacheCalibrate(CalibrateCacheNode):
     cache = MAGCACHE
+    title = CALIBRATE_TITLE
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=CALIBRATE_NODE_ID, display_name=display_name(CALIBRATE_TITLE), category=CATEGORY,
+            description="A KSampler that computes every step and records, per step and CFG branch, how the magnitude "
+                        "of the transformer's residual changes from the previous step (mean ratio of per-token norms, "
+                        "its spread and the cosine distance), then saves that curve under 'name'. Apply MagCache "
+                        "lists it as 'calibration: <name>'. Use the sampler settings you will generate with.",
+            inputs=[
+                *calibration_sampler_inputs(
+                    MagCacheCalibration.min_steps, steps_tooltip="Sampling steps; the curve gets one ratio per step "
+                    "and branch (Apply MagCache interpolates it to other step counts).",
+                    sampler_tooltip="The sampler you will generate with; one that evaluates the model once per step "
+                    "(euler, ...) gives exactly one ratio per step."),
+                calibration_name_input(KIND, "curve"),
+            ],
+            outputs=[io.Latent.Output(tooltip="The sampled latent (every step computed)."),
+                     io.String.Output(display_name="curve", tooltip="The recorded curve as JSON: mag_ratios, std and "
+                                      "cos_dist per branch, and the CFG-interleaved list.")],
+            hidden=[io.Hidden.unique_id], is_output_node=True)
 
 
-__all__ = ["ApplyMagCache", "MAGCACHE", "MagCache", "MagCacheCalibrate", "calibration_data"]
+__all__ = ["ApplyMagCache", "MAGCACHE", "MagCache", "MagCacheCalibrate", "MagCacheCalibration", "calibration_data"]

@@ -1,5 +1,5 @@
-"""TeaCache as a ``BlockStackCache``: its settings, published polynomials, calibration file, and its two nodes
-(Apply TeaCache, TeaCache Calibrate)."""
+"""TeaCache as a ``BlockStackCache``: its config, published polynomials, calibration file, and its two nodes
+(Apply TeaCache, TeaCache Calibrate), each declaring its schema."""
 from __future__ import annotations
 
 import math
@@ -10,8 +10,10 @@ from comfy_api.latest import io
 
 from ...omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients
 from . import calibration_files
-from .base import (ApplyCacheNode, BlockStackCache, CacheSession, CalibrateCacheNode, percent_window_inputs,
+from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
+from .inputs import (CATEGORY, cache_device_input, cache_model_input, calibration_name_input,
+                     calibration_sampler_inputs, display_name, forecast_input, window_inputs)
 from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients, for_family
 from ..families import DetectedModel
 
@@ -42,39 +44,10 @@ def published_window(found: TeaCacheCoefficients, start: float, end: float) -> d
     return {"start_percent": window[0], "end_percent": window[1]}
 
 
-class TeaCache(BlockStackCache):
-    """TeaCache: skips the blocks while the polynomial-rescaled change of the modulated input stays small."""
+class TeaCacheCalibration(CacheCalibration):
+    """TeaCache's calibration: (input change, output change) pairs per step, fitted to a polynomial in a file."""
 
-    kind = KIND
-    apply_node_id = NODE_ID
-    apply_title = NODE_TITLE
-    apply_description = ("Skips the transformer blocks on steps where the model's timestep-modulated input has barely "
-                         "changed, reusing the last computed residual. Detects the model; reports every decision.")
-    calibrate_node_id = CALIBRATE_NODE_ID
-    calibrate_title = CALIBRATE_TITLE
-    calibrate_description = ("A KSampler that computes every step and records how much the model's modulated input "
-                             "and its block-stack output change from step to step, then fits TeaCache's polynomial "
-                             "and saves it under 'name'. Apply TeaCache lists it as 'calibration: <name>'. Use the "
-                             "sampler settings you will generate with; more steps and prompts give a better fit.")
-    variant_input = "model_variant"
-    variant_tooltip = ("Which published coefficients to use. 'auto' picks them from the model's class and size; "
-                       "choose one when the weights cannot tell (Wan I2V 720p vs 480p, retention mode, HiDream "
-                       "dev/fast) or pick a calibration file.")
-    published = PUBLISHED
-    calibrate_tuning = {"rel_l1_thresh": 0.0, "start_percent": 0.0, "end_percent": 1.0,
-                        "cache_device": "compute device"}
-    min_calibration_steps = MIN_CALIBRATION_STEPS
-    calibration_noun = "fitted coefficients"
-    calibration_steps_tooltip = (f"Sampling steps; each step gives one calibration point per branch (at least "
-                                 f"{MIN_CALIBRATION_STEPS}).")
-    calibration_sampler_tooltip = "The sampler you will generate with."
-    calibration_output = "coefficients"
-    calibration_output_tooltip = "The fitted polynomial and its data, as JSON."
-
-    def no_auto_fit(self, detected: DetectedModel) -> str:
-        return (f"no published TeaCache coefficients fit {detected.describe()}. "
-                + " ".join(detected.auto_choice(KIND).notes)
-                + " Choose a model_variant, or run 'TeaCache Calibrate' on this model and choose its file.")
+    min_steps = MIN_CALIBRATION_STEPS
 
     def check_file(self, name: str, data: dict) -> tuple[float, ...]:
         """The five finite coefficients of a calibration file; a clear error for a malformed file."""
@@ -101,18 +74,42 @@ class TeaCache(BlockStackCache):
         return TeaCacheCoefficients(key=value, family=data.get("family", detected.family), coefficients=coefficients,
                                     threshold=threshold, signal=signal, source=f"calibration file {name}")
 
-    def tuning_inputs(self) -> list[io.Input]:
-        return [
-            io.Float.Input("rel_l1_thresh", default=RECOMMENDED, min=-1.0, max=10.0, step=0.01,
-                           tooltip="How much accumulated change to tolerate before computing again. -1 = the "
-                           "published recommendation for the detected model (e.g. 0.08 Wan 2.1 T2V 1.3B, 0.2 "
-                           "Wan 14B, 0.4 Flux dev). 0 = never skip (output identical to no node). Higher = "
-                           "faster, less faithful."),
-            *percent_window_inputs(" The first and last steps are always computed.",
-                                   default_note=" Left at its default, the published window of the chosen "
-                                   "coefficients applies (Flux Kontext 0.2-0.9, Lumina 2 from 0.2, HiDream full from "
-                                   "0.1, HiDream fast to 0.9); any other value is yours."),
-        ]
+    def collect(self, run: TeaCacheRun) -> list[tuple[float, float]]:
+        return run.calibration_pairs()
+
+    def file_contents(self, parts: list[list[tuple[float, float]]], detected: DetectedModel) -> dict:
+        pairs = [pair for part in parts for pair in part]
+        coefficients = fit_coefficients(pairs)
+        return {
+            "kind": KIND,
+            "family": detected.family,
+            "variant": detected.variant,
+            "signal": "default",
+            "coefficients": coefficients,
+            "points": len(pairs),
+            "input_change_range": [min(p[0] for p in pairs), max(p[0] for p in pairs)],
+            "output_change_range": [min(p[1] for p in pairs), max(p[1] for p in pairs)],
+        }
+
+    def describe(self, data: dict) -> str:
+        return f"fitted {data['coefficients']} from {data['points']} points"
+
+
+class TeaCache(BlockStackCache):
+    """TeaCache: skips the blocks while the polynomial-rescaled change of the modulated input stays small."""
+
+    kind = KIND
+    title = NODE_TITLE
+    variant_input = "model_variant"
+    published = PUBLISHED
+    calibration = TeaCacheCalibration()
+    calibrate_inputs = {"rel_l1_thresh": 0.0, "start_percent": 0.0, "end_percent": 1.0,
+                        "cache_device": "compute device"}
+
+    def no_auto_fit(self, detected: DetectedModel) -> str:
+        return (f"no published TeaCache coefficients fit {detected.describe()}. "
+                + " ".join(detected.auto_choice(KIND).notes)
+                + " Choose a model_variant, or run 'TeaCache Calibrate' on this model and choose its file.")
 
     def make_config(self, detected: DetectedModel, found: TeaCacheCoefficients | None, tuning: dict[str, Any],
                     shared: dict[str, Any]) -> TeaCacheConfig:
@@ -134,26 +131,6 @@ class TeaCache(BlockStackCache):
         signal = session.detected.build_modulated_input(diffusion_model, config.signal)
         return apply_teacache_hook(stack, config, signal, session.stats)
 
-    def collect_calibration(self, run: TeaCacheRun) -> list[tuple[float, float]]:
-        return run.calibration_pairs()
-
-    def calibration_file(self, parts: list[list[tuple[float, float]]], detected: DetectedModel) -> dict:
-        pairs = [pair for part in parts for pair in part]
-        coefficients = fit_coefficients(pairs)
-        return {
-            "kind": KIND,
-            "family": detected.family,
-            "variant": detected.variant,
-            "signal": "default",
-            "coefficients": coefficients,
-            "points": len(pairs),
-            "input_change_range": [min(p[0] for p in pairs), max(p[0] for p in pairs)],
-            "output_change_range": [min(p[1] for p in pairs), max(p[1] for p in pairs)],
-        }
-
-    def describe_calibration(self, data: dict) -> str:
-        return f"fitted {data['coefficients']} from {data['points']} points"
-
 
 TEACACHE = register_cache(TeaCache())
 
@@ -161,9 +138,56 @@ TEACACHE = register_cache(TeaCache())
 class ApplyTeaCache(ApplyCacheNode):
     cache = TEACACHE
 
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID, display_name=display_name(NODE_TITLE), category=CATEGORY,
+            description="Skips the transformer blocks on steps where the model's timestep-modulated input has barely "
+                        "changed, reusing the last computed residual. Detects the model; reports every decision.",
+            inputs=[
+                cache_model_input(),
+                io.Float.Input("rel_l1_thresh", default=RECOMMENDED, min=-1.0, max=10.0, step=0.01,
+                               tooltip="How much accumulated change to tolerate before computing again. -1 = the "
+                               "published recommendation for the detected model (e.g. 0.08 Wan 2.1 T2V 1.3B, 0.2 "
+                               "Wan 14B, 0.4 Flux dev). 0 = never skip (output identical to no node). Higher = "
+                               "faster, less faithful."),
+                *window_inputs(" The first and last steps are always computed.",
+                               default_note=" Left at its default, the published window of the chosen "
+                               "coefficients applies (Flux Kontext 0.2-0.9, Lumina 2 from 0.2, HiDream full from "
+                               "0.1, HiDream fast to 0.9); any other value is yours."),
+                cache_device_input(),
+                io.Combo.Input("model_variant", options=TEACACHE.variant_options(), default=AUTO,
+                               tooltip="Which published coefficients to use. 'auto' picks them from the model's "
+                               "class and size; choose one when the weights cannot tell (Wan I2V 720p vs 480p, "
+                               "retention mode, HiDream dev/fast, Flux Kontext) or pick a calibration file."),
+                forecast_input(),  # last: a saved workflow's widget values keep their positions
+            ],
+            outputs=[io.Model.Output(tooltip="The same MODEL with TeaCache attached for its sampling runs.")],
+            hidden=[io.Hidden.unique_id])
+
 
 class TeaCacheCalibrate(CalibrateCacheNode):
     cache = TEACACHE
+    title = CALIBRATE_TITLE
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=CALIBRATE_NODE_ID, display_name=display_name(CALIBRATE_TITLE), category=CATEGORY,
+            description="A KSampler that computes every step and records how much the model's modulated input and "
+                        "its block-stack output change from step to step, then fits TeaCache's polynomial and saves "
+                        "it under 'name'. Apply TeaCache lists it as 'calibration: <name>'. Use the sampler settings "
+                        "you will generate with; more steps and prompts give a better fit.",
+            inputs=[
+                *calibration_sampler_inputs(
+                    MIN_CALIBRATION_STEPS, steps_tooltip=f"Sampling steps; each step gives one calibration point per "
+                    f"branch (at least {MIN_CALIBRATION_STEPS}).", sampler_tooltip="The sampler you will generate with."),
+                calibration_name_input(KIND, "fitted coefficients"),
+            ],
+            outputs=[io.Latent.Output(tooltip="The sampled latent (every step computed)."),
+                     io.String.Output(display_name="coefficients",
+                                      tooltip="The fitted polynomial and its data, as JSON.")],
+            hidden=[io.Hidden.unique_id], is_output_node=True)
 
 
-__all__ = ["ApplyTeaCache", "TEACACHE", "TeaCache", "TeaCacheCalibrate"]
+__all__ = ["ApplyTeaCache", "TEACACHE", "TeaCache", "TeaCacheCalibrate", "TeaCacheCalibration"]
