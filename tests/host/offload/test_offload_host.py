@@ -583,7 +583,9 @@ def test_comfyuis_own_offload_streams_wait_for_the_copy_before_an_offloaded_bloc
 
     monkeypatch.setitem(mm.STREAMS, cpu, [Stream(), Stream()])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute stream")
-    handle = node.apply_layerwise_offload(blocks, cpu, prefetch_blocks=0)
+    from omnitest.pack import pack_module
+
+    handle = pack_module("omni_hooks.offload").apply_layerwise_offload(blocks, cpu, prefetch_blocks=0)
     try:
         for block in blocks:
             node.HookRegistry.get_or_create(block).register_hook(node.HOST_STREAMS_HOOK, node.HostStreamsHook(cpu))
