@@ -118,7 +118,8 @@ class ModelFamily:
     ``name`` is the family's key everywhere (calibration files, the ``family`` of the recommendation tables);
     ``display_name`` is how users see it in the supported-families list. ``resident`` names the attributes of the
     diffusion model (modules or parameters; a name absent on some variant is skipped) that hold weights outside the
-    block stack: embeddings, the tail, side branches such as VACE blocks. With the blocks of ``build_stack`` they hold
+    block stack: embeddings, the tail, side branches such as VACE blocks (a dotted name reaches into a submodule:
+    HiDream-O1's ``language_model.embed_tokens``). With the blocks of ``build_stack`` they hold
     every parameter and buffer of the model (checked on every tiny and real-size test model), so an offloading feature
     can stream the blocks and keep exactly these on the compute device.
 
@@ -148,7 +149,9 @@ class ModelFamily:
         """The ``resident`` attributes this model has (modules or parameters), by name, in declaration order."""
         found = {}
         for name in self.resident:
-            value = getattr(diffusion_model, name, None)
+            value = diffusion_model
+            for part in name.split("."):  # a dotted name reaches into a submodule ("language_model.norm")
+                value = getattr(value, part, None)
             if isinstance(value, (torch.nn.Module, torch.Tensor)):
                 found[name] = value
         return found

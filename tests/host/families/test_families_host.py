@@ -149,6 +149,14 @@ REQUIRES = {"flux2 dev": ("comfy.model_base", "Flux2"), "z image": ("comfy.suppo
             "ltx-2 19B": ("comfy.model_base", "LTXAV"), "ltx-2 off-size": ("comfy.model_base", "LTXAV"),
             **{name: ("comfy.model_base", "Kandinsky5") for name in ("kandinsky5 video lite",
                                                                      "kandinsky5 video off-size", "kandinsky5 image")}}
+# HiDream-O1 (ComfyUI 0.33): the released checkpoint is the class's default config (Qwen3-VL-8B's decoder)
+VARIANTS.update({
+    "hidream-o1 8B": ({"image_model": "hidream_o1"}, ("hidream_o1", "HiDream-O1 8B", None, None)),
+    "hidream-o1 off-size": ({"image_model": "hidream_o1", "text_config_overrides": {"hidden_size": 1024,
+                                                                                   "num_hidden_layers": 2}},
+                            ("hidream_o1", "HiDream-O1 hidden size 1024", None, None)),
+})
+REQUIRES.update({name: ("comfy.model_base", "HiDreamO1") for name in ("hidream-o1 8B", "hidream-o1 off-size")})
 # Models of a family whose variants need no other recommendation, but whose weights live in other modules.
 OTHER_LAYOUTS = {
     "wan2.1 camera": _wan(model_type="camera", in_dim=32),
