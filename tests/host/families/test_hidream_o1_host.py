@@ -127,3 +127,24 @@ def test_calibrate_then_apply_skips(case, kind):
              else apply_magcache(case.patcher, choice.split(": ", 1)[1], threshold=2.0))
     sample_cold(case, model)
     assert last_run()["summary"]["reused"] > 0
+
+
+def test_with_reference_images_a_cached_and_an_offloaded_run_equal_a_plain_run(case, monkeypatch):
+    """HiDream-O1 Reference Images: the reference goes through the vision tower (resident) and into the sequence; the
+    model refills its cache on (nearly) every call, here on every call, and nothing is skipped or changed."""
+    import dataclasses
+
+    from omnitest.pack import pack_module, run_node
+
+    ref = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(1))
+    edit = dataclasses.replace(case, positive=[[c[0], {**c[1], "reference_latents": [ref]}] for c in case.positive],
+                               negative=[[c[0], {**c[1], "reference_latents": [ref]}] for c in case.negative])
+    baseline = sample_cold(edit, every_call=True)
+    assert not torch.equal(baseline, sample_cold(case, every_call=True))  # the reference changes the image
+    assert torch.equal(sample_cold(edit, apply_teacache(case.patcher, IDENTITY, threshold=1e9), every_call=True),
+                       baseline)
+    node = pack_module("nodes.offload.node")
+    monkeypatch.setattr(node, "offload_target", lambda patcher: torch.device("cpu"))
+    offloaded = run_node(node.CPUOffload, node_id="20", model=case.patcher, blocks_to_offload=-1, prefetch_blocks=1,
+                         pin_memory="auto", vram_budget_gb=0.0)[0]
+    assert torch.equal(sample_cold(edit, offloaded, every_call=True), baseline)
