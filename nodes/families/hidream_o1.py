@@ -9,12 +9,15 @@ and the final layer on the image tokens.
 The model keeps the prompt's keys and values itself: the first call for a prompt (``past_key_value=()``) runs the
 whole sequence and keeps each layer's keys and values of the prompt (the tokens before ``<|tms|>``, which attend
 causally to each other only, so they do not change with the image or the timestep); later calls run the layers on
-the image tokens only and prepend the kept keys and values (``past_key_value=(keys, values, prompt length)``). So:
+the rest (the ``<|tms|>`` token and the image tokens) and prepend the kept keys and values
+(``past_key_value=(keys, values, prompt length)``). The model finds its entry by the prompt's tokens and the
+reference tensor's identity; ComfyUI hands it a new reference tensor on every call, so with reference images nearly
+every call fills the cache. So:
 
 * the caches never skip a call that fills that cache (``must_compute``: the reason ``model-cache``); a skipped later
   call passes its layers' inputs through and the model discards their keys and values; the first later call has
   another length than the filling call, so it computes too (reason ``shape``), and the residuals reused after it are
-  those of the image tokens;
+  those of the tokens after the prompt;
 * CPU Offload moves only weights: the kept keys and values are activations the layers computed, the same wherever
   the weights were;
 * Sequence Parallel: none (``sequence_refusal``).
