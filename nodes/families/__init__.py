@@ -1,7 +1,8 @@
 """The registered model families and detection: from the diffusion model's class and config, never a file name.
 
-Every module of this package other than ``base`` is a family file defining ``FAMILY`` (a ``ModelFamily``); they
-are all registered, so adding a family is adding its file (and its tiny test model, see
+Every module of this package other than ``base`` (the shape families share), ``drift`` and ``pass_through`` (the
+check, when a run starts, of what the families expect of the loaded model) is a family file defining ``FAMILY`` (a
+``ModelFamily``); they are all registered, so adding a family is adding its file (and its tiny test model, see
 docs/adding-a-model-family.md). Detection tries the families in ``FAMILIES`` order: by module name, except that a
 family's ``detect_before`` puts it ahead of the families it names.
 """
@@ -17,7 +18,7 @@ from comfy_api.latest import io
 from ._refused import refusal
 from .base import AutoChoice, DetectedModel, ModelFamily, UnsupportedModelError, Variant
 
-_NOT_FAMILIES = {"base"}
+NOT_FAMILIES = frozenset({"base", "drift", "pass_through"})  # the modules here that are not family files
 
 
 def order_by_precedence(families: Iterable[ModelFamily]) -> tuple[ModelFamily, ...]:
@@ -53,7 +54,7 @@ def order_by_precedence(families: Iterable[ModelFamily]) -> tuple[ModelFamily, .
 def _discover() -> tuple[ModelFamily, ...]:
     families = []
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name in _NOT_FAMILIES or info.name.startswith("_"):
+        if info.name in NOT_FAMILIES or info.name.startswith("_"):
             continue
         module = importlib.import_module(f"{__name__}.{info.name}")
         family = getattr(module, "FAMILY", None)
