@@ -24,7 +24,7 @@ def env(user_dir):
 
     class Env:
         tiny = tiny_models
-        drift = pack_module("nodes.drift")
+        drift = pack_module("nodes.families.drift")
         caches = pack_module("nodes.caches.base")
         stats = pack_module("nodes.stats_store")
 
