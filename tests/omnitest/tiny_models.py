@@ -49,8 +49,8 @@ class TinyCase:
       * ``patcher`` is a fresh ``ModelPatcher`` (load and offload device CPU, float32) around a model nobody
         else holds; tests that patch must sample a ``patcher.clone()``, as nodes do.
       * ``positive`` / ``negative`` are CONDITIONING lists with the widths and extra keys this model needs;
-        they differ from each other, have equal token counts (so CFG batches cond and uncond in one forward)
-        and are never mutated by sampling.
+        they differ from each other, have equal token counts (so CFG batches cond and uncond in one forward;
+        except for a model ComfyUI calls once per branch, ``calls_per_step`` 2) and are never mutated by sampling.
       * ``latent`` has the model's latent shape (channels, 4-D image or 5-D ``[B, C, T, H, W]`` video).
         It is what the empty-latent / image-to-video node would output: zeros, except ``wan22_ti2v`` whose
         first frame is an encoded start image; ``noise_mask`` is then the node's ``noise_mask`` (0 = keep).
@@ -299,7 +299,9 @@ def _minimax_h3_inputs(g: torch.Generator) -> _Inputs:
     # NestedTensor
     import comfy.nested_tensor
 
-    pos, neg = _pair(g, 8, 32, dict)
+    # ComfyUI calls each branch alone (batch size 1), so the negative prompt keeps its own length: the two branches'
+    # packed sequences differ in length, as with real prompts
+    pos, neg = _cond(g, 8, 32), _cond(g, 5, 32)
     latent = comfy.nested_tensor.NestedTensor([torch.zeros(1, 24, 2, 4, 4), torch.zeros(1, 32, 2, 8)])
     return pos, neg, latent, None
 
