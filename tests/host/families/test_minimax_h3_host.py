@@ -95,3 +95,40 @@ def test_magcache_calibrate_then_apply_skips(env):
         env.tiny.sample(env.case, model=apply_magcache(env, threshold, "calibration: tiny minimax mag"), steps=STEPS)
         reused.append(env.last_run()["summary"]["reused"])
     assert reused[0] == 0 and reused == sorted(reused) and reused[-1] > 0, reused
+
+
+def test_first_frame_keyframe_rows_are_cached_with_the_sequence(env):
+    """Image to video (MiniMaxH3ImageToVideo with a first frame): the encoded keyframe's rows pack between the text and
+    the audio, pinned at the condition timestep, in the positive branch only, so the two branches' packed sequences
+    differ in length. TeaCache at threshold 0 is bit-identical to no node, and a real threshold skips."""
+    import dataclasses
+
+    from omnitest.pack import run_node
+
+    case = env.case
+    g = torch.Generator().manual_seed(7)
+    keyframes = [{"resolved_frame_index": 0, "latent": torch.randn(1, 24, 1, 4, 4, generator=g)}]
+    positive = [[case.positive[0][0], {**case.positive[0][1], "minimax_keyframes": keyframes}]]
+    i2v = dataclasses.replace(case, positive=positive)
+    env.files.save("teacache", "tiny-identity-minimax", {"coefficients": [0, 0, 0, 1, 0], "family": "minimax_h3"})
+
+    lengths = []
+    head = i2v.diffusion_model.blocks[0]
+    handle = head.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[0]))
+    try:
+        baseline = env.tiny.sample(i2v, steps=STEPS)
+    finally:
+        handle.remove()
+    assert not torch.equal(baseline, env.tiny.sample(case, steps=STEPS))  # the keyframe conditions the result
+    # text, keyframe (1 x 2 x 2 patches), stereo audio, video (2 x 2 x 2 patches); the negative has no keyframe
+    assert lengths[:2] == [8 + 4 + 2 * 8 + 8, 5 + 2 * 8 + 8]
+
+    def apply(threshold):
+        return run_node(env.teacache.ApplyTeaCache, model=case.patcher, rel_l1_thresh=threshold, start_percent=0.0,
+                        end_percent=1.0, cache_device="compute device",
+                        model_variant=env.files.option("tiny-identity-minimax"))[0]
+
+    assert torch.equal(env.tiny.sample(i2v, model=apply(0.0), steps=STEPS), baseline)
+    assert env.last_run()["summary"]["reused"] == 0
+    out = env.tiny.sample(i2v, model=apply(1.0), steps=STEPS)
+    assert env.last_run()["summary"]["reused"] > 0 and torch.isfinite(out).all()

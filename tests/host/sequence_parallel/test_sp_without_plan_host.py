@@ -1,7 +1,7 @@
 """Families without a sequence plan (LTX-2: audio and video attend to each other whole; Kandinsky 5: its tokens are
 reshaped to the grid between the last block and the final layer; MiniMax-H3: one packed sequence modulated span by
-span at absolute positions): the Sequence Parallel node refuses them saying why
-and which families it supports; on a ComfyUI without the model every test skips in one line naming the version."""
+span at absolute positions): the Sequence Parallel node refuses them saying why and which families it supports; on a
+ComfyUI without the model every test skips in one line naming the version."""
 from __future__ import annotations
 
 import pytest
