@@ -143,12 +143,23 @@ VARIANTS.update({
     "kandinsky5 image": ({**_KANDINSKY5, "model_dim": 2560, "visual_embed_dim": 64},
                          ("kandinsky5", "Kandinsky 5 image", None, None)),
 })
+# MiniMax-H3 (ComfyUI 0.33): the released size is ComfyUI's class defaults; the curve form ships a timestep-curve table
+VARIANTS.update({
+    "minimax-h3": ({"image_model": "minimax_h3"}, ("minimax_h3", "MiniMax-H3", None, None)),
+    "minimax-h3 curve form": ({"image_model": "minimax_h3", "adaln_curve_grid": 1001, "time_embed_dim": 32},
+                              ("minimax_h3", "MiniMax-H3, adaLN curve form", None, None)),
+    "minimax-h3 off-size": ({"image_model": "minimax_h3", "hidden_size": 1024, "num_layers": 2,
+                             "num_attention_heads": 8},
+                            ("minimax_h3", "MiniMax-H3 (hidden 1024)", None, None)),
+})
 REQUIRES = {"flux2 dev": ("comfy.model_base", "Flux2"), "z image": ("comfy.supported_models", "ZImage"),
             "hunyuan video 1.5": ("comfy.model_base", "HunyuanVideo15"),
             "hunyuan video 1.5 sr": ("comfy.model_base", "HunyuanVideo15_SR_Distilled"),
             "ltx-2 19B": ("comfy.model_base", "LTXAV"), "ltx-2 off-size": ("comfy.model_base", "LTXAV"),
             **{name: ("comfy.model_base", "Kandinsky5") for name in ("kandinsky5 video lite",
-                                                                     "kandinsky5 video off-size", "kandinsky5 image")}}
+                                                                     "kandinsky5 video off-size", "kandinsky5 image")},
+            **{name: ("comfy.model_base", "MiniMaxH3") for name in ("minimax-h3", "minimax-h3 curve form",
+                                                                    "minimax-h3 off-size")}}
 # Models of a family whose variants need no other recommendation, but whose weights live in other modules.
 OTHER_LAYOUTS = {
     "wan2.1 camera": _wan(model_type="camera", in_dim=32),
