@@ -126,8 +126,8 @@ class ModelFamily:
     ``recommendation_keys`` lists, by cache kind, every key ``resolve_variant`` may recommend; detection refuses a key
     outside them, and the tests check each exists in its table under this family. ``detect_before`` names families
     whose matcher must be tried after this one (e.g. Chroma before Flux), so precedence never rests on file order.
-    ``expects`` is what the family's code assumes about the model's blocks, call and plan inputs; ``nodes.drift``
-    checks it against the loaded model when a run starts.
+    ``expects`` is what the family's code assumes about the model's blocks, call and plan inputs;
+    ``nodes.families.drift`` checks it against the loaded model when a run starts.
     """
 
     name: str
