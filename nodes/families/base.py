@@ -149,9 +149,7 @@ class ModelFamily:
         """The ``resident`` attributes this model has (modules or parameters), by name, in declaration order."""
         found = {}
         for name in self.resident:
-            value = diffusion_model
-            for part in name.split("."):  # a dotted name reaches into a submodule ("language_model.norm")
-                value = getattr(value, part, None)
+            value = dotted_attribute(diffusion_model, name)
             if isinstance(value, (torch.nn.Module, torch.Tensor)):
                 found[name] = value
         return found
@@ -185,6 +183,13 @@ class DetectedModel:
 
     def resident_modules(self, diffusion_model: torch.nn.Module) -> dict[str, torch.nn.Module | torch.Tensor]:
         return self.model_family.resident_modules(diffusion_model)
+
+
+def dotted_attribute(obj: Any, name: str) -> Any:
+    """``obj.<name>`` where a dotted ``name`` reaches into submodules ("language_model.layers"); None if absent."""
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def pe_embedder_probe(dm: torch.nn.Module) -> torch.Tensor:

@@ -90,7 +90,8 @@ FAMILY = ModelFamily(
                       "straight through PyTorch, then the image tokens over every key), and the keys and values it "
                       "keeps of the prompt and the image tokens it selects index the whole sequence; the caches and "
                       "CPU Offload work on it"),
-    # the layers are language_model.layers, which the block check (top-level attributes) does not reach: the layer
-    # call's keywords x and past_key_value are read by name
-    expects=Expectations(blocks={}, call=ForwardParameters(("x", "timesteps", "context", "transformer_options",
-                                                             "**kwargs"))))
+    expects=Expectations(
+        blocks={"language_model.layers": ForwardParameters(
+            ("x", "attention_mask", "freqs_cis", "optimized_attention", "past_key_value"),
+            positions={"x": 0, "past_key_value": 4})},
+        call=ForwardParameters(("x", "timesteps", "context", "transformer_options", "**kwargs"))))
