@@ -179,6 +179,9 @@ class StackCacheRun:
                 self.stats.few_step_note = self.few_step.describe(total)
             if self.few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
                 decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == "reuse" else d for d in decisions]
+        must = self.stack.must_compute(args, kwargs) if self.stack.must_compute is not None else None
+        if must is not None:
+            decisions = [Decision(must, d.metric) if d.reason == "reuse" else d for d in decisions]
         local_compute = any(d.reason != "reuse" for d in decisions)
         agreement = call.context.rank.agreement
         # under sequence parallelism every rank must take the same path, or one waits in a collective forever

@@ -42,7 +42,8 @@ class BranchDecision:
     branch: str            # "cond", "uncond", "cond.1", ...
     computed: bool
     reason: str            # "first", "forced", "window", "retention", "shape", "threshold", "max-skips", "reuse",
-    #                        "calibrate", "disabled", "other-branch", "other-rank", "few-step"; a skipped branch is
+    #                        "calibrate", "disabled", "other-branch", "other-rank", "few-step", a stack's own
+    #                        ``must_compute`` reason ("model-cache"); a skipped branch is
     #                        "reuse", "forecast" (its residual extrapolated) or "forecast-fallback" (a non-finite forecast)
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
@@ -119,6 +120,10 @@ class CacheRunStats:
                 r in ("first", "forced", "window", "retention", "calibrate", "few-step", "threshold", "max-skips")
                 for r in reasons) and "few-step" in reasons:
             return self.few_step_note
+        if "model-cache" in reasons and all(
+                r in ("first", "forced", "window", "retention", "few-step", "shape", "model-cache") for r in reasons):
+            return ("the model filled its own key/value cache on every call (a prompt or reference image it had not "
+                    "seen), and such calls are always computed")
         if all(r in ("first", "forced", "window", "retention", "calibrate") for r in reasons):
             return ("every step was forced (first/last steps, retention steps or outside start/end percent); "
                     "use more steps or widen the start/end window")

@@ -19,6 +19,7 @@ export const REASONS = {
   forced: { label: "forced", help: "first/last steps (or calibrated warm-up steps) are always computed" },
   window: { label: "outside window", help: "outside start_percent..end_percent: computed" },
   shape: { label: "shape changed", help: "the input shape changed, the cached residual does not fit: computed" },
+  "model-cache": { label: "model cache", help: "the model filled its own key/value cache on this call (HiDream-O1, a prompt or reference image it had not seen): computed" },
   "other-branch": { label: "other branch", help: "this branch could have been reused, but another branch of the same batch needed computing" },
   calibrate: { label: "calibrating", help: "a calibration run computes every step" },
   disabled: { label: "disabled", help: "caching is disabled for this run: computed" },

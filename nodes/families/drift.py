@@ -29,7 +29,7 @@ import torch
 from ...omni_hooks.sequence_parallel.plan import (ModuleForwardMetadata, ReplicatedTokens, resolve_submodules,
                                                  unwrap_module, validate_sp_plan)
 from . import ModelFamily, detect, pass_through
-from .base import ForwardParameters
+from .base import ForwardParameters, dotted_attribute
 
 TESTED = "0.3.64 to 0.33.0"     # the ComfyUI versions every test passes on (docs/compatibility.md)
 MODEL = "model"                  # a finding about the blocks or the call: every feature relies on them
@@ -89,7 +89,7 @@ def check_model(family: ModelFamily, dm: torch.nn.Module, sequence_parallel: boo
     if expects is None:
         return report
     for attr, forward in expects.blocks.items():
-        stack = getattr(dm, attr, None)
+        stack = dotted_attribute(dm, attr)
         if not isinstance(stack, torch.nn.ModuleList) or len(stack) == 0:
             what = ("is missing" if stack is None else "is empty" if isinstance(stack, torch.nn.ModuleList)
                     else f"is a {type(stack).__name__}, not a ModuleList")

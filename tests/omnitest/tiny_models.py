@@ -293,6 +293,18 @@ def _kandinsky5_inputs(g: torch.Generator) -> _Inputs:
     return pos, neg, torch.zeros(1, 16, 2, 8, 8), None
 
 
+def _hidream_o1_inputs(g: torch.Generator) -> _Inputs:
+    # HiDream-O1's tokenizer-only text encoder: the chat template's token ids as text_input_ids (the cross_attn
+    # slot holds them as floats, [1, L, 1]); the model embeds them itself. Pixel space: EmptyImage-like [B, 3, H, W]
+    # in 32x32 patches (64x96: 6 image tokens).
+    template = ([151644, 872, 198], [151645, 198, 151644, 77091, 198, 151669, 151673])  # im_start user \n | ... tms
+
+    def cond() -> Conditioning:
+        ids = torch.tensor([[*template[0], *torch.randint(0, 151000, (6,), generator=g).tolist(), *template[1]]])
+        return [[ids.unsqueeze(-1).float(), {"text_input_ids": ids}]]
+    return cond(), cond(), torch.zeros(1, 3, 64, 96), None
+
+
 def _minimax_h3_inputs(g: torch.Generator) -> _Inputs:
     # Qwen3-VL text states [1, L, text_dim] (MiniMaxH3.extra_conds refines them once per run);
     # EmptyMiniMaxH3LatentAV(64x64, length 5): video [B, 24, 2, H/16, W/16] and stereo audio [B, 32, 2, 8] as one
@@ -413,6 +425,16 @@ _SPECS: dict[str, _Spec] = {
         "time_embed_dim": 32, "rope_inv_freq_len": 4,
     }, _minimax_h3_inputs, 4.0, requires=("comfy.model_base", "MiniMaxH3"), buffers=_minimax_h3_buffers,
        calls_per_step=2),
+    # the vocabulary stays Qwen3-VL's (the model's special token ids are fixed); the vision tower only runs on
+    # reference images
+    "hidream_o1": _Spec("hidream_o1", "HiDreamO1", "HiDreamO1", {
+        "image_model": "hidream_o1",
+        "text_config_overrides": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                  "rope_dims": [4, 2, 2]},
+        "vision_config_overrides": {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "depth": 1,
+                                    "num_position_embeddings": 64},
+    }, _hidream_o1_inputs, 4.0, requires=("comfy.model_base", "HiDreamO1")),
 }
 
 #: Every case name ``build_case`` accepts, in a stable order.

@@ -252,4 +252,6 @@ def test_skip_block_returns_what_each_block_returns(env, case):
             assert isinstance(skipped, torch.Tensor) and skipped.shape == real.shape, type(block).__name__
         else:
             assert isinstance(skipped, tuple) and len(skipped) == len(real), type(block).__name__
-            assert [s.shape for s in skipped] == [r.shape for r in real], type(block).__name__
+            # a non-tensor element (HiDream-O1's keys and values, which the model discards after a skipped call) by type
+            assert ([s.shape if isinstance(s, torch.Tensor) else type(s) for s in skipped]
+                    == [r.shape if isinstance(r, torch.Tensor) else type(r) for r in real]), type(block).__name__

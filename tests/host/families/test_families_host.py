@@ -160,6 +160,14 @@ REQUIRES = {"flux2 dev": ("comfy.model_base", "Flux2"), "z image": ("comfy.suppo
                                                                      "kandinsky5 video off-size", "kandinsky5 image")},
             **{name: ("comfy.model_base", "MiniMaxH3") for name in ("minimax-h3", "minimax-h3 curve form",
                                                                     "minimax-h3 off-size")}}
+# HiDream-O1 (ComfyUI 0.33): the released checkpoint is the class's default config (Qwen3-VL-8B's decoder)
+VARIANTS.update({
+    "hidream-o1 8B": ({"image_model": "hidream_o1"}, ("hidream_o1", "HiDream-O1 8B", None, None)),
+    "hidream-o1 off-size": ({"image_model": "hidream_o1", "text_config_overrides": {"hidden_size": 1024,
+                                                                                   "num_hidden_layers": 2}},
+                            ("hidream_o1", "HiDream-O1 hidden size 1024", None, None)),
+})
+REQUIRES.update({name: ("comfy.model_base", "HiDreamO1") for name in ("hidream-o1 8B", "hidream-o1 off-size")})
 # Models of a family whose variants need no other recommendation, but whose weights live in other modules.
 OTHER_LAYOUTS = {
     "wan2.1 camera": _wan(model_type="camera", in_dim=32),
