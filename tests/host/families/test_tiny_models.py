@@ -1,8 +1,6 @@
 """The tiny models of ``omnitest.tiny_models`` build and sample with ComfyUI's own sampler."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from omnitest.tiny_models import CASES
@@ -10,8 +8,6 @@ from omnitest.tiny_models import CASES
 pytestmark = pytest.mark.host
 
 DISTILLED = {"flux", "flux_schnell", "flux_kontext", "hunyuan_video", "flux2", "hunyuan_video15_sr"}
-# Generous bound for a shared 2-core CI runner; observed ~0.02-0.05 s per 3-step run (first run ~0.3 s).
-MAX_SECONDS = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +28,7 @@ def test_builds_and_samples_deterministically(tm, name):
     import comfy.model_patcher
     import comfy.sample
 
-    t0 = time.perf_counter()
     case = tm.build_case(name)
-    build_s = time.perf_counter() - t0
 
     assert case.name == name
     assert isinstance(case.patcher, comfy.model_patcher.ModelPatcher)
@@ -47,9 +41,7 @@ def test_builds_and_samples_deterministically(tm, name):
     assert (case.cfg == 1.0) if name in DISTILLED else (case.cfg > 1.0)
     pos_before = case.positive[0][0].clone()
 
-    t1 = time.perf_counter()
     out = tm.sample(case, steps=3)
-    sample_s = time.perf_counter() - t1
     again = tm.sample(case, steps=3)
     other_seed = tm.sample(case, steps=3, seed=1)
 
@@ -61,7 +53,6 @@ def test_builds_and_samples_deterministically(tm, name):
     noise = tm.packed_latent(comfy.sample.prepare_noise(case.latent, 0))
     assert not torch.allclose(out, noise)  # the model did something
     assert torch.equal(case.positive[0][0], pos_before)
-    assert build_s < MAX_SECONDS and sample_s < MAX_SECONDS, (build_s, sample_s)
 
 
 @pytest.mark.parametrize("name", CASES)
