@@ -13,10 +13,10 @@ Memory: a branch keeps at most ``order + 1`` residuals (``ResidualHistory.limit`
 computed step, before its residual joins the history, every order that has enough older residuals predicts it from
 them (``ResidualHistory.prediction_errors``); ``OrderScores`` keeps a running relative error per order and a skip
 uses the order with the smallest one, plain reuse unless an order beats it. An auto branch keeps ``MAX_ORDER + 2``
-residuals (the newest is scored against the ``MAX_ORDER + 1`` before it). The same scores tell a skip policy how much
-smaller the forecast's error is than reuse's (``OrderScores.gain``): it scales the change it accumulates by it, so a
-run spends its computes where the forecast predicts worst. The scores are measured per rank shard and averaged over
-the ranks (like the caches' metrics), so every rank of a group chooses the same order.
+residuals (the newest is scored against the ``MAX_ORDER + 1`` before it). The scores are measured per rank shard and
+averaged over the ranks (like the caches' metrics), so every rank of a group chooses the same order. The skip policy
+does not use them: scaling the accumulated change by the forecast's measured gain over reuse skipped more steps at a
+threshold but lost more quality than it saved evaluations (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -32,10 +32,7 @@ FORECAST = "forecast"                   # BranchDecision.reason of a skipped bra
 FORECAST_FALLBACK = "forecast-fallback"  # ... whose forecast was not finite, so the last residual was reused
 
 
-# the running scores: weight of the newest measurement; the gain's bounds (a forecast is trusted to cut the
-# accumulated change at most GAIN_FLOOR-fold, however well it predicted)
-SCORE_MEMORY = 0.5
-GAIN_FLOOR = 0.25
+SCORE_MEMORY = 0.5  # the running scores: weight of the newest measurement
 
 
 def check_order(order: int | str) -> int | str:
@@ -182,14 +179,6 @@ class OrderScores:
             if error is not None and error < best_error:
                 best, best_error = order, error
         return best
-
-    def gain(self, available: int = MAX_ORDER) -> float:
-        """How much smaller the error of ``best(available)`` is than reuse's: sqrt of the score ratio, in
-        [GAIN_FLOOR, 1] (1 when nothing was measured or reuse is best)."""
-        order = self.best(available)
-        if order == 0 or not self.errors[0]:
-            return 1.0
-        return min(1.0, max(GAIN_FLOOR, math.sqrt(self.errors[order] / self.errors[0])))
 
     def clear(self) -> None:
         self.errors = [None] * len(ORDERS)

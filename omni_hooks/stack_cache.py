@@ -8,8 +8,7 @@ Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_cal
   * with ``forecast_order`` k > 0 a branch keeps its last k + 1 residuals and a skip adds their extrapolation to the
     call's sigma (``omni_hooks.forecast``) instead of the last one; its reason becomes "forecast";
   * with ``forecast_order`` "auto" each computed call scores every order on predicting its residual from the older
-    ones (means over the ranks under sequence parallelism) and a skip uses the best-scoring order (0: reuse); the
-    policy scales what it accumulates by how much better that order predicted than reuse (``forecast_gain``).
+    ones (means over the ranks under sequence parallelism) and a skip uses the best-scoring order (0: reuse).
 Every skipped branch's record says which order its residual came from (``BranchDecision.forecast_order``).
 The stack is skipped only when every branch of the call may skip (and, under sequence parallelism, only when every
 rank may: ``CallContext.rank.agreement``); the verdict is written to the call's ``CallContext.blocks_run``. Outside a
@@ -127,14 +126,6 @@ class StackCacheRun:
 
     def on_residual(self, call: ActiveCall, key: str, residual: torch.Tensor, output: torch.Tensor) -> None:
         """Called per branch after a computed call stored its residual (calibration hooks in here)."""
-
-    def forecast_gain(self, st: CachedResidualState) -> float:
-        """What a policy multiplies the change it accumulates for a branch by: with the "auto" forecast, how much
-        smaller the error of the order a skip would use has been than reuse's (``OrderScores.gain``, at most 1);
-        otherwise exactly 1.0."""
-        if self.forecast_order != AUTO:
-            return 1.0
-        return st.scores.gain(len(st.history.residuals) - 1)
 
     # -- host interface -------------------------------------------------------------------------------------------
 

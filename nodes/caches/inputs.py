@@ -43,8 +43,8 @@ def forecast_input() -> io.Combo.Input:
                           "differences, as TaylorSeer), which stays faithful at higher thresholds, so fewer steps "
                           "are computed for the same quality; keeps 2 / 3 residuals per branch in memory. 'auto': "
                           "per branch and skipped step, whichever of reuse, 1st and 2nd order has best predicted the "
-                          "steps this run computed, and the threshold counts only the change the forecast misses "
-                          "(fewer steps computed where it predicts well); keeps 4 residuals per branch.")
+                          "steps this run computed (never worse than 'off' in the benchmarks); keeps 4 residuals "
+                          "per branch.")
 
 
 def forecast_order(tuning: dict) -> int | str:

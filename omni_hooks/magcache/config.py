@@ -34,8 +34,7 @@ class MagCacheConfig:
     consecutive residuals per branch.
     ``forecast_order`` (0, 1, 2): a skipped step adds the residual of the last computed step (0) or the extrapolation
     through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``); "auto" chooses the
-    order per branch and step from how well each predicted the run's computed residuals, and scales the accumulated
-    error by how much better than reuse it predicted.
+    order per branch and skipped step from how well each predicted the run's computed residuals.
     """
 
     threshold: float = 0.06

@@ -15,8 +15,7 @@ Decision per branch at step t of N (its own curve, nearest-interpolated to N): o
 before the retention step ``int(retention_ratio * N + 0.5)`` compute (accumulators restart); else
 ``ratio *= mag_ratios[t]``, ``steps += 1``, ``err += |1 - ratio|`` and reuse iff ``threshold > 0``,
 ``err <= threshold`` and ``steps <= K`` (and a residual of the same shape is cached). The call is skipped only if
-every branch may reuse; a computed call restarts every branch's accumulators. With the "auto" forecast each step's
-``|1 - ratio|`` is scaled by ``forecast_gain`` (<= 1: how much smaller the forecast's error has been than reuse's).
+every branch may reuse; a computed call restarts every branch's accumulators.
 """
 from __future__ import annotations
 
@@ -182,8 +181,7 @@ class MagCacheRun(StackCacheRun):
             gamma = ratios[step] if step < len(ratios) else 1.0
             st.accumulated_ratio *= gamma
             st.accumulated_steps += 1
-            # with the "auto" forecast: scaled by how much better than reuse the forecast has predicted
-            st.accumulated_err += abs(1.0 - st.accumulated_ratio) * self.forecast_gain(st)
+            st.accumulated_err += abs(1.0 - st.accumulated_ratio)
             if cfg.threshold <= 0 or st.accumulated_err > cfg.threshold:
                 reason = "threshold"
             elif st.accumulated_steps > cfg.max_skip_steps:

@@ -6,8 +6,6 @@ blocks (``BlockStack``), so the model's forward runs unchanged and only the modu
 
 Decision per branch: the relative L1 change of the modulated input since the previous call of that branch is mapped
 through the rescale polynomial and accumulated; while the sum stays below ``rel_l1_thresh`` the branch may reuse.
-With the "auto" forecast each step's change is first scaled by ``forecast_gain`` (<= 1: how much smaller the
-forecast's error has been than reuse's), so the threshold bounds the error of what a skip adds.
 """
 from __future__ import annotations
 
@@ -122,8 +120,7 @@ class TeaCacheRun(StackCacheRun):
             if cfg.calibrate:
                 call.head_measures[call.keys[i]] = rel
                 continue
-            # with the "auto" forecast: scaled by how much better than reuse the forecast has predicted
-            states[i].accumulated_rel_l1_distance += abs(float(self.rescale(rel))) * self.forecast_gain(states[i])
+            states[i].accumulated_rel_l1_distance += abs(float(self.rescale(rel)))
             metrics[i] = states[i].accumulated_rel_l1_distance
             reasons[i] = "reuse" if metrics[i] < cfg.rel_l1_thresh else "threshold"
         for st, m in zip(states, signals):
