@@ -62,7 +62,7 @@ class MagCacheSettings:
     model_label: str
     calibrate: bool = False
     notes: tuple[str, ...] = ()  # what the user should know about the choice 'auto' made
-    forecast_order: int = 0
+    forecast_order: int | str = 0
 
 
 @dataclass(frozen=True)

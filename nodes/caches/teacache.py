@@ -41,7 +41,7 @@ class TeaCacheSettings:
     model_label: str
     calibrate: bool = False
     notes: tuple[str, ...] = ()  # what the user should know about the choice 'auto' made
-    forecast_order: int = 0
+    forecast_order: int | str = 0
 
     @property
     def threshold(self) -> float:

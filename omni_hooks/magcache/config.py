@@ -33,7 +33,8 @@ class MagCacheConfig:
     ``calibrate`` computes every step and records the magnitude ratio, its spread and the cosine distance of
     consecutive residuals per branch.
     ``forecast_order`` (0, 1, 2): a skipped step adds the residual of the last computed step (0) or the extrapolation
-    through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``).
+    through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``); "auto" chooses the
+    order per branch and skipped step from how well each predicted the run's computed residuals.
     """
 
     threshold: float = 0.06
@@ -46,7 +47,7 @@ class MagCacheConfig:
     end_percent: float = 1.0
     cache_device: torch.device | None = None
     calibrate: bool = False
-    forecast_order: int = 0
+    forecast_order: int | str = 0
     #: the steps a run of few steps always computes (``omni_hooks.few_step``, e.g. ``FewStepRule()``); None: no rule
     few_step: FewStepRule | None = None
     ratio_table: MagRatioTable | None = field(default=None, init=False, repr=False)

@@ -22,7 +22,8 @@ class TeaCacheConfig:
     position ``step / (total_steps - 1)`` lies outside ``[start_percent, end_percent]``.
     ``calibrate`` computes every step and records (input change, output change) pairs for fitting coefficients.
     ``forecast_order`` (0, 1, 2): a skipped step adds the residual of the last computed step (0) or the extrapolation
-    through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``).
+    through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``); "auto" chooses the
+    order per branch and skipped step from how well each predicted the run's computed residuals.
     """
 
     rel_l1_thresh: float = 0.2
@@ -33,7 +34,7 @@ class TeaCacheConfig:
     end_percent: float = 1.0
     cache_device: torch.device | None = None
     calibrate: bool = False
-    forecast_order: int = 0
+    forecast_order: int | str = 0
     #: the steps a run of few steps always computes (``omni_hooks.few_step``, e.g. ``FewStepRule()``); None: no rule
     few_step: FewStepRule | None = None
 
