@@ -1,15 +1,18 @@
-"""Cache quality on a trained model: PSNR of the final latent against the uncached run, against model evaluations.
+"""Cache quality on trained models: PSNR of the final latent against the uncached run, against model evaluations.
 
-The model is ``cache_quality_model`` (ComfyUI's WanModel, small, trained on a synthetic class-conditional
-distribution by ``train_cache_quality_model.py``), sampled in-process through ComfyUI's KSampler path: 30 euler steps,
-scheduler simple, cfg 3 (cond and uncond batched, so one model evaluation per step), 4 prompts (one per class, seed =
-class). TeaCache and MagCache run on this model's own calibration (TeaCache Calibrate / MagCache Calibrate on class 0,
-seed 100, like a user calibrating a new model), each swept over thresholds with forecast off / 1st / 2nd order; core
-EasyCache (``comfy_extras/nodes_easycache.py``, its default window 0.15-0.95) is the reference. A model evaluation is
-counted when the last block's feed-forward runs (a skipped step runs no block; EasyCache skips the whole model).
+The models are ``cache_quality_model.MODELS`` (ComfyUI's WanModel, trained on synthetic class-conditional
+distributions by ``train_cache_quality_model.py``: ``small`` and ``wide``, of different size and data), sampled
+in-process through ComfyUI's KSampler path: ``--steps`` euler steps (30; 8 or 4 for a few-step run), scheduler
+simple, cfg 3 (cond and uncond batched, so one model evaluation per step), 4 prompts (one per class, seed = class).
+TeaCache and MagCache run on the model's own calibration (TeaCache Calibrate / MagCache Calibrate on class 0, seed
+100, at the same step count, like a user calibrating a new model), each swept over thresholds with forecast off /
+1st / 2nd order / auto; core EasyCache (``comfy_extras/nodes_easycache.py``, its default window 0.15-0.95) is the
+reference. A model evaluation is counted when the last block's feed-forward runs (a skipped step runs no block;
+EasyCache skips the whole model).
 
-Writes a markdown table to stdout, ``docs/cache_quality.json`` and the plot ``docs/cache_quality.png``.
-Run: COMFYUI_PATH=... .venv/bin/python benchmarks/bench_cache_quality.py
+Writes a markdown table to stdout, ``docs/cache_quality[_<model>][_<steps>steps].json`` and the plot of the same name
+(``.png``; the small model at 30 steps is ``docs/cache_quality.json``).
+Run: COMFYUI_PATH=... .venv/bin/python benchmarks/bench_cache_quality.py [--model small|wide] [--steps 30]
 """
 from __future__ import annotations
 
@@ -35,14 +38,17 @@ from omnitest import tiny_models  # noqa: E402
 from omnitest.pack import pack_module, run_node  # noqa: E402
 from omnitest.quality import psnr_db  # noqa: E402
 
-STEPS = 30
 CFG = 3.0
-FORECASTS = ["off", "1st order", "2nd order"]
-TEA_THRESHOLDS = [0.05, 0.08, 0.1, 0.12, 0.14, 0.16, 0.18, 0.2, 0.3, 0.45, 0.6]
-MAG_THRESHOLDS = [0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.35]
+FORECASTS = ["off", "1st order", "2nd order", "auto"]
+TEA_THRESHOLDS = [0.05, 0.08, 0.12, 0.16, 0.2, 0.3, 0.45, 0.6]
+MAG_THRESHOLDS = [0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25]
 MAG_K = 6
 MAG_RETENTION = 0.1
-EASY_THRESHOLDS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5]
+EASY_THRESHOLDS = [0.005, 0.02, 0.05, 0.1, 0.2, 0.5]
+# few-step runs: coarser steps change more per step, so larger thresholds
+FEW_TEA_THRESHOLDS = [0.1, 0.2, 0.4, 0.8, 1.5]
+FEW_MAG_THRESHOLDS = [0.05, 0.1, 0.2, 0.4, 0.8]
+FEW_EASY_THRESHOLDS = [0.05, 0.2, 0.5]
 
 
 class Evaluations:
@@ -53,12 +59,13 @@ class Evaluations:
         dm.blocks[-1].ffn.register_forward_pre_hook(lambda m, a: setattr(self, "count", self.count + 1))
 
 
-def sample_all(case, model, counter: Evaluations) -> tuple[list[torch.Tensor], list[int]]:
+def sample_all(spec: cqm.QualityModel, case, model, counter: Evaluations,
+               steps: int) -> tuple[list[torch.Tensor], list[int]]:
     outs, evals = [], []
     for k in range(cqm.CLASSES):
-        case.positive, case.negative = cqm.conditioning(k), cqm.conditioning(None)
+        case.positive, case.negative = spec.conditioning(k), spec.conditioning(None)
         counter.count = 0
-        outs.append(tiny_models.sample(case, model=model, steps=STEPS, cfg=CFG, seed=k))
+        outs.append(tiny_models.sample(case, model=model, steps=steps, cfg=CFG, seed=k))
         evals.append(counter.count)
     return outs, evals
 
@@ -66,20 +73,28 @@ def sample_all(case, model, counter: Evaluations) -> tuple[list[torch.Tensor], l
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    parser.add_argument("--model", choices=sorted(cqm.MODELS), default="small")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--forecasts", nargs="*", default=FORECASTS, help="the forecast values to sweep")
+    parser.add_argument("--tea-thresholds", type=float, nargs="*", help="replace TeaCache's thresholds")
+    parser.add_argument("--mag-thresholds", type=float, nargs="*", help="replace MagCache's thresholds")
+    parser.add_argument("--easy-thresholds", type=float, nargs="*", help="replace EasyCache's thresholds")
     opts = parser.parse_args()
+    spec, steps = cqm.MODELS[opts.model], opts.steps
+    few = steps <= 10
     torch.set_num_threads(1)
     folder_paths.set_user_directory(tempfile.mkdtemp(prefix="omnihooks-quality-"))
     teacache = pack_module("nodes.caches.teacache")
     magcache = pack_module("nodes.caches.magcache")
     from comfy_extras.nodes_easycache import EasyCacheNode
 
-    case = cqm.build()
+    case = spec.build()
     counter = Evaluations(case.patcher.model.diffusion_model)
     for node in (teacache.TeaCacheCalibrate, magcache.MagCacheCalibrate):
-        run_node(node, model=case.patcher, seed=100, steps=STEPS, cfg=CFG, sampler_name="euler", scheduler="simple",
-                 positive=cqm.conditioning(0), negative=cqm.conditioning(None),
-                 latent_image={"samples": torch.zeros(cqm.LATENT_SHAPE)}, name="quality")
-    reference, _ = sample_all(case, None, counter)
+        run_node(node, model=case.patcher, seed=100, steps=steps, cfg=CFG, sampler_name="euler", scheduler="simple",
+                 positive=spec.conditioning(0), negative=spec.conditioning(None),
+                 latent_image={"samples": torch.zeros(spec.latent_shape)}, name="quality")
+    reference, _ = sample_all(spec, case, None, counter, steps)
 
     def tea(t, forecast):
         return run_node(teacache.ApplyTeaCache, model=case.patcher, rel_l1_thresh=t, start_percent=0.0,
@@ -95,13 +110,19 @@ def main() -> None:
         return run_node(EasyCacheNode, model=case.patcher, reuse_threshold=t, start_percent=0.15, end_percent=0.95,
                         verbose=False)[0]
 
-    families = [(f"TeaCache, forecast {f}", tea, TEA_THRESHOLDS, f) for f in FORECASTS]
-    families += [(f"MagCache (K {MAG_K}), forecast {f}", mag, MAG_THRESHOLDS, f) for f in FORECASTS]
-    families += [("core EasyCache (reference)", easy, EASY_THRESHOLDS, None)]
+    tea_thresholds = opts.tea_thresholds if opts.tea_thresholds is not None else (
+        FEW_TEA_THRESHOLDS if few else TEA_THRESHOLDS)
+    mag_thresholds = opts.mag_thresholds if opts.mag_thresholds is not None else (
+        FEW_MAG_THRESHOLDS if few else MAG_THRESHOLDS)
+    easy_thresholds = opts.easy_thresholds if opts.easy_thresholds is not None else (
+        FEW_EASY_THRESHOLDS if few else EASY_THRESHOLDS)
+    families = [(f"TeaCache, forecast {f}", tea, tea_thresholds, f) for f in opts.forecasts]
+    families += [(f"MagCache (K {MAG_K}), forecast {f}", mag, mag_thresholds, f) for f in opts.forecasts]
+    families += [("core EasyCache (reference)", easy, easy_thresholds, None)]
     results = []
     for name, apply, thresholds, forecast in families:
         for t in thresholds:
-            outs, evals = sample_all(case, apply(t, forecast), counter)
+            outs, evals = sample_all(spec, case, apply(t, forecast), counter, steps)
             psnrs = [psnr_db(o, r) for o, r in zip(outs, reference)]
             results.append({"configuration": name, "threshold": t, "evaluations": sum(evals) / len(evals),
                             "evaluations_per_prompt": evals, "psnr_mean": sum(psnrs) / len(psnrs),
@@ -112,9 +133,11 @@ def main() -> None:
     # identical outputs have an infinite PSNR: JSON has no such number, so it is written as null
     finite = [{k: [None if isinstance(x, float) and math.isinf(x) else x for x in v] if isinstance(v, list)
                else None if isinstance(v, float) and math.isinf(v) else v for k, v in r.items()} for r in results]
-    (opts.out / "cache_quality.json").write_text(json.dumps(finite, indent=1))
-    plot_curves(results, opts.out / "cache_quality.png", steps=STEPS)
-    print("\n| configuration | threshold | model evaluations (of 30) | latent PSNR mean (dB) | worst prompt (dB) |")
+    name = "cache_quality" + ("" if spec.name == "small" else f"_{spec.name}") + ("" if steps == 30 else f"_{steps}steps")
+    (opts.out / f"{name}.json").write_text(json.dumps(finite, indent=1))
+    plot_curves(results, opts.out / f"{name}.png", steps=steps, targets=() if few else ((12, 45.0), (8, 40.0)),
+                title=f"{spec.name} model ({spec.description}), {steps} steps")
+    print(f"\n| configuration | threshold | model evaluations (of {steps}) | latent PSNR mean (dB) | worst prompt (dB) |")
     print("|---|---|---|---|---|")
     for r in results:
         print(f"| {r['configuration']} | {r['threshold']:g} | {r['evaluations']:.2f} | {r['psnr_mean']:.1f} | "

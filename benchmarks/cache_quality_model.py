@@ -1,55 +1,87 @@
-"""The small Wan model the cache quality benchmark samples: ComfyUI's own ``WanModel`` (Wan 2.1 T2V architecture) at
-dim 64, 4 blocks, trained by ``train_cache_quality_model.py`` on a synthetic class-conditional distribution, so that
-its sampling trajectories are those of a trained flow model (a random-weight model's are not).
+"""The small Wan models the cache quality benchmark samples: ComfyUI's own ``WanModel`` (Wan 2.1 T2V architecture),
+trained by ``train_cache_quality_model.py`` on synthetic class-conditional distributions, so that their sampling
+trajectories are those of trained flow models (a random-weight model's are not). Two models of different size and
+data, so that a claim about the caches holds on more than one (``MODELS``):
 
-The distribution (in the model's latent space, [16, 1, 8, 8]): class k is a plane wave of class frequency ``FREQ[k]``
-along a class channel direction, with random amplitude and phase, plus a Gaussian blob at a random place along a
-second class direction. The "prompt" of class k is a fixed random text conditioning (``TOKENS`` x ``TEXT_DIM``); the
-negative prompt is all zeros (trained as the unconditional input with probability ``DROPOUT``).
+* ``small``: dim 64, 4 blocks, latent [16, 1, 8, 8]. Class k is a plane wave of class frequency ``FREQ[k]`` along a
+  class channel direction, with random amplitude and phase, plus a Gaussian blob at a random place along a second
+  class direction.
+* ``wide``: dim 256, 6 blocks, latent [16, 1, 16, 16]. Class k is a few oriented stripe patches (Gabor patches: the
+  class's orientation and frequency, random places, sizes and phases) in the class's three "colours" (channel
+  directions) over a smooth gradient background in a fourth.
+
+The "prompt" of class k is a fixed random text conditioning (``tokens`` x ``text_dim``); the negative prompt is all
+zeros (trained as the unconditional input with probability ``DROPOUT``).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-CONFIG = {"dim": 64, "ffn_dim": 256, "num_heads": 2, "num_layers": 4, "text_dim": 32}
-LATENT_SHAPE = (1, 16, 1, 8, 8)  # 16 tokens: trains in minutes on one CPU thread
 CLASSES = 4
-TOKENS = 4
-TEXT_DIM = CONFIG["text_dim"]
 DROPOUT = 0.15
 FREQ = [(1, 0), (0, 1), (1, 1), (2, 1)]
-WEIGHTS = Path(__file__).resolve().parent / "data" / "cache_quality_wan.safetensors"
+DATA = Path(__file__).resolve().parent / "data"
 
 
-def class_directions() -> tuple[torch.Tensor, torch.Tensor]:
-    """Per class: the wave's and the blob's channel direction (unit vectors times 4, so ~unit per channel)."""
-    g = torch.Generator().manual_seed(1234)
-    v = torch.nn.functional.normalize(torch.randn(CLASSES, 16, generator=g), dim=1) * 4
-    u = torch.nn.functional.normalize(torch.randn(CLASSES, 16, generator=g), dim=1) * 4
-    return v, u
+@dataclass(frozen=True)
+class QualityModel:
+    """One benchmark model: its WanModel config, latent shape, text conditioning size, data and weights file."""
+
+    name: str
+    config: dict
+    latent_shape: tuple[int, ...]
+    tokens: int
+    sample_data: Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+    weights: Path
+    description: str
+
+    @property
+    def text_dim(self) -> int:
+        return self.config["text_dim"]
+
+    def class_context(self, k: int | None) -> torch.Tensor:
+        """The text conditioning [1, tokens, text_dim] of class k; None: the unconditional (zeros) one."""
+        if k is None:
+            return torch.zeros(1, self.tokens, self.text_dim)
+        g = torch.Generator().manual_seed(100 + k)
+        return torch.randn(1, self.tokens, self.text_dim, generator=g)
+
+    def conditioning(self, k: int | None) -> list:
+        """ComfyUI CONDITIONING for class k (None: the negative prompt)."""
+        return [[self.class_context(k), {}]]
+
+    def build(self, trained: bool = True):
+        """The model as a tiny-model case (a ComfyUI ModelPatcher on CPU); its weights from ``weights``."""
+        from omnitest import tiny_models
+        from safetensors.torch import load_file
+
+        case = tiny_models.build_case("wan21_t2v", unet_overrides=self.config, latent_shape=self.latent_shape)
+        if trained:
+            dm = case.patcher.model.diffusion_model
+            dm.load_state_dict({k: v.float() for k, v in load_file(str(self.weights)).items()})
+        return case
 
 
-def class_context(k: int | None) -> torch.Tensor:
-    """The text conditioning [1, TOKENS, TEXT_DIM] of class k; None: the unconditional (zeros) one."""
-    if k is None:
-        return torch.zeros(1, TOKENS, TEXT_DIM)
-    g = torch.Generator().manual_seed(100 + k)
-    return torch.randn(1, TOKENS, TEXT_DIM, generator=g)
+def class_directions(seed: int = 1234, count: int = 2) -> list[torch.Tensor]:
+    """``count`` per-class channel directions [CLASSES, 16] (unit vectors times 4, so ~unit per channel)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.functional.normalize(torch.randn(CLASSES, 16, generator=g), dim=1) * 4 for _ in range(count)]
 
 
-def conditioning(k: int | None) -> list:
-    """ComfyUI CONDITIONING for class k (None: the negative prompt)."""
-    return [[class_context(k), {}]]
+def _grid(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    h = torch.arange(size).float() / size
+    return torch.meshgrid(h, h, indexing="ij")
 
 
-def sample_data(labels: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """One clean latent [16, 1, H, W] (``LATENT_SHAPE``) per label."""
+def waves_and_blobs(labels: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """The ``small`` model's data: one clean latent [16, 1, 8, 8] per label."""
     n = labels.shape[0]
-    h = torch.arange(LATENT_SHAPE[-1]).float() / LATENT_SHAPE[-1]
-    hh, ww = torch.meshgrid(h, h, indexing="ij")
+    hh, ww = _grid(8)
     v, u = class_directions()
     freq = torch.tensor(FREQ, dtype=torch.float32)[labels]
     amp = torch.rand(n, generator=g) * 0.8 + 0.6
@@ -63,14 +95,38 @@ def sample_data(labels: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     return x[:, :, None] * 0.7
 
 
-def build(trained: bool = True):
-    """The benchmark model as a tiny-model case (a ComfyUI ModelPatcher on CPU); its weights from ``WEIGHTS``."""
-    from omnitest import tiny_models
-    from safetensors.torch import load_file
+ORIENTATIONS = [0.0, math.pi / 4, math.pi / 2, 3 * math.pi / 4]
+STRIPES = [3.0, 4.5, 6.0, 3.5]  # cycles across the latent
 
-    case = tiny_models.build_case("wan21_t2v", unet_overrides=CONFIG, latent_shape=LATENT_SHAPE)
-    if trained:
-        dm = case.patcher.model.diffusion_model
-        state = {k: v.float() for k, v in load_file(str(WEIGHTS)).items()}
-        dm.load_state_dict(state)
-    return case
+
+def gabor_patches(labels: torch.Tensor, g: torch.Generator, patches: int = 3) -> torch.Tensor:
+    """The ``wide`` model's data: one clean latent [16, 1, 16, 16] per label."""
+    n = labels.shape[0]
+    hh, ww = _grid(16)
+    colours = torch.stack(class_directions(seed=4321, count=4), dim=1)  # [CLASSES, 4, 16]
+    theta = torch.tensor(ORIENTATIONS)[labels][:, None] + (torch.rand(n, patches, generator=g) - 0.5) * 0.3
+    freq = torch.tensor(STRIPES)[labels][:, None]
+    center = torch.rand(n, patches, 2, generator=g) * 0.7 + 0.15
+    width = torch.rand(n, patches, generator=g) * 0.1 + 0.1
+    phase = torch.rand(n, patches, generator=g) * 2 * math.pi
+    amp = torch.rand(n, patches, generator=g) * 0.8 + 0.4
+    dy, dx = hh - center[..., 0, None, None], ww - center[..., 1, None, None]  # [n, patches, 16, 16]
+    along = dx * torch.cos(theta)[..., None, None] + dy * torch.sin(theta)[..., None, None]
+    envelope = torch.exp(-(dx ** 2 + dy ** 2) / (2 * width[..., None, None] ** 2))
+    patch = amp[..., None, None] * envelope * torch.cos(2 * math.pi * freq[..., None, None] * along
+                                                         + phase[..., None, None])
+    which = torch.arange(patches) % 3
+    x = torch.einsum("npyx,npc->ncyx", patch, colours[labels][:, which])
+    slope = torch.rand(n, 2, generator=g) * 2 - 1
+    background = slope[:, 0, None, None] * (hh - 0.5) + slope[:, 1, None, None] * (ww - 0.5)
+    x = x + 0.5 * background[:, None] * colours[labels][:, 3, :, None, None]
+    return x[:, :, None] * 0.6
+
+
+SMALL = QualityModel("small", {"dim": 64, "ffn_dim": 256, "num_heads": 2, "num_layers": 4, "text_dim": 32},
+                     (1, 16, 1, 8, 8), 4, waves_and_blobs, DATA / "cache_quality_wan.safetensors",
+                     "dim 64, 4 blocks, an 8x8 latent (16 tokens), waves and blobs")
+WIDE = QualityModel("wide", {"dim": 256, "ffn_dim": 512, "num_heads": 4, "num_layers": 6, "text_dim": 64},
+                    (1, 16, 1, 16, 16), 6, gabor_patches, DATA / "cache_quality_wan_wide.safetensors",
+                    "dim 256, 6 blocks, a 16x16 latent (64 tokens), oriented stripe patches")
+MODELS = {m.name: m for m in (SMALL, WIDE)}

@@ -13,7 +13,9 @@ Y_MIN, Y_MAX = 15.0, 75.0
 COLOURS = {
     "TeaCache, forecast off": (147, 197, 253), "TeaCache, forecast 1st order": (59, 130, 246),
     "TeaCache, forecast 2nd order": (30, 58, 138),
+    "TeaCache, forecast auto": (22, 163, 74),
     "forecast off": (253, 186, 116), "forecast 1st order": (249, 115, 22), "forecast 2nd order": (154, 52, 18),
+    "forecast auto": (190, 24, 93),
     "EasyCache": (113, 113, 122),
 }
 
@@ -27,7 +29,7 @@ def colour_of(name: str) -> tuple[int, int, int]:
     return (0, 0, 0)
 
 
-def plot_curves(results: list[dict], path: Path, steps: int, targets=((12, 45.0), (8, 38.0))) -> None:
+def plot_curves(results: list[dict], path: Path, steps: int, targets=((12, 45.0), (8, 40.0)), title: str = "") -> None:
     """``results``: dicts with configuration, evaluations, psnr_mean; written as a PNG at ``path``."""
     img = Image.new("RGB", (WIDTH, HEIGHT), "white")
     d = ImageDraw.Draw(img)
@@ -37,7 +39,7 @@ def plot_curves(results: list[dict], path: Path, steps: int, targets=((12, 45.0)
         db = min(max(db, Y_MIN), Y_MAX)
         return x0 + (x1 - x0) * evals / steps, y0 - (y0 - y1) * (db - Y_MIN) / (Y_MAX - Y_MIN)
 
-    for e in range(0, steps + 1, 5):
+    for e in range(0, steps + 1, 5 if steps > 10 else 1):
         x, _ = px(e, Y_MIN)
         d.line([(x, y0), (x, y1)], fill=(235, 235, 235))
         d.text((x - 6, y0 + 6), str(e), fill="black")
@@ -48,6 +50,8 @@ def plot_curves(results: list[dict], path: Path, steps: int, targets=((12, 45.0)
     d.rectangle([x0, y1, x1, y0], outline="black")
     d.text(((x0 + x1) / 2 - 110, y0 + 28), f"model evaluations (of {steps} steps)", fill="black")
     d.text((8, y1 - 25), "final latent PSNR vs uncached (dB, mean of 4 prompts)", fill="black")
+    if title:
+        d.text((x0 + 250, y1 - 25), title, fill="black")
     for evals, db in targets:
         x, y = px(evals, db)
         d.line([(x - 6, y), (x + 6, y)], fill=(220, 38, 38), width=2)

@@ -1,9 +1,10 @@
-"""Train the cache quality benchmark's small Wan model (``cache_quality_model``) on its synthetic class-conditional
-distribution, by flow matching as Wan is trained: x_s = (1 - s) x0 + s noise, the model predicts noise - x0 at
+"""Train one of the cache quality benchmark's Wan models (``cache_quality_model.MODELS``) on its synthetic
+class-conditional distribution, by flow matching as Wan is trained: x_s = (1 - s) x0 + s noise, the model predicts noise - x0 at
 timestep 1000 s; s is drawn half from the sampler's shifted schedule (shift 8, ComfyUI's Wan 2.1 T2V setting) and half
-uniformly. One CPU thread, a few minutes. Writes ``benchmarks/data/cache_quality_wan.safetensors`` (float16).
+uniformly. One CPU thread: a few minutes (small), about ten (wide). Writes the model's ``weights`` file under
+``benchmarks/data/`` (float16).
 
-Run: COMFYUI_PATH=... .venv/bin/python benchmarks/train_cache_quality_model.py [--steps 2000]
+Run: COMFYUI_PATH=... .venv/bin/python benchmarks/train_cache_quality_model.py [--model small|wide] [--steps 2000]
 """
 from __future__ import annotations
 
@@ -35,25 +36,27 @@ def draw_sigmas(n: int, g: torch.Generator) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=sorted(cqm.MODELS), default="small")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-3)
     opts = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    case = cqm.build(trained=False)
+    model = cqm.MODELS[opts.model]
+    case = model.build(trained=False)
     dm = case.patcher.model.diffusion_model
     dm.train()
     for p in dm.parameters():
         p.requires_grad_(True)
-    contexts = torch.cat([cqm.class_context(k) for k in range(cqm.CLASSES)] + [cqm.class_context(None)])
+    contexts = torch.cat([model.class_context(k) for k in range(cqm.CLASSES)] + [model.class_context(None)])
     optimizer = torch.optim.AdamW(dm.parameters(), lr=opts.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=opts.lr, total_steps=opts.steps, pct_start=0.05)
     g = torch.Generator().manual_seed(0)
     start, running = time.time(), None
     for step in range(opts.steps):
         labels = torch.randint(0, cqm.CLASSES, (opts.batch,), generator=g)
-        x0 = cqm.sample_data(labels, g)
+        x0 = model.sample_data(labels, g)
         noise = torch.randn(x0.shape, generator=g)
         s = draw_sigmas(opts.batch, g)
         xs = (1 - s)[:, None, None, None, None] * x0 + s[:, None, None, None, None] * noise
@@ -69,10 +72,10 @@ def main() -> None:
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         if step % 100 == 0 or step == opts.steps - 1:
             print(f"step {step:5d}  loss {running:.4f}  {time.time() - start:.0f} s", flush=True)
-    cqm.WEIGHTS.parent.mkdir(parents=True, exist_ok=True)
+    model.weights.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.float16).contiguous() for k, v in dm.state_dict().items()}
-    save_file(state, str(cqm.WEIGHTS))
-    print(f"wrote {cqm.WEIGHTS} ({cqm.WEIGHTS.stat().st_size / 1e6:.2f} MB, "
+    save_file(state, str(model.weights))
+    print(f"wrote {model.weights} ({model.weights.stat().st_size / 1e6:.2f} MB, "
           f"{sum(v.numel() for v in state.values())} parameters)")
 
 

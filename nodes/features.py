@@ -9,7 +9,7 @@ patcher wrappers that drive every feature of the MODEL:
     reverse order, errors and interrupts included, then publishes the run's one statistics entry
     (``nodes.stats_store``), made of each session's ``report()``. The guider's model options are swapped for a copy
     for the run and always restored. Before any session exists, ``checked_for_drift`` checks the model
-    (``nodes.drift``).
+    (``nodes.families.drift``).
   * PREPARE_SAMPLING, model load: after ComfyUI loaded the models for the run, each session's ``after_load`` may act
     on the loaded MODEL (offload must); whatever it does is undone by the session's ``close``.
   * DIFFUSION_MODEL, one model call: sessions install their hooks lazily on the module actually called (so deep
@@ -34,7 +34,7 @@ import comfy.patcher_extension as pe
 import torch
 
 from ..omni_hooks.context import CallContext
-from . import drift
+from .families import drift
 from . import stats_store
 from .stats_store import FeatureReport, RunHeader
 

@@ -76,6 +76,10 @@ class BlockStack:
     # With a PackedStreams head: for the second, third, ... stream, the module after the stack that receives it and
     # where (``tail`` receives the first), in the order the model calls them.
     stream_tails: Sequence[tuple[torch.nn.Module, TensorArg]] = ()
+    # ``must_compute(args, kwargs)`` on the head block's call: why this call must run its blocks whatever the cache
+    # decides (a reason for the statistics), or None. For blocks whose outputs feed more than the hidden stream on
+    # some calls (HiDream-O1's layers fill the model's own key/value cache on its first call for a prompt).
+    must_compute: Callable[[tuple, dict], str | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.blocks:

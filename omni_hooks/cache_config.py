@@ -27,7 +27,8 @@ class StackCacheConfig:
     * ``cache_device``: where cached residuals are kept; None keeps them where they were computed.
     * ``calibrate``: compute every step and record what the cache's calibration needs.
     * ``forecast_order`` (0, 1, 2): a skipped step adds the residual of the last computed step (0) or the
-      extrapolation through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``).
+      extrapolation through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``); "auto" chooses the order per branch and skipped step from how well each predicted the run's
+      computed residuals.
     * ``few_step``: the steps a run of few steps always computes (``omni_hooks.few_step``); None: no rule. A
       calibrating run ignores it (it computes every step anyway).
     * ``model_label`` / ``notes``: what the run's statistics say about the model and the choice made for it.
@@ -39,7 +40,7 @@ class StackCacheConfig:
     end_percent: float = 1.0
     cache_device: torch.device | None = None
     calibrate: bool = False
-    forecast_order: int = 0
+    forecast_order: int | str = 0
     few_step: FewStepRule | None = None
     model_label: str = "unknown"
     notes: tuple[str, ...] = ()

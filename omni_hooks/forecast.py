@@ -8,23 +8,46 @@ index when the host gives no sigma), so that a polynomial-in-sigma residual of d
 
 Memory: a branch keeps at most ``order + 1`` residuals (``ResidualHistory.limit``); the caches count them in
 ``cache_bytes``. A forecast that is not finite everywhere is replaced by the last residual (``Forecast.fell_back``).
+
+``AUTO`` chooses the order per branch and skipped step from what the run has seen, with no extra model call: at each
+computed step, before its residual joins the history, every order that has enough older residuals predicts it from
+them (``ResidualHistory.prediction_errors``); ``OrderScores`` keeps a running relative error per order and a skip
+uses the order with the smallest one, plain reuse unless an order beats it. An auto branch keeps ``MAX_ORDER + 2``
+residuals (the newest is scored against the ``MAX_ORDER + 1`` before it). The scores are measured per rank shard and
+averaged over the ranks (like the caches' metrics), so every rank of a group chooses the same order. The skip policy
+does not use them: scaling the accumulated change by the forecast's measured gain over reuse skipped more steps at a
+threshold but lost more quality than it saved evaluations (docs/benchmarks.md).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 ORDERS = (0, 1, 2)
+MAX_ORDER = ORDERS[-1]
+AUTO = "auto"                            # the order chosen per branch and skipped step (OrderScores)
 FORECAST = "forecast"                   # BranchDecision.reason of a skipped branch whose residual was forecast
 FORECAST_FALLBACK = "forecast-fallback"  # ... whose forecast was not finite, so the last residual was reused
 
 
-def check_order(order: int) -> int:
-    """``order`` as an int; ValueError unless it is one of ``ORDERS``."""
-    if int(order) != order or int(order) not in ORDERS:
-        raise ValueError(f"forecast order must be one of {ORDERS}, got {order!r}")
+SCORE_MEMORY = 0.5  # the running scores: weight of the newest measurement
+
+
+def check_order(order: int | str) -> int | str:
+    """``order`` as an int, or ``AUTO``; ValueError unless it is one of ``ORDERS`` or ``AUTO``."""
+    if order == AUTO:
+        return AUTO
+    if isinstance(order, str) or int(order) != order or int(order) not in ORDERS:
+        raise ValueError(f"forecast order must be one of {ORDERS} or {AUTO!r}, got {order!r}")
     return int(order)
+
+
+def history_limit(order: int | str) -> int:
+    """How many residuals a branch keeps for ``order``: order + 1, and for ``AUTO`` one more than the highest
+    order needs, to score it."""
+    return MAX_ORDER + 2 if order == AUTO else int(order) + 1
 
 
 def lagrange_weights(nodes: list[float], x: float) -> list[float]:
@@ -82,19 +105,80 @@ class ResidualHistory:
     def last(self) -> torch.Tensor | None:
         return self.residuals[-1] if self.residuals else None
 
-    def forecast(self, coord: float | None, check_finite: bool = True) -> Forecast:
-        """The residual at ``coord``: the extrapolation through the kept residuals (order = entries - 1), or the
-        last residual when only one is kept, ``coord`` is None, or (``check_finite``) the extrapolation is not
-        finite. Computed in at least float32, returned in the residuals' dtype."""
+    def forecast(self, coord: float | None, check_finite: bool = True, order: int | None = None) -> Forecast:
+        """The residual at ``coord``: the extrapolation through the newest ``order + 1`` kept residuals (None: all
+        of them, order = entries - 1; fewer kept: as many as there are), or the last residual when only one is
+        used, ``coord`` is None, or (``check_finite``) the extrapolation is not finite. Computed in at least
+        float32, returned in the residuals' dtype."""
         last = self.last
-        usable = len(self.residuals) > 1 and coord is not None and coord not in self.coords
+        used = len(self.residuals) if order is None else min(order + 1, len(self.residuals))
+        usable = used > 1 and coord is not None and coord not in self.coords
         if not usable:
             return Forecast(last)
-        weights = lagrange_weights([float(c) for c in self.coords], float(coord))
-        dtype = torch.promote_types(last.dtype, torch.float32)
-        out = torch.zeros_like(last, dtype=dtype)
-        for w, r in zip(weights, self.residuals):
-            out.add_(r.to(device=last.device, dtype=dtype), alpha=w)
+        out = self._extrapolate(self.coords[-used:], self.residuals[-used:], float(coord))
         if check_finite and not bool(torch.isfinite(out).all()):
             return Forecast(last, fell_back=True)
-        return Forecast(out.to(last.dtype), order=len(self.residuals) - 1)
+        return Forecast(out.to(last.dtype), order=used - 1)
+
+    @staticmethod
+    def _extrapolate(coords: list, residuals: list[torch.Tensor], coord: float) -> torch.Tensor:
+        """The Lagrange extrapolation to ``coord`` (in at least float32, on the newest residual's device)."""
+        last = residuals[-1]
+        weights = lagrange_weights([float(c) for c in coords], coord)
+        out = torch.zeros_like(last, dtype=torch.promote_types(last.dtype, torch.float32))
+        for w, r in zip(weights, residuals):
+            out.add_(r.to(device=last.device, dtype=out.dtype), alpha=w)
+        return out
+
+    def prediction_errors(self, coord: float | None, residual: torch.Tensor) -> list[torch.Tensor | None]:
+        """Before ``residual`` (at ``coord``) is added: per order of ``ORDERS``, the squared L2 error the forecast
+        of that order from the kept residuals would have made predicting it (None: not enough residuals of this
+        shape with distinct coordinates), then ``residual``'s squared L2 norm. 0-d float32 tensors, no host sync."""
+        errors: list[torch.Tensor | None] = [None] * len(ORDERS)
+        comparable = (self.residuals and coord is not None and None not in self.coords and coord not in self.coords
+                      and self.residuals[-1].shape == residual.shape)
+        target = residual.float()
+        if comparable:
+            for order in ORDERS:
+                if order + 1 > len(self.residuals):
+                    break
+                made = self._extrapolate(self.coords[-order - 1:], self.residuals[-order - 1:], float(coord))
+                errors[order] = (made.to(target.device) - target).square().sum()
+        return [*errors, target.square().sum()]
+
+
+@dataclass
+class OrderScores:
+    """A branch's running relative squared error of each order (``errors[order]``, None: not measured yet).
+
+    ``update`` takes one measurement (``ResidualHistory.prediction_errors`` as floats): an order's score moves
+    toward its error divided by the residual's squared norm, by ``SCORE_MEMORY``.
+    """
+
+    errors: list[float | None] = field(default_factory=lambda: [None] * len(ORDERS))
+
+    def update(self, measured: list[float | None]) -> None:
+        *errors, norm = measured
+        if norm is None:
+            return
+        for order, error in enumerate(errors):
+            if error is None or not math.isfinite(error):
+                continue
+            relative = error / (norm + 1e-12)
+            old = self.errors[order]
+            self.errors[order] = relative if old is None else (1 - SCORE_MEMORY) * old + SCORE_MEMORY * relative
+
+    def best(self, available: int = MAX_ORDER) -> int:
+        """The order (at most ``available``) with the smallest score; 0 (reuse) unless another one beats it."""
+        reuse = self.errors[0]
+        if reuse is None:
+            return 0
+        best, best_error = 0, reuse
+        for order in range(1, min(available, MAX_ORDER) + 1):
+            error = self.errors[order]
+            if error is not None and error < best_error:
+                best, best_error = order, error
+        return best
+
+    def clear(self) -> None:
+        self.errors = [None] * len(ORDERS)

@@ -6,7 +6,10 @@ Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_cal
     input becomes *head input + cached residual*: the residual is added exactly once, however many blocks there are;
   * on a compute, the tail stores ``tail input - head input`` per branch (the residual the next skip reuses);
   * with ``forecast_order`` k > 0 a branch keeps its last k + 1 residuals and a skip adds their extrapolation to the
-    call's sigma (``omni_hooks.forecast``) instead of the last one; its reason becomes "forecast".
+    call's sigma (``omni_hooks.forecast``) instead of the last one; its reason becomes "forecast";
+  * with ``forecast_order`` "auto" each computed call scores every order on predicting its residual from the older
+    ones (means over the ranks under sequence parallelism) and a skip uses the best-scoring order (0: reuse).
+Every skipped branch's record says which order its residual came from (``BranchDecision.forecast_order``).
 The stack is skipped only when every branch of the call may skip (and, under sequence parallelism, only when every
 rank may: ``CallContext.rank.agreement``); the verdict is written to the call's ``CallContext.blocks_run``. Outside a
 call every hook passes through. All hooks are of the caching phase, so a placement hook (offload) on a block runs only
@@ -27,7 +30,7 @@ from .blockstack import BlockStack
 from .context import CallContext
 from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
-from .forecast import FORECAST, FORECAST_FALLBACK, ResidualHistory
+from .forecast import AUTO, FORECAST, FORECAST_FALLBACK, OrderScores, ResidualHistory, history_limit
 from .stats import BranchDecision, CacheRunStats, EvaluationRecord
 
 
@@ -40,6 +43,8 @@ class CachedResidualState(BaseState):
     residual_input_shape: torch.Size | None = None
     # with forecasting: the last computed residuals (the newest is ``previous_residual``)
     history: ResidualHistory = field(default_factory=ResidualHistory)
+    # with the "auto" forecast: how well each order has predicted this branch's computed residuals
+    scores: OrderScores = field(default_factory=OrderScores)
 
     def reset(self) -> None:
         self.__init__()
@@ -177,6 +182,9 @@ class StackCacheRun:
                 self.stats.few_step_note = few_step.describe(total)
             if few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
                 decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == "reuse" else d for d in decisions]
+        must = self.stack.must_compute(args, kwargs) if self.stack.must_compute is not None else None
+        if must is not None:
+            decisions = [Decision(must, d.metric) if d.reason == "reuse" else d for d in decisions]
         local_compute = any(d.reason != "reuse" for d in decisions)
         agreement = call.context.rank.agreement
         # under sequence parallelism every rank must take the same path, or one waits in a collective forever
@@ -243,11 +251,14 @@ class StackCacheRun:
         coord = self.coordinate(call.context)
         residuals = []
         for i, st in enumerate(states):
-            made = st.history.forecast(coord)
+            order = st.scores.best(len(st.history.residuals) - 1) if self.config.forecast_order == AUTO else None
+            made = st.history.forecast(coord, order=order)
             residuals.append(made.residual if made.residual is not None else st.previous_residual)
             reason = FORECAST_FALLBACK if made.fell_back else FORECAST if made.order else None
-            if reason and call.record is not None and i < len(call.record.branches):
-                call.record.branches[i].reason = reason
+            if call.record is not None and i < len(call.record.branches):
+                call.record.branches[i].forecast_order = made.order
+                if reason:
+                    call.record.branches[i].reason = reason
             if made.fell_back:
                 self.stats.warn("a forecast residual was not finite; those steps reused the last computed residual "
                                 f"({FORECAST_FALLBACK!r} in the per-step reasons)")
@@ -269,16 +280,31 @@ class StackCacheRun:
             return
         size = output.shape[0] // call.chunk
         residual = (output - head_input).detach()
+        coord = self.coordinate(call.context)
+        measured: list[torch.Tensor | None] = []
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
             part = residual[i * size:(i + 1) * size]
             st.previous_residual = part.to(self.config.cache_device) if self.config.cache_device is not None else part
             st.residual_input_shape = head_input[i * size:(i + 1) * size].shape
             if self.config.forecast_order:
-                st.history.limit = self.config.forecast_order + 1
-                st.history.add(self.coordinate(call.context), st.previous_residual)
+                if self.config.forecast_order == AUTO:
+                    measured += st.history.prediction_errors(coord, st.previous_residual)
+                st.history.limit = history_limit(self.config.forecast_order)
+                st.history.add(coord, st.previous_residual)
             self.on_residual(call, key, part, output[i * size:(i + 1) * size].detach())
+        if measured:
+            self._score_orders(call, measured)
         self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache_bytes())
+
+    def _score_orders(self, call: ActiveCall, measured: list[torch.Tensor | None]) -> None:
+        """Update each branch's ``OrderScores`` from its prediction errors (``ResidualHistory.prediction_errors``,
+        concatenated over the call's branches): one host sync, and under sequence parallelism the means over the
+        ranks, so that every rank chooses the same orders."""
+        floats = self.measured_floats(call, measured)
+        width = len(floats) // len(call.keys)
+        for i, key in enumerate(call.keys):
+            self.branch_state(key).scores.update(floats[i * width:(i + 1) * width])
 
     # -- hooks ----------------------------------------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 NON_FINITE_TEXT = ("NaN", "Infinity", "-Infinity")
+# what a skipped branch's residual came from, by ``BranchDecision.forecast_order``
+ORDER_NAMES = {0: "reuse", 1: "1st order", 2: "2nd order"}
 
 
 def json_safe(value: Any) -> Any:
@@ -42,10 +44,13 @@ class BranchDecision:
     branch: str            # "cond", "uncond", "cond.1", ...
     computed: bool
     reason: str            # "first", "forced", "window", "retention", "shape", "threshold", "max-skips", "reuse",
-    #                        "calibrate", "disabled", "other-branch", "other-rank", "few-step"; a skipped branch is
+    #                        "calibrate", "disabled", "other-branch", "other-rank", "few-step", a stack's own
+    #                        ``must_compute`` reason ("model-cache"); a skipped branch is
     #                        "reuse", "forecast" (its residual extrapolated) or "forecast-fallback" (a non-finite forecast)
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
+    # with a forecast: the order a skipped branch's residual came from (0: the last residual reused); None otherwise
+    forecast_order: int | None = None
 
 
 @dataclass
@@ -119,6 +124,10 @@ class CacheRunStats:
                 r in ("first", "forced", "window", "retention", "calibrate", "few-step", "threshold", "max-skips")
                 for r in reasons) and "few-step" in reasons:
             return self.few_step_note
+        if "model-cache" in reasons and all(
+                r in ("first", "forced", "window", "retention", "few-step", "shape", "model-cache") for r in reasons):
+            return ("the model filled its own key/value cache on every call (a prompt or reference image it had not "
+                    "seen), and such calls are always computed")
         if all(r in ("first", "forced", "window", "retention", "calibrate") for r in reasons):
             return ("every step was forced (first/last steps, retention steps or outside start/end percent); "
                     "use more steps or widen the start/end window")
@@ -131,6 +140,13 @@ class CacheRunStats:
             return "the latent shape changed between steps, so no residual could be reused"
         return ("the accumulated change always exceeded the threshold; raise the threshold, or the model may be "
                 "few-step/distilled, where caching has little to skip")
+
+    def forecast_orders(self) -> dict[str, int] | None:
+        """With a forecast: how many skipped branch evaluations used each order (``ORDER_NAMES``); None without."""
+        used = [b.forecast_order for e in self.evaluations for b in e.branches if b.forecast_order is not None]
+        if not used:
+            return None
+        return {name: used.count(order) for order, name in ORDER_NAMES.items() if order in used}
 
     def summary(self) -> dict[str, Any]:
         total = len(self.evaluations)
@@ -167,6 +183,7 @@ class CacheRunStats:
             "cache_bytes": self.cache_bytes,
             "warnings": warnings,
             "notes": list(self.notes) + ([self.few_step_note] if self.few_step_note else []),
+            "forecast_orders": self.forecast_orders(),
         }
 
     def log_line(self) -> str:
@@ -175,6 +192,8 @@ class CacheRunStats:
                              for name, c in sorted(s["branches"].items()))
         line = (f"{self.kind} ({self.model}, threshold {self.threshold:g}): reused {s['reused']}/{s['evaluations']} "
                 f"model evaluations ({branches}); ~{s['estimated_speedup']:.2f}x in the model")
+        if s["forecast_orders"]:
+            line += "; skipped branches from " + ", ".join(f"{name} {n}" for name, n in s["forecast_orders"].items())
         if s["warnings"]:
             line += "; " + "; ".join(s["warnings"])
         return line
@@ -187,7 +206,8 @@ class CacheRunStats:
         """The evaluations in at most ``max_bins`` consecutive bins of equal size, for runs too long to keep each.
 
         ``{"bin_size": n, "bins": [{first_step, last_step, evaluations, computed, seconds, branches: {name:
-        {computed, reused, reasons: {reason: count}, metric_max, threshold}}}]}``; JSON-safe. ``metric_max`` is the
+        {computed, reused, reasons: {reason: count}, orders: {order: count}, metric_max, threshold}}}]}``
+        (``orders``: the skipped evaluations' ``forecast_order``s, empty without a forecast); JSON-safe. ``metric_max`` is the
         largest finite metric of the bin (None when none), so the plot keeps its peaks.
         """
         size = max(1, math.ceil(len(self.evaluations) / max(max_bins, 1)))
@@ -198,9 +218,11 @@ class CacheRunStats:
             branches: dict[str, dict[str, Any]] = {}
             for e in chunk:
                 for b in e.branches:
-                    agg = branches.setdefault(b.branch, {"computed": 0, "reused": 0, "reasons": {},
+                    agg = branches.setdefault(b.branch, {"computed": 0, "reused": 0, "reasons": {}, "orders": {},
                                                          "metric_max": None, "threshold": b.threshold})
                     agg["computed" if b.computed else "reused"] += 1
+                    if b.forecast_order is not None:
+                        agg["orders"][b.forecast_order] = agg["orders"].get(b.forecast_order, 0) + 1
                     agg["reasons"][b.reason] = agg["reasons"].get(b.reason, 0) + 1
                     if b.metric is not None and math.isfinite(b.metric):
                         agg["metric_max"] = b.metric if agg["metric_max"] is None else max(agg["metric_max"], b.metric)

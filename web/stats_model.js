@@ -19,12 +19,16 @@ export const REASONS = {
   forced: { label: "forced", help: "first/last steps (or calibrated warm-up steps) are always computed" },
   window: { label: "outside window", help: "outside start_percent..end_percent: computed" },
   shape: { label: "shape changed", help: "the input shape changed, the cached residual does not fit: computed" },
+  "model-cache": { label: "model cache", help: "the model filled its own key/value cache on this call (HiDream-O1, a prompt or reference image it had not seen): computed" },
   "other-branch": { label: "other branch", help: "this branch could have been reused, but another branch of the same batch needed computing" },
   calibrate: { label: "calibrating", help: "a calibration run computes every step" },
   disabled: { label: "disabled", help: "caching is disabled for this run: computed" },
   measure: { label: "measured", help: "measured, no verdict" },
   mixed: { label: "mixed", help: "several evaluations summarised in one cell" },
 };
+
+/** What a skipped branch's residual came from (omni_hooks/stats.py BranchDecision.forecast_order). */
+export const FORECAST_ORDERS = { 0: "reuse", 1: "1st order", 2: "2nd order" };
 
 const NON_FINITE = new Set(["NaN", "Infinity", "-Infinity"]);
 
@@ -88,6 +92,7 @@ function record(ev) {
     branches: (Array.isArray(ev.branches) ? ev.branches : []).map((b) => ({
       branch: String(b?.branch ?? "all"), computed: !!b?.computed, reason: String(b?.reason ?? ""),
       metric: b?.metric ?? null, threshold: b?.threshold ?? null,
+      forecast_order: Number.isInteger(b?.forecast_order) ? b.forecast_order : null,
     })),
   };
 }
@@ -214,7 +219,8 @@ export function speedupBasis(c) {
 }
 
 function emptyCell(step) {
-  return { first_step: step, last_step: step, n: 0, computed: 0, reused: 0, reasons: {}, metric: null, threshold: null };
+  return { first_step: step, last_step: step, n: 0, computed: 0, reused: 0, reasons: {}, orders: {}, metric: null,
+    threshold: null };
 }
 
 /** Per branch, one cell per evaluation (or per timeline bin of a summarised long run). */
@@ -227,6 +233,7 @@ export function branchCells(run) {
         cell.n = 1;
         cell[b.computed ? "computed" : "reused"] = 1;
         cell.reasons[b.reason || (b.computed ? "threshold" : "reuse")] = 1;
+        if (b.forecast_order != null) cell.orders[b.forecast_order] = 1;
         cell.metric = b.metric;
         cell.threshold = b.threshold;
         (out[b.branch] ??= []).push(cell);
@@ -242,6 +249,7 @@ export function branchCells(run) {
       cell.reused = finiteOr(b.reused, 0);
       cell.n = cell.computed + cell.reused;
       cell.reasons = { ...(b.reasons ?? {}) };
+      cell.orders = { ...(b.orders ?? {}) };
       cell.metric = b.metric_max ?? null;
       cell.threshold = b.threshold ?? null;
       (out[name] ??= []).push(cell);
@@ -261,6 +269,7 @@ export function binCells(cells, maxCells) {
     for (const c of group) {
       cell.n += c.n; cell.computed += c.computed; cell.reused += c.reused;
       for (const [r, k] of Object.entries(c.reasons)) cell.reasons[r] = (cell.reasons[r] ?? 0) + k;
+      for (const [o, k] of Object.entries(c.orders ?? {})) cell.orders[o] = (cell.orders[o] ?? 0) + k;
       const m = finiteOr(c.metric);
       if (m !== null) cell.metric = Math.max(finiteOr(cell.metric, -Infinity), m);
       cell.threshold = c.threshold ?? cell.threshold;
@@ -289,7 +298,8 @@ export function cellReason(cell) {
 }
 
 function laneKey(cells) {
-  return cells.map((c) => `${c.first_step}:${Object.entries(c.reasons).sort().join(",")}`).join(";");
+  return cells.map((c) => `${c.first_step}:${Object.entries(c.reasons).sort().join(",")}`
+    + `:${Object.entries(c.orders ?? {}).sort().join(",")}`).join(";");
 }
 
 /** Sort order of branch names: cond entries, then uncond entries, then the rest (numbers by value). */
@@ -341,7 +351,16 @@ export function describeCell(cell, lane) {
   const what = cell.n > 1 ? `${cell.reused}/${cell.n} reused (${reasons.join(", ")})`
     : `${cell.reused ? "reused" : "computed"}${cell.reused ? "" : ` (${reasons.join(", ")})`}`;
   const metric = cell.metric == null ? "" : `, ${cell.n > 1 ? "peak " : ""}change ${formatValue(cell.metric)}`;
-  return `${lane.label}, ${steps}: ${what}${metric}`;
+  return `${lane.label}, ${steps}: ${what}${forecastWords(cell)}${metric}`;
+}
+
+/** With a forecast: which order each skipped evaluation of ``cell`` used, e.g. ", 1st order" or
+ * ", 1st order 3, reuse 1" ("" without a forecast). */
+export function forecastWords(cell) {
+  const orders = Object.entries(cell.orders ?? {}).sort((a, b) => b[1] - a[1] || a[0] - b[0]);
+  if (!orders.length) return "";
+  const name = (o) => FORECAST_ORDERS[o] ?? `order ${o}`;
+  return ", " + (cell.n > 1 ? orders.map(([o, k]) => `${name(o)} ${k}`) : orders.map(([o]) => name(o))).join(", ");
 }
 
 /** Axis labels for a strip: 1-based step numbers at the first, middle and last cell (the last one's last step). */

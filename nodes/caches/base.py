@@ -29,7 +29,7 @@ from ...omni_hooks.stats import BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
 from .. import families
 from .. import stats_store
-from ..drift import ModelDriftError
+from ..families.drift import ModelDriftError
 from ..families import DetectedModel
 from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, named, register_feature
 from ..stats_store import FeatureReport

@@ -1,12 +1,14 @@
 """The registered model families and detection: from the diffusion model's class and config, never a file name.
 
-Every module of this package other than ``base`` is a family file defining ``FAMILY`` (a ``ModelFamily``); they
-are all registered, so adding a family is adding its file (and its tiny test model, see
+Every module of this package other than ``base`` (the shape families share), ``drift`` and ``pass_through`` (the
+check, when a run starts, of what the families expect of the loaded model) is a family file defining ``FAMILY`` (a
+``ModelFamily``); they are all registered, so adding a family is adding its file (and its tiny test model, see
 docs/adding-a-model-family.md). Detection tries the families in ``FAMILIES`` order: by module name, except that a
 family's ``detect_before`` puts it ahead of the families it names.
 """
 from __future__ import annotations
 
+import graphlib
 import importlib
 import pkgutil
 from typing import Iterable
@@ -17,50 +19,56 @@ from comfy_api.latest import io
 from ._refused import refusal
 from .base import AutoChoice, DetectedModel, ModelFamily, UnsupportedModelError, Variant
 
-_NOT_FAMILIES = {"base"}
+NOT_FAMILIES = frozenset({"base", "drift", "pass_through"})  # the modules here that are not family files
 
 
-def order_by_precedence(families: Iterable[ModelFamily]) -> tuple[ModelFamily, ...]:
+def detection_order(families: Iterable[ModelFamily]) -> tuple[ModelFamily, ...]:
     """``families`` in their given order, except that each comes before every family its ``detect_before`` names.
 
-    ValueError for a duplicate name, a ``detect_before`` naming no given family, or a precedence cycle.
+    Deterministic: of the families whose predecessors are placed, the earliest given goes next, so a given order
+    that already respects every ``detect_before`` is kept as it is. ValueError for a duplicate name, a
+    ``detect_before`` naming no given family, or a precedence cycle (naming the families in it).
     """
     given = list(families)
-    by_name: dict[str, ModelFamily] = {}
-    for family in given:
-        if family.name in by_name:
+    position: dict[str, int] = {}
+    for index, family in enumerate(given):
+        if family.name in position:
             raise ValueError(f"two model families are named {family.name!r}")
-        by_name[family.name] = family
-    must_follow: dict[str, set[str]] = {name: set() for name in by_name}  # name -> families that go before it
+        position[family.name] = index
+    sorter: graphlib.TopologicalSorter[str] = graphlib.TopologicalSorter()
     for family in given:
+        sorter.add(family.name)
         for later in family.detect_before:
-            if later not in by_name:
+            if later not in position:
                 raise ValueError(f"model family {family.name!r}: detect_before names {later!r}, which is not a "
-                                 f"registered family ({', '.join(by_name)})")
-            must_follow[later].add(family.name)
+                                 f"registered family ({', '.join(position)})")
+            sorter.add(later, family.name)
+    try:
+        sorter.prepare()
+    except graphlib.CycleError as e:
+        raise ValueError(f"model families {' -> '.join(e.args[1])} have a detect_before cycle") from None
     ordered: list[ModelFamily] = []
-    placed: set[str] = set()
-    while len(ordered) < len(given):
-        ready = next((f for f in given if f.name not in placed and must_follow[f.name] <= placed), None)
-        if ready is None:
-            cycle = sorted(name for name in by_name if name not in placed)
-            raise ValueError(f"model families {cycle} have a detect_before cycle")
-        ordered.append(ready)
-        placed.add(ready.name)
+    ready: list[str] = []
+    while sorter.is_active():
+        ready.extend(sorter.get_ready())
+        ready.sort(key=position.__getitem__)
+        name = ready.pop(0)
+        ordered.append(given[position[name]])
+        sorter.done(name)
     return tuple(ordered)
 
 
 def _discover() -> tuple[ModelFamily, ...]:
     families = []
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name in _NOT_FAMILIES or info.name.startswith("_"):
+        if info.name in NOT_FAMILIES or info.name.startswith("_"):
             continue
         module = importlib.import_module(f"{__name__}.{info.name}")
         family = getattr(module, "FAMILY", None)
         if not isinstance(family, ModelFamily):
             raise TypeError(f"nodes/families/{info.name}.py must define FAMILY = ModelFamily(...)")
         families.append(family)
-    return order_by_precedence(families)
+    return detection_order(families)
 
 
 #: Every registered family, in detection order.
@@ -123,4 +131,4 @@ def _detected(family: ModelFamily, variant: Variant) -> DetectedModel:
 
 
 __all__ = ["FAMILIES", "AutoChoice", "DetectedModel", "ModelFamily", "UnsupportedModelError", "Variant", "detect",
-           "detect_for_node", "family_named", "model_input", "order_by_precedence", "supported_families"]
+           "detect_for_node", "detection_order", "family_named", "model_input", "supported_families"]

@@ -30,12 +30,6 @@ REFUSED: dict[str, str] = {
         ("StableAudio3", "audio"), ("ACEStep15", "audio"), ("MiniMaxMusic3", "music"), ("TripoSplat", "3D shapes"),
         ("Trellis2", "3D shapes"), ("RT_DETR_v4", "object detection"), ("SAM3", "segmentation"),
         ("SAM31", "segmentation"), ("DepthAnything3", "depth estimation"))},
-    "MiniMaxH3": ("MiniMax-H3's blocks take one packed sequence of text, reference, audio and video tokens without a "
-                  "batch dimension, modulated segment by segment at absolute token positions, which no family here "
-                  "describes yet; a token split would also cut those segments"),
-    "HiDreamO1": ("HiDream-O1 denoises image tokens inside a language model whose layers keep the prompt's keys and "
-                  "values from the first call and reuse them on later calls: skipping or streaming those layers would "
-                  "leave that cache incomplete, and the calls differ in length"),
     "SeedVR2": ("SeedVR2 is a video restoration model (NaDiT: windowed attention over variable-length patches), not a "
                 "text-to-image or video generator with a block stack the pack describes"),
     "ZImagePixelSpace": ("Z-Image pixel space ends in a per-patch decoder network (dec_net) instead of NextDiT's final "

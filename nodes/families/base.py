@@ -118,15 +118,16 @@ class ModelFamily:
     ``name`` is the family's key everywhere (calibration files, the ``family`` of the published tables);
     ``display_name`` is how users see it in the supported-families list. ``resident`` names the attributes of the
     diffusion model (modules or parameters; a name absent on some variant is skipped) that hold weights outside the
-    block stack: embeddings, the tail, side branches such as VACE blocks. With the blocks of ``build_stack`` they hold
+    block stack: embeddings, the tail, side branches such as VACE blocks (a dotted name reaches into a submodule:
+    HiDream-O1's ``language_model.embed_tokens``). With the blocks of ``build_stack`` they hold
     every parameter and buffer of the model (checked on every tiny and real-size test model), so an offloading feature
     can stream the blocks and keep exactly these on the compute device.
 
     ``auto_keys`` lists, by cache kind, every key ``resolve_variant`` may recommend; detection refuses a key
     outside them, and the tests check each exists in its table under this family. ``detect_before`` names families
     whose matcher must be tried after this one (e.g. Chroma before Flux), so precedence never rests on file order.
-    ``expects`` is what the family's code assumes about the model's blocks, call and plan inputs; ``nodes.drift``
-    checks it against the loaded model when a run starts.
+    ``expects`` is what the family's code assumes about the model's blocks, call and plan inputs;
+    ``nodes.families.drift`` checks it against the loaded model when a run starts.
     """
 
     name: str
@@ -148,7 +149,7 @@ class ModelFamily:
         """The ``resident`` attributes this model has (modules or parameters), by name, in declaration order."""
         found = {}
         for name in self.resident:
-            value = getattr(diffusion_model, name, None)
+            value = dotted_attribute(diffusion_model, name)
             if isinstance(value, (torch.nn.Module, torch.Tensor)):
                 found[name] = value
         return found
@@ -182,6 +183,13 @@ class DetectedModel:
 
     def resident_modules(self, diffusion_model: torch.nn.Module) -> dict[str, torch.nn.Module | torch.Tensor]:
         return self.model_family.resident_modules(diffusion_model)
+
+
+def dotted_attribute(obj: Any, name: str) -> Any:
+    """``obj.<name>`` where a dotted ``name`` reaches into submodules ("language_model.layers"); None if absent."""
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def pe_embedder_probe(dm: torch.nn.Module) -> torch.Tensor:

@@ -24,7 +24,7 @@ def env(user_dir):
 
     class Env:
         tiny = tiny_models
-        drift = pack_module("nodes.drift")
+        drift = pack_module("nodes.families.drift")
         caches = pack_module("nodes.caches.base")
         stats = pack_module("nodes.stats_store")
 
@@ -142,7 +142,8 @@ def test_a_calibration_on_a_model_that_cannot_be_checked_stops_before_sampling(e
 
 
 @pytest.mark.parametrize("case_name", ["wan21_t2v", "wan21_i2v", "wan22_ti2v", "flux", "flux_kontext", "chroma",
-                                       "hunyuan_video", "ltxv", "qwen_image", "lumina2", "hidream"])
+                                       "hunyuan_video", "ltxv", "qwen_image", "lumina2", "hidream", "minimax_h3",
+                                       "hidream_o1"])
 def test_every_familys_model_passes_the_check_on_this_host(env, case_name):
     from omnitest.pack import pack_module
 

@@ -34,7 +34,7 @@ def env(user_dir):
     class Env:
         tiny = tiny_models
         pack = other_pack
-        drift = pack_module("nodes.drift")
+        drift = pack_module("nodes.families.drift")
         stats = pack_module("nodes.stats_store")
         teacache = pack_module("nodes.caches.teacache")
         magcache = pack_module("nodes.caches.magcache")
@@ -132,7 +132,7 @@ def test_what_cannot_be_followed_is_said(env):
     """The probe's own answers on toy forwards: a callable object, a forward reached only through an attribute."""
     from omnitest.pack import pack_module
 
-    follow = pack_module("nodes.pass_through").follow
+    follow = pack_module("nodes.families.pass_through").follow
     call = ((torch.zeros(1),), {"transformer_options": {}})
     always_opaque = lambda f: True  # noqa: E731
 

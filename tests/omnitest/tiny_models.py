@@ -49,8 +49,8 @@ class TinyCase:
       * ``patcher`` is a fresh ``ModelPatcher`` (load and offload device CPU, float32) around a model nobody
         else holds; tests that patch must sample a ``patcher.clone()``, as nodes do.
       * ``positive`` / ``negative`` are CONDITIONING lists with the widths and extra keys this model needs;
-        they differ from each other, have equal token counts (so CFG batches cond and uncond in one forward)
-        and are never mutated by sampling.
+        they differ from each other, have equal token counts (so CFG batches cond and uncond in one forward;
+        except for a model ComfyUI calls once per branch, ``calls_per_step`` 2) and are never mutated by sampling.
       * ``latent`` has the model's latent shape (channels, 4-D image or 5-D ``[B, C, T, H, W]`` video).
         It is what the empty-latent / image-to-video node would output: zeros, except ``wan22_ti2v`` whose
         first frame is an encoded start image; ``noise_mask`` is then the node's ``noise_mask`` (0 = keep).
@@ -70,6 +70,13 @@ class TinyCase:
     noise_mask: Optional[torch.Tensor] = None
     config_name: str = ""
     unet_config: dict = field(default_factory=dict)
+    #: diffusion-model calls per sampling step at cfg > 1: 1 where ComfyUI batches cond and uncond into one call, 2
+    #: for a model that takes batch size 1 (MiniMax-H3), whose branches ComfyUI calls one after the other
+    calls_per_step: int = 1
+
+    def call_steps(self, steps: int) -> list[int]:
+        """The step of each diffusion-model call of a ``steps``-step sampling run at cfg > 1, in call order."""
+        return [step for step in range(steps) for _ in range(self.calls_per_step)]
 
     @property
     def diffusion_model(self) -> torch.nn.Module:
@@ -121,6 +128,10 @@ class _Spec:
     cfg: float
     #: the ComfyUI class this case needs, ``(module, name)``: on a ComfyUI without it, building the case skips the test
     requires: Optional[tuple[str, str]] = None
+    #: fills the diffusion model's buffers as a checkpoint would (``torch.empty`` ones are otherwise uninitialised)
+    buffers: Optional[Callable[[torch.nn.Module], None]] = None
+    #: see ``TinyCase.calls_per_step``
+    calls_per_step: int = 1
 
 
 def _wan_config(**over: Any) -> dict:
@@ -282,6 +293,38 @@ def _kandinsky5_inputs(g: torch.Generator) -> _Inputs:
     return pos, neg, torch.zeros(1, 16, 2, 8, 8), None
 
 
+def _hidream_o1_inputs(g: torch.Generator) -> _Inputs:
+    # HiDream-O1's tokenizer-only text encoder: the chat template's token ids as text_input_ids (the cross_attn
+    # slot holds them as floats, [1, L, 1]); the model embeds them itself. Pixel space: EmptyImage-like [B, 3, H, W]
+    # in 32x32 patches (64x96: 6 image tokens).
+    template = ([151644, 872, 198], [151645, 198, 151644, 77091, 198, 151669, 151673])  # im_start user \n | ... tms
+
+    def cond() -> Conditioning:
+        ids = torch.tensor([[*template[0], *torch.randint(0, 151000, (6,), generator=g).tolist(), *template[1]]])
+        return [[ids.unsqueeze(-1).float(), {"text_input_ids": ids}]]
+    return cond(), cond(), torch.zeros(1, 3, 64, 96), None
+
+
+def _minimax_h3_inputs(g: torch.Generator) -> _Inputs:
+    # Qwen3-VL text states [1, L, text_dim] (MiniMaxH3.extra_conds refines them once per run);
+    # EmptyMiniMaxH3LatentAV(64x64, length 5): video [B, 24, 2, H/16, W/16] and stereo audio [B, 32, 2, 8] as one
+    # NestedTensor
+    import comfy.nested_tensor
+
+    # ComfyUI calls each branch alone (batch size 1), so the negative prompt keeps its own length: the two branches'
+    # packed sequences differ in length, as with real prompts
+    pos, neg = _cond(g, 8, 32), _cond(g, 5, 32)
+    latent = comfy.nested_tensor.NestedTensor([torch.zeros(1, 24, 2, 4, 4), torch.zeros(1, 32, 2, 8)])
+    return pos, neg, latent, None
+
+
+@torch.no_grad()
+def _minimax_h3_buffers(dm: torch.nn.Module) -> None:
+    # rotary inverse frequencies 1 / 10000^(i / n), as the checkpoint's rope.inv_freq
+    n = dm.rope.inv_freq.numel()
+    dm.rope.inv_freq.copy_(1.0 / 10000.0 ** (torch.arange(n, dtype=torch.float32) / n))
+
+
 def _hunyuan_video15_config(**over: Any) -> dict:
     config = {
         "image_model": "hunyuan_video", "in_channels": 65, "out_channels": 32, "patch_size": [1, 1, 1],
@@ -374,6 +417,24 @@ _SPECS: dict[str, _Spec] = {
         "in_text_dim2": 32, "time_dim": 32, "model_dim": 64, "ff_dim": 128, "visual_embed_dim": 132,
         "patch_size": (1, 2, 2), "num_text_blocks": 1, "num_visual_blocks": 2, "axes_dims": (8, 12, 12),
     }, _kandinsky5_inputs, 5.0, requires=("comfy.model_base", "Kandinsky5")),
+    # MiniMax-H3 (ComfyUI 0.33): 6 x rope_inv_freq_len rotary dims fit the head dim
+    "minimax_h3": _Spec("minimax_h3", "MiniMaxH3", "MiniMaxH3", {
+        "image_model": "minimax_h3", "hidden_size": 64, "num_layers": 2, "token_refiner_num_layers": 1,
+        "num_attention_heads": 2, "attention_head_dim": 32, "ffn_hidden_size": 128, "latents_dim": 24,
+        "audio_latents_dim": 32, "text_dim": 32, "timestep_input_dim": 64, "time_embed_hidden_size": 64,
+        "time_embed_dim": 32, "rope_inv_freq_len": 4,
+    }, _minimax_h3_inputs, 4.0, requires=("comfy.model_base", "MiniMaxH3"), buffers=_minimax_h3_buffers,
+       calls_per_step=2),
+    # the vocabulary stays Qwen3-VL's (the model's special token ids are fixed); the vision tower only runs on
+    # reference images
+    "hidream_o1": _Spec("hidream_o1", "HiDreamO1", "HiDreamO1", {
+        "image_model": "hidream_o1",
+        "text_config_overrides": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                  "rope_dims": [4, 2, 2]},
+        "vision_config_overrides": {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "depth": 1,
+                                    "num_position_embeddings": 64},
+    }, _hidream_o1_inputs, 4.0, requires=("comfy.model_base", "HiDreamO1")),
 }
 
 #: Every case name ``build_case`` accepts, in a stable order.
@@ -423,6 +484,8 @@ def _build_patcher(spec: _Spec, seed: int) -> comfy.model_patcher.ModelPatcher:
         raise RuntimeError(f"{spec.config_name} built model_base.{type(model).__name__}, expected {spec.base_model}")
     model = model.to(cpu)
     _fill_parameters(model.diffusion_model, seed)
+    if spec.buffers is not None:
+        spec.buffers(model.diffusion_model)
     for name, buf in model.diffusion_model.named_buffers():  # none today; an uninitialised one would be a bug
         if buf.is_floating_point() and not torch.isfinite(buf).all():
             raise RuntimeError(f"non-finite buffer {name} in tiny model")
@@ -455,7 +518,7 @@ def build_case(name: str, seed: int = 0, unet_overrides: Optional[dict] = None,
         latent = torch.zeros(latent_shape)
     return TinyCase(name=name, family=spec.family, patcher=patcher, positive=positive, negative=negative, latent=latent,
                     cfg=spec.cfg, noise_mask=noise_mask, config_name=spec.config_name,
-                    unet_config=dict(spec.unet_config))
+                    unet_config=dict(spec.unet_config), calls_per_step=spec.calls_per_step)
 
 
 def sample(case: TinyCase, model: Optional[comfy.model_patcher.ModelPatcher] = None, steps: Optional[int] = None,

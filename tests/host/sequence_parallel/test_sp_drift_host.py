@@ -30,7 +30,7 @@ def env(user_dir):
 
     class Env:
         tiny = tiny_models
-        drift = pack_module("nodes.drift")
+        drift = pack_module("nodes.families.drift")
         group_module = group
 
         @staticmethod

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from omni_hooks.forecast import FORECAST, FORECAST_FALLBACK, ResidualHistory, lagrange_weights
+from omni_hooks.forecast import (AUTO, FORECAST, FORECAST_FALLBACK, MAX_ORDER, OrderScores, ResidualHistory, history_limit,
+                                 lagrange_weights)
 from omni_hooks.magcache import MagCacheConfig, MagCacheStrategy, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
@@ -222,3 +223,94 @@ def test_magcache_forecasts_too():
     assert skipped and all(reasons(run)[i] == FORECAST for i in skipped)
     assert max(float((a - b).abs().max()) for a, b in zip(got, reference)) < 1e-10
     assert not math.isnan(run.stats.summary()["hit_rate"])
+
+
+# -- auto: the order chosen from the run's own computed residuals -----------------------------------------------------
+
+def linear(s: float, row: int) -> torch.Tensor:
+    return (1 + row) * BASE - (2 + row) * s * BASE.flip(0)
+
+
+def orders(run, branch=0):
+    return [e.branches[branch].forecast_order for e in run.stats.evaluations]
+
+
+@pytest.mark.parametrize("residual, ret_steps, order", [(linear, 3, 1), (quadratic, 4, 2)])
+def test_auto_picks_the_order_that_predicted_the_computed_steps_and_forecasts_exactly(residual, ret_steps, order):
+    # ret_steps computed (the later ones score the orders on the earlier), the rest forecast, the last forced
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    reference = sample(Model(residual), NoCache(), x, branches=("c", "u"))
+    model = Model(residual)
+    run = teacache(model, AUTO, ret_steps=ret_steps)
+    got = sample(model, run, x, branches=("c", "u"))
+    skipped = list(range(ret_steps, len(SIGMAS) - 1))
+    assert [e.computed for e in run.stats.evaluations] == [i not in skipped for i in range(len(SIGMAS))]
+    for b in (0, 1):
+        assert [orders(run, b)[i] for i in skipped] == [order] * len(skipped)
+        assert [reasons(run, b)[i] for i in skipped] == [FORECAST] * len(skipped)
+        assert orders(run, b)[0] is None  # computed steps use no order
+    for a, b in zip(got, reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
+
+
+def noisy(s: float, row: int) -> torch.Tensor:
+    """No trend in sigma: a fixed residual plus independent noise per step (seeded by the step)."""
+    g = torch.Generator().manual_seed(SIGMAS.index(s))
+    return BASE + 0.5 * torch.randn(4, 3, generator=g, dtype=torch.float64)
+
+
+def test_auto_falls_back_to_reuse_where_extrapolating_would_have_been_worse():
+    model = Model(noisy)
+    run = teacache(model, AUTO, ret_steps=4)
+    x = torch.zeros(1, 4, 3, dtype=torch.float64)
+    got = sample(model, run, x)
+    assert orders(run)[4:7] == [0, 0, 0] and reasons(run)[4:7] == ["reuse"] * 3
+    assert torch.equal(got[4], got[5])  # the last computed residual, unchanged: x is zero, so the output is it
+    scores = run.branch_state("c").scores.errors
+    assert scores[0] < scores[1] < scores[2]
+    assert e_auto_not_worse_than_reuse(noisy)
+
+
+def e_auto_not_worse_than_reuse(residual) -> bool:
+    auto, reuse = errors(residual, AUTO, ret_steps=4), errors(residual, 0, ret_steps=4)
+    return max(auto) <= max(reuse) + 1e-12
+
+
+def test_the_scores_need_order_plus_two_residuals_and_cache_bytes_count_them():
+    h = ResidualHistory(limit=history_limit(AUTO))
+    residual = torch.ones(4, 3, dtype=torch.float64)
+    assert h.prediction_errors(1.0, residual)[:3] == [None] * 3  # nothing kept: nothing to score
+    for s in SIGMAS[:3]:
+        h.add(s, quadratic(s, 0))
+    measured = h.prediction_errors(SIGMAS[3], quadratic(SIGMAS[3], 0))
+    assert all(m is not None for m in measured) and float(measured[2]) < 1e-9 * float(measured[1])
+    one = 4 * 3 * 8
+    model = Model(quadratic)
+    config = MagCacheConfig(threshold=0.0, mag_ratios=[1.0] * len(SIGMAS), forecast_order=AUTO)
+    run = apply_mag_cache_hook(model, config, strategy=TOY, implicit_calls=False)
+    sample(model, run, torch.zeros(2, 4, 3, dtype=torch.float64), branches=("c", "u"))
+    assert run.cache_bytes() == run.stats.cache_bytes == 2 * (MAX_ORDER + 2) * one
+
+
+def test_order_scores_choose_the_smallest_running_error():
+    scores = OrderScores()
+    assert scores.best() == 0  # nothing measured: reuse
+    scores.update([4.0, 1.0, None, 4.0])  # relative errors 1, 0.25; order 2 not measurable yet
+    assert scores.best() == 1 and scores.best(available=0) == 0
+    scores.update([4.0, 0.0, 0.0, 4.0])
+    assert scores.errors[1] == pytest.approx(0.125) and scores.errors[2] == 0.0
+    assert scores.best() == 2 and scores.best(available=1) == 1
+    scores.update([1.0, float("nan"), 9.0, None])  # no norm: not a measurement
+    assert scores.errors[1] == pytest.approx(0.125)
+
+
+def test_auto_with_threshold_zero_is_bit_identical_and_forecast_values_are_checked():
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    reference = sample(Model(quadratic), NoCache(), x)
+    model = Model(quadratic)
+    got = sample(model, teacache(model, AUTO, threshold=0.0), x)
+    assert all(torch.equal(a, b) for a, b in zip(got, reference))
+    for bad in ("Auto", 3, 1.5, "1"):
+        with pytest.raises(ValueError, match="forecast order must be one of"):
+            TeaCacheConfig(forecast_order=bad)
+

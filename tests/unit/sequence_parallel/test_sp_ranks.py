@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from omni_hooks.context import CallContext
+from omni_hooks.forecast import AUTO
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.magcache.strategy import MagCacheStrategy
 from omni_hooks.offload import apply_layerwise_offload
@@ -388,6 +389,34 @@ def test_teacache_decides_alike_on_every_rank_with_differing_rank_metrics(rank_p
     for r in results:
         assert r["first_step_error"] <= 1e-5 and r["finite"]
         assert r["residual_tokens"] == 16 // world and r["full_tokens"] == 16  # each rank caches its own shard
+
+
+def rank_teacache_auto_forecast(ulysses: int, ring: int):
+    """TeaCache with the auto forecast under sequence parallelism: each rank scores the orders on its own shard of
+    the residuals; the scores are averaged over the ranks, so every rank forecasts with the same order."""
+    rank = dist.get_rank()
+    model = ToyDiT()
+    sp = apply_sequence_parallel(model, degrees(ulysses, ring), sp_plan())
+    run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(rel_l1_thresh=0.07, forecast_order=AUTO),
+                              rank_signal(rank))
+    outputs = sample(model, run, sp)
+    states = [run.branch_state(k) for k in ("c", "u")]
+    return dict(pattern=[e.computed for e in run.stats.evaluations],
+                orders=[[b.forecast_order for b in e.branches] for e in run.stats.evaluations],
+                scores=[st.scores.errors for st in states],
+                residual_tokens=states[0].previous_residual.shape[1],
+                finite=all(torch.isfinite(o).all().item() for o in outputs))
+
+
+@pytest.mark.parametrize("world, ulysses, ring", [(2, 2, 1), (2, 1, 2)])
+def test_auto_forecast_chooses_the_same_order_on_every_rank(rank_pool, world, ulysses, ring):
+    results = rank_pool(world).run(rank_teacache_auto_forecast, ulysses, ring, timeout=TIMEOUT_S)
+    assert all(r["pattern"] == results[0]["pattern"] and r["orders"] == results[0]["orders"] for r in results)
+    assert all(r["scores"] == results[0]["scores"] for r in results)  # the means over the ranks
+    assert all(e is not None for e in results[0]["scores"][0])  # every order was scored
+    skipped = [o for o, computed in zip(results[0]["orders"], results[0]["pattern"]) if not computed]
+    assert skipped and all(order in (0, 1, 2) for branches in skipped for order in branches)
+    assert all(r["finite"] and r["residual_tokens"] == 16 // world for r in results)
 
 
 def rank_magcache(ulysses: int, ring: int):

@@ -13,7 +13,7 @@ loaded diffusion model, without calling it and without changing anything:
 
 A difference is drift: the run stops with a ``ModelDriftError`` before any hook is installed or any rank exchanges
 anything. A forward taking ``*args`` / ``**kwargs`` the family does not expect is followed when it is a wrapper that
-passes its call through (``nodes.pass_through``): the function it calls is checked in its place. What cannot be
+passes its call through (``nodes.families.pass_through``): the function it calls is checked in its place. What cannot be
 decided (such a forward that is no pass-through, so which arguments reach the block is unknown) is not guessed: a cache then computes every step and its statistics say why. For the
 sequence plan there is no such fallback (ranks that split on a guess may wait on each other forever): a plan input
 that cannot be checked is a difference.
@@ -26,11 +26,10 @@ from typing import Any
 
 import torch
 
-from ..omni_hooks.sequence_parallel.plan import (ModuleForwardMetadata, ReplicatedTokens, resolve_submodules,
-                                                unwrap_module, validate_sp_plan)
-from . import pass_through
-from .families import ModelFamily, detect
-from .families.base import ForwardParameters
+from ...omni_hooks.sequence_parallel.plan import (ModuleForwardMetadata, ReplicatedTokens, resolve_submodules,
+                                                 unwrap_module, validate_sp_plan)
+from . import ModelFamily, detect, pass_through
+from .base import ForwardParameters, dotted_attribute
 
 TESTED = "0.3.64 to 0.33.0"     # the ComfyUI versions every test passes on (docs/compatibility.md)
 MODEL = "model"                  # a finding about the blocks or the call: every feature relies on them
@@ -90,7 +89,7 @@ def check_model(family: ModelFamily, dm: torch.nn.Module, sequence_parallel: boo
     if expects is None:
         return report
     for attr, forward in expects.blocks.items():
-        stack = getattr(dm, attr, None)
+        stack = dotted_attribute(dm, attr)
         if not isinstance(stack, torch.nn.ModuleList) or len(stack) == 0:
             what = ("is missing" if stack is None else "is empty" if isinstance(stack, torch.nn.ModuleList)
                     else f"is a {type(stack).__name__}, not a ModuleList")
