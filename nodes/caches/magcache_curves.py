@@ -7,7 +7,7 @@ here into a cond and an uncond curve: each branch reads its own curve at its own
 back here (``pad``). Every curve is nearest-interpolated to the run's step count.
 
 The FLUX.2 and HunyuanVideo 1.5 curves serve ComfyUI 0.3.75's Flux 2 and HunyuanVideo 1.5 (families ``flux2``,
-``hunyuan_video15``; nothing matches them on older ComfyUI). Not offered: FramePack and OmniGen2 (no adapter in
+``hunyuan_video15``; nothing matches them on older ComfyUI). Not offered: FramePack and OmniGen2 (no family in
 this pack), and kijai/ComfyUI-WanVideoWrapper's Wan 2.2 A14B entries (they are the TI2V-5B curves, see below).
 
 Wan 2.2 A14B, two experts -- the rule

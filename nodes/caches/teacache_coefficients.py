@@ -1,9 +1,9 @@
 """Published TeaCache polynomials, each with where it comes from.
 
 Every entry names the project or paper that published it (``source``). Coefficients are highest degree first
-(numpy.poly1d order). ``signal`` says which tensor the polynomial was fitted on; it must match what the adapter
+(numpy.poly1d order). ``signal`` says which tensor the polynomial was fitted on; it must match what the family
 measures. ``threshold`` and the ``start_percent`` / ``end_percent`` window are the published
-recommendation (its source in ``source``).
+entry's (its source in ``source``).
 """
 from __future__ import annotations
 

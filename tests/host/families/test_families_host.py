@@ -316,7 +316,7 @@ def test_declared_keys_are_the_keys_the_variants_recommend(families):
         assert set(declared) <= {"teacache", "magcache"}, family.name
 
 
-def test_recommendation_keys_exist_in_the_tables_under_their_family(families):
+def test_auto_keys_exist_in_the_tables_under_their_family(families):
     from omnitest.pack import pack_module
 
     coefficients = pack_module("nodes.caches.teacache_coefficients").PUBLISHED

@@ -397,7 +397,7 @@ def rank_teacache_auto_forecast(ulysses: int, ring: int):
     rank = dist.get_rank()
     model = ToyDiT()
     sp = apply_sequence_parallel(model, degrees(ulysses, ring), sp_plan())
-    run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(rel_l1_thresh=0.07, forecast_order=AUTO),
+    run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(threshold=0.07, forecast_order=AUTO),
                               rank_signal(rank))
     outputs = sample(model, run, sp)
     states = [run.branch_state(k) for k in ("c", "u")]
