@@ -361,6 +361,8 @@ def _outer_sample(executor, *args, **kwargs):
     status = "error"
     try:
         features = checked_for_drift(guider.model_patcher, features)
+        if carries_reference_latents(guider):
+            features = tuple(for_reference_latents(feature) for feature in features)
         guider.model_options["transformer_options"][FEATURES_KEY] = features  # what the run's calls (and ranks) see
         run.open(features)
         result = executor(*args, **kwargs)
@@ -374,6 +376,20 @@ def _outer_sample(executor, *args, **kwargs):
             run.close(status)
         finally:
             guider.model_options = original_options
+
+
+def carries_reference_latents(guider) -> bool:
+    """True when a conditioning of ``guider``'s run carries reference latents (ComfyUI's ReferenceLatent node: Flux
+    Kontext, image edits)."""
+    conds = getattr(guider, "original_conds", None) or {}
+    return any(cond.get("reference_latents") is not None for group in conds.values() for cond in group or ())
+
+
+def for_reference_latents(feature: AppliedFeature) -> AppliedFeature:
+    """``feature`` for a run with reference latents: with its config's ``with_reference`` where it has one (a
+    cache's 'auto' on Flux: Kontext's published entry and window), unchanged otherwise."""
+    alternative = getattr(feature.config, "with_reference", None)
+    return dataclasses.replace(feature, config=alternative) if alternative is not None else feature
 
 
 def checked_for_drift(patcher, features: tuple[AppliedFeature, ...]) -> tuple[AppliedFeature, ...]:

@@ -32,6 +32,9 @@ class StackCacheConfig:
     * ``few_step``: the steps a run of few steps always computes (``omni_hooks.few_step``); None: no rule. A
       calibrating run ignores it (it computes every step anyway).
     * ``model_label`` / ``notes``: what the run's statistics say about the model and the choice made for it.
+    * ``with_reference``: the config a run uses instead when its conditioning carries reference latents (the
+      caller decides; e.g. Flux Kontext's published entry where 'auto' chose Flux dev's), built and checked with
+      this one; None: this config serves every run.
     """
 
     threshold: float = 0.0
@@ -44,6 +47,7 @@ class StackCacheConfig:
     few_step: FewStepRule | None = None
     model_label: str = "unknown"
     notes: tuple[str, ...] = ()
+    with_reference: "StackCacheConfig | None" = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "forecast_order", check_order(self.forecast_order))

@@ -163,6 +163,11 @@ class BlockStackCache(abc.ABC):
                           cache_device=cache_device_for(model, tuning.pop("cache_device")), calibrate=calibrate,
                           forecast_order=forecast_order(tuning.pop("forecast", "off")), few_step=FewStepRule(),
                           notes=tuple(detected.auto_choice(self.kind).notes) if auto else ())
+            reference_key = detected.auto_choice(self.kind).with_reference if auto else None
+            if reference_key is not None:  # e.g. Flux: a run with reference latents is Kontext
+                note = (f"the conditioning carries reference latents: {self.variant_input} '{reference_key}'",)
+                shared["with_reference"] = self.make_config(detected, self.published[reference_key], dict(tuning),
+                                                            {**shared, "notes": note})
             return self.make_config(detected, entry, tuning, shared)
         except ValueError as e:
             raise named(title, e) from None

@@ -31,6 +31,8 @@ class AutoChoice:
 
     key: str | None = None
     notes: tuple[str, ...] = ()
+    #: the key 'auto' uses instead when the run's conditioning carries reference latents (Flux: Kontext's entry)
+    with_reference: str | None = None
 
 
 NO_AUTO_CHOICE = AutoChoice()

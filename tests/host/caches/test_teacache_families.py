@@ -120,6 +120,35 @@ def test_the_published_window_applies_where_the_inputs_keep_their_defaults(env, 
     assert not any("window" in reasons for position, _, reasons in evaluations if window[0] <= position <= window[1])
 
 
+def test_auto_on_a_run_with_reference_latents_uses_flux_kontexts_entry_and_window(env):
+    """Flux Kontext has Flux dev's weights: 'auto' builds both entries and a run whose conditioning carries reference
+    latents (ReferenceLatent, as Kontext's workflows have) uses Kontext's, computing every step outside 0.2-0.9."""
+    from omnitest.pack import run_node
+
+    def apply(case):
+        return run_node(env.teacache.ApplyTeaCache, model=case.patcher, rel_l1_thresh=1e9, start_percent=0.0,
+                        end_percent=1.0, cache_device="compute device", model_variant="auto")[0]
+
+    kontext = env.tiny.build_case("flux_kontext")
+    patched = apply(kontext)
+    config = patched.model_options["transformer_options"]["omni_hooks.features"][0].config
+    assert (config.start_percent, config.end_percent) == (0.0, 1.0) and config.model_label.endswith(", flux")
+    assert (config.with_reference.start_percent, config.with_reference.end_percent) == (0.2, 0.9)
+    env.tiny.sample(kontext, model=patched, steps=20)
+    run = env.last_run()
+    assert run["summary"]["model"].endswith(", flux-kontext")
+    evaluations = window_reasons(run)
+    outside = [e for e in evaluations if not 0.2 <= e[0] <= 0.9]
+    assert outside and all(computed for _, computed, _ in outside)
+    assert any(not computed for position, computed, _ in evaluations if 0.2 <= position <= 0.9)
+
+    dev = env.tiny.build_case("flux")  # no reference latents: Flux dev's entry, no window
+    env.tiny.sample(dev, model=apply(dev), steps=20)
+    run = env.last_run()
+    assert run["summary"]["model"].endswith(", flux")
+    assert any(not computed for position, computed, _ in window_reasons(run) if position < 0.2)
+
+
 def test_the_users_own_window_keeps_priority(env):
     from omnitest.pack import run_node
 
