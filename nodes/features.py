@@ -4,7 +4,7 @@ A node never touches the torch module. It calls ``attach_feature``, which clones
 deepcopy-safe ``AppliedFeature`` to the clone's list of features and (once per clone lineage) adds one pair of keyed
 patcher wrappers that drive every feature of the MODEL:
 
-  * OUTER_SAMPLE, one sampling run: a ``RunSession`` holds one ``FeatureSession`` per applied feature, created in
+  * OUTER_SAMPLE, one sampling run: a ``SamplingRun`` holds one ``FeatureSession`` per applied feature, created in
     ``SESSION_ORDER`` (weights, then sharding, then caching) inside the ``try`` whose ``finally`` closes them in
     reverse order, errors and interrupts included, then publishes the run's one statistics entry
     (``nodes.stats_store``), made of each session's ``report()``. The guider's model options are swapped for a copy
@@ -41,7 +41,7 @@ from .stats_store import FeatureReport, RunHeader
 log = logging.getLogger("OmniHooks")
 
 FEATURES_KEY = "omni_hooks.features"  # transformer_options: the tuple of AppliedFeature on this MODEL
-RUN_KEY = "omni_hooks.run"             # transformer_options of one run's model-options copy: the live RunSession
+RUN_KEY = "omni_hooks.run"             # transformer_options of one run's model-options copy: the live SamplingRun
 WRAPPER_KEY = "omni_hooks"
 
 
@@ -77,7 +77,7 @@ class AppliedFeature:
     category: Category
     node_title: str    # "Apply TeaCache"
     node_id: str | None
-    settings: Any      # a frozen dataclass of what the node resolved at execute time
+    config: Any        # the feature's one frozen config (omni_hooks), built by the node, read unchanged by its hooks
     # set for one run by the drift check: what it could not verify about the model (a cache then computes every step)
     unverified: tuple[str, ...] = ()
 
@@ -259,7 +259,7 @@ def step_of(transformer_options: dict, schedules: dict | None = None) -> StepInf
 
 
 @dataclass
-class RunSession:
+class SamplingRun:
     """One sampling run of a MODEL's features: their sessions in ``SESSION_ORDER`` and what they share."""
 
     patcher: Any
@@ -355,12 +355,14 @@ def _outer_sample(executor, *args, **kwargs):
     guider = executor.class_obj
     original_options = guider.model_options
     features = tuple(original_options.get("transformer_options", {}).get(FEATURES_KEY, ()))
-    run = RunSession(patcher=guider.model_patcher)
+    run = SamplingRun(patcher=guider.model_patcher)
     guider.model_options = comfy.model_patcher.create_model_options_clone(original_options)
     guider.model_options["transformer_options"][RUN_KEY] = run
     status = "error"
     try:
         features = checked_for_drift(guider.model_patcher, features)
+        if carries_reference_latents(guider):
+            features = tuple(for_reference_latents(feature) for feature in features)
         guider.model_options["transformer_options"][FEATURES_KEY] = features  # what the run's calls (and ranks) see
         run.open(features)
         result = executor(*args, **kwargs)
@@ -374,6 +376,20 @@ def _outer_sample(executor, *args, **kwargs):
             run.close(status)
         finally:
             guider.model_options = original_options
+
+
+def carries_reference_latents(guider) -> bool:
+    """True when a conditioning of ``guider``'s run carries reference latents (ComfyUI's ReferenceLatent node: Flux
+    Kontext, image edits)."""
+    conds = getattr(guider, "original_conds", None) or {}
+    return any(cond.get("reference_latents") is not None for group in conds.values() for cond in group or ())
+
+
+def for_reference_latents(feature: AppliedFeature) -> AppliedFeature:
+    """``feature`` for a run with reference latents: with its config's ``with_reference`` where it has one (a
+    cache's 'auto' on Flux: Kontext's published entry and window), unchanged otherwise."""
+    alternative = getattr(feature.config, "with_reference", None)
+    return dataclasses.replace(feature, config=alternative) if alternative is not None else feature
 
 
 def checked_for_drift(patcher, features: tuple[AppliedFeature, ...]) -> tuple[AppliedFeature, ...]:
@@ -397,7 +413,7 @@ def checked_for_drift(patcher, features: tuple[AppliedFeature, ...]) -> tuple[Ap
 def _prepare_sampling(executor, model_patcher, *args, **kwargs):
     loaded = executor(model_patcher, *args, **kwargs)
     options = kwargs.get("model_options") or {}
-    run: RunSession | None = options.get("transformer_options", {}).get(RUN_KEY)
+    run: SamplingRun | None = options.get("transformer_options", {}).get(RUN_KEY)
     if run is not None:
         # prepare_sampling(model, noise_shape, conds, model_options=...)
         noise_shape = kwargs.get("noise_shape", args[0] if args else None)
@@ -424,7 +440,7 @@ def _transformer_options(args: tuple, kwargs: dict) -> dict:
     return dicts[-1] if dicts else {}
 
 
-def call_context(run: RunSession, options: dict) -> CallContext:
+def call_context(run: SamplingRun, options: dict) -> CallContext:
     """The context of one model call: one branch key and label per batch chunk, and the step."""
     uuids = [str(u) for u in options.get("uuids", [])]
     cond_or_uncond = list(options.get("cond_or_uncond", []))
@@ -435,7 +451,7 @@ def call_context(run: RunSession, options: dict) -> CallContext:
     return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps, sigma=step.sigma)
 
 
-def run_call(run: RunSession, diffusion_model: torch.nn.Module, forward: Callable[..., Any], args: tuple,
+def run_call(run: SamplingRun, diffusion_model: torch.nn.Module, forward: Callable[..., Any], args: tuple,
              kwargs: dict, options: dict) -> Any:
     """One model call of ``run``: hooks installed on ``diffusion_model``, every session's ``before_call``,
     ``call_arguments`` and ``begin_call``, ``forward(*args, **kwargs)``, ``call_output`` and ``end_call`` in reverse. A failure of the call is replaced by
@@ -469,7 +485,7 @@ def run_call(run: RunSession, diffusion_model: torch.nn.Module, forward: Callabl
 
 def _diffusion_model(executor, *args, **kwargs):
     options = _transformer_options(args, kwargs)
-    run: RunSession | None = options.get(RUN_KEY)
+    run: SamplingRun | None = options.get(RUN_KEY)
     if run is None or not run.sessions:
         return executor(*args, **kwargs)
     return run_call(run, executor.class_obj, executor, args, kwargs, options)

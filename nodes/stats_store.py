@@ -1,6 +1,6 @@
 """Run statistics: a log line, websocket events to the client that queued the prompt, and a bounded history of runs
 served over HTTP. Every sampling run with any of this pack's features has one entry; each feature contributes its own
-part (a ``FeatureReport``) when the run ends (``nodes.features.RunSession``).
+part (a ``FeatureReport``) when the run ends (``nodes.features.SamplingRun``).
 
 Events (``PromptServer.send_sync``, to the prompt's client only):
   * ``omni_hooks.step``: after every model evaluation of a cache; ``{run_id, prompt_id, node_id, node_title,
@@ -132,7 +132,7 @@ def _prompt_context(prompt_id: str | None, node_id: str | None) -> tuple[str | N
 @dataclass(frozen=True)
 class RunHeader:
     """Which run this is: the fields its events and its entry start with. The run's node is its cache's, else that
-    of the feature the run lifecycle names (``RunSession.open``)."""
+    of the feature the run lifecycle names (``SamplingRun.open``)."""
 
     run_id: str
     prompt_id: str | None

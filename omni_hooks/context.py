@@ -53,7 +53,7 @@ class RankView:
             raise ValueError(
                 f"RankView: a group of {self.world_size} ranks needs an agreement (per-rank cache decisions would "
                 "differ and deadlock the next collective); use omni_hooks.sequence_parallel's "
-                "SequenceParallelRuntime.rank_view()")
+                "SequenceParallelRun.rank_view()")
 
 
 @dataclass

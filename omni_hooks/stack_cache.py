@@ -28,8 +28,9 @@ import torch
 from .base import BaseState, HookPhase, HookRegistry, ModelHook, StateManager, remove_hook_and_restore
 from .blockstack import BlockStack
 from .context import CallContext
-from .few_step import FEW_STEP_REASON, FewStepRule
-from .forecast import AUTO, FORECAST, FORECAST_FALLBACK, OrderScores, ResidualHistory, check_order, history_limit
+from .cache_config import StackCacheConfig
+from .few_step import FEW_STEP_REASON
+from .forecast import AUTO, FORECAST, FORECAST_FALLBACK, OrderScores, ResidualHistory, history_limit
 from .stats import BranchDecision, CacheRunStats, EvaluationRecord
 
 
@@ -89,7 +90,8 @@ class Decision:
 class StackCacheRun:
     """Shared state of one cache's hooks on one model for one sampling run. Subclasses implement ``decide_branches``.
 
-    ``hook_names`` = (head, block, tail, capture) registry names; the capture hook is only installed when
+    ``config`` is the cache's frozen ``StackCacheConfig`` (its subclass), read unchanged; everything a run changes
+    lives here and in the branch states. ``hook_names`` = (head, block, tail, capture) registry names; the capture hook is only installed when
     ``capture_module`` is given (its first positional input is stored as ``ActiveCall.captured``).
     """
 
@@ -98,16 +100,11 @@ class StackCacheRun:
     block_hook_cls: type["StackBlockHook"]
     tail_hook_cls: type["StackTailHook"] | None = None  # None: StackTailHook
 
-    def __init__(self, stack: BlockStack, state_cls: type[CachedResidualState], threshold: float,
-                 cache_device: torch.device | None, stats: CacheRunStats,
-                 capture_module: torch.nn.Module | None = None, forecast_order: int | str = 0,
-                 few_step: FewStepRule | None = None):
+    def __init__(self, stack: BlockStack, state_cls: type[CachedResidualState], config: StackCacheConfig,
+                 stats: CacheRunStats, capture_module: torch.nn.Module | None = None):
         self.stack = stack
-        self.forecast_order = check_order(forecast_order)
-        self.few_step = few_step
+        self.config = config  # the caller's frozen config, read as it is (never copied or rebuilt)
         self._skipped_steps: set[int] = set()
-        self.threshold = threshold
-        self.cache_device = cache_device
         self.states = StateManager(state_cls)
         self.stats = stats
         self.capture_module = capture_module
@@ -179,10 +176,11 @@ class StackCacheRun:
             if decisions[i].reason == "reuse" and (
                     st.previous_residual is None or st.residual_input_shape != hidden[i * size:(i + 1) * size].shape):
                 decisions[i] = Decision("shape" if st.previous_residual is not None else "first", decisions[i].metric)
-        if self.few_step is not None and self.few_step.applies(total):
+        few_step = self.config.active_few_step
+        if few_step is not None and few_step.applies(total):
             if self.stats.few_step_note is None:  # once per run: the run's step count does not change
-                self.stats.few_step_note = self.few_step.describe(total)
-            if self.few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
+                self.stats.few_step_note = few_step.describe(total)
+            if few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
                 decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == "reuse" else d for d in decisions]
         must = self.stack.must_compute(args, kwargs) if self.stack.must_compute is not None else None
         if must is not None:
@@ -199,7 +197,7 @@ class StackCacheRun:
             step=call.context.step, total_steps=call.context.total_steps, computed=compute,
             branches=[BranchDecision(branch=call.labels[i], computed=compute,
                                      reason=reuse_reason if compute and d.reason == "reuse" else d.reason,
-                                     metric=d.metric, threshold=self.threshold)
+                                     metric=d.metric, threshold=self.config.threshold)
                       for i, d in enumerate(decisions)])
         call.context.blocks_run = compute
         return compute
@@ -248,12 +246,12 @@ class StackCacheRun:
         the call's record becomes "forecast" (or "forecast-fallback" when the forecast was not finite)."""
         call = self._call
         states = [self.branch_state(k) for k in call.keys]
-        if not self.forecast_order:
+        if not self.config.forecast_order:
             return [st.previous_residual for st in states]
         coord = self.coordinate(call.context)
         residuals = []
         for i, st in enumerate(states):
-            order = st.scores.best(len(st.history.residuals) - 1) if self.forecast_order == AUTO else None
+            order = st.scores.best(len(st.history.residuals) - 1) if self.config.forecast_order == AUTO else None
             made = st.history.forecast(coord, order=order)
             residuals.append(made.residual if made.residual is not None else st.previous_residual)
             reason = FORECAST_FALLBACK if made.fell_back else FORECAST if made.order else None
@@ -287,12 +285,12 @@ class StackCacheRun:
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
             part = residual[i * size:(i + 1) * size]
-            st.previous_residual = part.to(self.cache_device) if self.cache_device is not None else part
+            st.previous_residual = part.to(self.config.cache_device) if self.config.cache_device is not None else part
             st.residual_input_shape = head_input[i * size:(i + 1) * size].shape
-            if self.forecast_order:
-                if self.forecast_order == AUTO:
+            if self.config.forecast_order:
+                if self.config.forecast_order == AUTO:
                     measured += st.history.prediction_errors(coord, st.previous_residual)
-                st.history.limit = history_limit(self.forecast_order)
+                st.history.limit = history_limit(self.config.forecast_order)
                 st.history.add(coord, st.previous_residual)
             self.on_residual(call, key, part, output[i * size:(i + 1) * size].detach())
         if measured:

@@ -1,4 +1,6 @@
-"""Inputs and steps the cache nodes share: the cache-device choice, and the KSampler-like calibration run."""
+"""Inputs and steps the cache nodes share, for the schemas each node declares inline: the MODEL, the start/end
+window, the cache-device choice and the forecast of an Apply node; the KSampler inputs and the file name of a
+Calibrate node; and the KSampler-like calibration run."""
 from __future__ import annotations
 
 import comfy.patcher_extension as pe
@@ -9,9 +11,33 @@ from comfy_api.latest import io
 
 from ...omni_hooks.forecast import AUTO
 from . import calibration_files
-from ..features import RUN_KEY, AppliedFeature, FeatureSession, RunSession, attach_feature
+from ..families import model_input
+from ..features import RUN_KEY, AppliedFeature, FeatureSession, SamplingRun, attach_feature
 
 CACHE_DEVICES = ["compute device", "offload device"]
+CATEGORY = "OmniHooks"
+
+
+def display_name(title: str) -> str:
+    """A node's name in ComfyUI's menus: its title and the pack's."""
+    return f"{title} (OmniHooks)"
+
+
+def cache_model_input() -> io.Model.Input:
+    """An Apply node's ``model`` input."""
+    return model_input(" Not one that already has another cache.")
+
+
+def window_inputs(end_note: str = "", default_note: str = "") -> list[io.Input]:
+    """start_percent / end_percent, which every cache has (checked by its ``StackCacheConfig``)."""
+    return [
+        io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01,
+                       tooltip="Caching starts at this fraction of this sampler's steps; earlier steps are always "
+                       f"computed (they set the composition).{default_note}"),
+        io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01,
+                       tooltip=f"Caching stops after this fraction of this sampler's steps; later steps are always "
+                       f"computed.{end_note}{default_note}"),
+    ]
 
 
 def cache_device_input() -> io.Combo.Input:
@@ -20,15 +46,13 @@ def cache_device_input() -> io.Combo.Input:
                           "for long videos at the cost of a copy per reused step.")
 
 
-def check_cache_device(node_title: str, value: str) -> None:
-    # ComfyUI 0.3.64 does not validate V3 combo values at /prompt, so the node does
+def cache_device_for(model, value: str) -> torch.device | None:
+    """The device the ``cache_device`` input names for ``model`` (a ModelPatcher): its offload device, or None (keep
+    cached tensors where they were computed). ValueError for an unknown value (ComfyUI 0.3.64 does not validate V3
+    combo values at /prompt, so the node does)."""
     if value not in CACHE_DEVICES:
-        raise ValueError(f"{node_title}: unknown cache_device {value!r}; choose one of {CACHE_DEVICES}")
-
-
-def cache_device_for(patcher, value: str) -> torch.device | None:
-    """The device cached tensors go to; None keeps them where they were computed."""
-    return torch.device(patcher.offload_device) if value == "offload device" else None
+        raise ValueError(f"unknown cache_device {value!r}; choose one of {CACHE_DEVICES}")
+    return torch.device(model.offload_device) if value == "offload device" else None
 
 
 FORECAST_ORDERS = {"off": 0, "1st order": 1, "2nd order": 2, "auto": AUTO}
@@ -47,16 +71,23 @@ def forecast_input() -> io.Combo.Input:
                           "per branch.")
 
 
-def forecast_order(tuning: dict) -> int | str:
-    """The order the ``forecast`` input asks for (absent: 'off'); ValueError for an unknown value."""
-    value = tuning.get("forecast", "off")
+def forecast_order(value: str) -> int | str:
+    """The order the ``forecast`` input's ``value`` asks for; ValueError for an unknown value."""
     if value not in FORECAST_ORDERS:  # ComfyUI 0.3.64 does not validate V3 combo values at /prompt
         raise ValueError(f"unknown forecast {value!r}; choose one of {list(FORECAST_ORDERS)}")
     return FORECAST_ORDERS[value]
 
 
-def calibration_sampler_inputs(min_steps: int, steps_tooltip: str, cfg_tooltip: str,
-                               sampler_tooltip: str) -> list[io.Input]:
+def calibration_name_input(kind: str, what: str) -> io.String.Input:
+    """A Calibrate node's ``name``: the file ``what`` (its contents, in words) is saved under."""
+    return io.String.Input("name", default="my-model", tooltip=(
+        f"File name for the {what} (letters, digits, space . _ -); saved in ComfyUI's user directory under "
+        f"omni_hooks/{kind}/. An existing file of that name is replaced."))
+
+
+def calibration_sampler_inputs(min_steps: int, steps_tooltip: str, sampler_tooltip: str,
+                               cfg_tooltip: str = "Classifier-free guidance scale; above 1 calibrates the cond and "
+                               "uncond branches.") -> list[io.Input]:
     """KSampler's inputs for a calibrate node, in KSampler's order."""
     return [
         io.Model.Input("model", tooltip="The MODEL to calibrate (without a cache node)."),
@@ -106,7 +137,7 @@ def sample_calibrating(model, feature: AppliedFeature, seed: int, steps: int, cf
 
     def keep_sessions(executor, *args, **kwargs):
         # runs inside the lifecycle's OUTER_SAMPLE wrapper, so the run's sessions exist already
-        run: RunSession = executor.class_obj.model_options["transformer_options"][RUN_KEY]
+        run: SamplingRun = executor.class_obj.model_options["transformer_options"][RUN_KEY]
         sessions.extend(s for s in run.sessions if s.feature == feature)
         return executor(*args, **kwargs)
 

@@ -1,5 +1,5 @@
-"""MagCache as a ``BlockStackCache``: its settings, published curves, calibration file, and its two nodes (Apply
-MagCache, MagCache Calibrate).
+"""MagCache as a ``BlockStackCache``: its config, published curves, calibration file, and its two nodes (Apply
+MagCache, MagCache Calibrate), each declaring its schema.
 
 Same families, detection (``nodes.families``), run lifecycle (``nodes.features``), branch and batch handling and
 per-run statistics as Apply TeaCache; one cache per MODEL (Apply TeaCache and Apply MagCache on one MODEL, in either
@@ -30,13 +30,13 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
-from ...omni_hooks.few_step import FewStepRule
 from ...omni_hooks.magcache import MagCacheConfig, MagCacheRun, MagCacheStrategy, apply_mag_cache_hook, interleave
 from ...omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_interleaved
 from . import calibration_files
-from .base import (ApplyCacheNode, BlockStackCache, CacheSession, CalibrateCacheNode, percent_window_inputs,
+from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
-from .inputs import forecast_order
+from .inputs import (CATEGORY, cache_device_input, cache_model_input, calibration_name_input,
+                     calibration_sampler_inputs, display_name, forecast_input, window_inputs)
 from ..families import DetectedModel
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
 
@@ -49,29 +49,13 @@ log = logging.getLogger("OmniHooks")
 
 
 @dataclass(frozen=True)
-class MagCacheSettings:
-    """What Apply MagCache resolved at execute time (deepcopy-safe; travels with the MODEL clone)."""
-
-    threshold: float
-    max_skip_steps: int
-    retention_ratio: float
-    start_percent: float
-    end_percent: float
-    cache_device: str
-    curves: tuple[tuple[str, tuple[float, ...]], ...]   # per branch kind ("default", "cond", "uncond")
-    model_label: str
-    calibrate: bool = False
-    notes: tuple[str, ...] = ()  # what the user should know about the choice 'auto' made
-    forecast_order: int | str = 0
-
-
-@dataclass(frozen=True)
 class ResolvedCurve:
     """A curve chosen for a model: a published one or a calibration file's, per branch kind."""
 
     key: str
     family: str
     curves: tuple[tuple[str, tuple[float, ...]], ...]
+    note: str = ""
 
 
 CALIBRATE_HINT = ("run 'MagCache Calibrate' once on this model (with the sampler settings you generate with) and "
@@ -106,15 +90,6 @@ def _curves_from_file(name: str, data: dict) -> dict[str, list[float]]:
     return {"default": values}
 
 
-def _config(settings: MagCacheSettings, cache_device: torch.device | None) -> MagCacheConfig:
-    return MagCacheConfig(
-        threshold=settings.threshold, max_skip_steps=settings.max_skip_steps,
-        retention_ratio=settings.retention_ratio, start_percent=settings.start_percent,
-        end_percent=settings.end_percent, cache_device=cache_device, calibrate=settings.calibrate,
-        forecast_order=settings.forecast_order, few_step=FewStepRule(),
-        mag_ratios=None if settings.calibrate else {name: list(values) for name, values in settings.curves})
-
-
 def _rounded(values: list[float]) -> list[float]:
     return [round(float(v), 5) for v in values]
 
@@ -138,114 +113,73 @@ def calibration_data(result: dict[str, dict[str, list[float]]]) -> dict:
     return data
 
 
-class MagCache(BlockStackCache):
-    """MagCache: skips the blocks while the accumulated error of the calibrated magnitude-ratio curve stays small."""
+class MagCacheCalibration(CacheCalibration):
+    """MagCache's calibration: the magnitude-ratio curve per step and branch, saved as a file."""
 
-    kind = KIND
-    apply_node_id = NODE_ID
-    apply_title = NODE_TITLE
-    apply_description = ("Skips the transformer blocks on steps where the calibrated growth of the model's residual "
-                         "(its magnitude-ratio curve) says reusing the last computed residual costs little. Detects "
-                         "the model; reports every decision. Wan 2.2 A14B: put one on each expert and choose the "
-                         "curve's '(high noise)' / '(low noise)' part; each uses its own sampler's steps.")
-    calibrate_node_id = CALIBRATE_NODE_ID
-    calibrate_title = CALIBRATE_TITLE
-    calibrate_description = ("A KSampler that computes every step and records, per step and CFG branch, how the "
-                             "magnitude of the transformer's residual changes from the previous step (mean ratio of "
-                             "per-token norms, its spread and the cosine distance), then saves that curve under "
-                             "'name'. Apply MagCache lists it as 'calibration: <name>'. Use the sampler settings you "
-                             "will generate with.")
-    variant_input = "curve"
-    variant_tooltip = ("The magnitude-ratio curve. 'auto' picks the published one for the detected model; choose "
-                       "one when the weights cannot tell (Wan I2V 720p vs 480p, Flux Kontext, Qwen-Image-Edit, Wan "
-                       "2.2 A14B '(high noise)' / '(low noise)' per expert), or a 'calibration: <name>' file from "
-                       "MagCache Calibrate (for models without a published curve). Interpolated to your step count; "
-                       "a Wan 2.2 part to its own expert's steps (ComfyUI's Wan 2.2 template, switch at step 10 of "
-                       "20, fits the parts).")
-    published = PUBLISHED
-    calibrate_tuning = {"threshold": 0.0, "max_skip_steps": 0, "retention_ratio": 0.0, "start_percent": 0.0,
-                        "end_percent": 1.0, "cache_device": "compute device"}
-    min_calibration_steps = 4
-    calibration_noun = "curve"
-    calibration_steps_tooltip = ("Sampling steps; the curve gets one ratio per step and branch (Apply MagCache "
-                                 "interpolates it to other step counts).")
-    calibration_sampler_tooltip = ("The sampler you will generate with; one that evaluates the model once per step "
-                                   "(euler, ...) gives exactly one ratio per step.")
-    calibration_output = "curve"
-    calibration_output_tooltip = ("The recorded curve as JSON: mag_ratios, std and cos_dist per branch, and the "
-                                  "CFG-interleaved list.")
-
-    def auto_key(self, adapter: DetectedModel) -> str | None:
-        key = adapter.recommendation(KIND).key
-        if key is not None and adapter.recommendation(KIND).notes:
-            log.info("OmniHooks %s: 'auto' chose the %r curve for %s. %s", NODE_TITLE, key, adapter.describe(),
-                     " ".join(adapter.recommendation(KIND).notes))
-        return key
-
-    def no_auto_fit(self, adapter: DetectedModel) -> str:
-        notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in adapter.recommendation(KIND).notes)
-        if not for_family(adapter.family):
-            return (f"no MagCache curve is published for {adapter.describe()} models. {notes}To use MagCache, "
-                    f"{CALIBRATE_HINT}.")
-        return (f"no published MagCache curve fits {adapter.describe()}. {notes}Choose a {adapter.family} curve, or "
-                f"{CALIBRATE_HINT}.")
+    min_steps = 4
 
     def check_file(self, name: str, data: dict) -> dict[str, list[float]]:
         """The per-branch curves of a calibration file; a clear error for a malformed one."""
         return _curves_from_file(name, data)
 
-    def from_file(self, adapter: DetectedModel, value: str, name: str, data: dict) -> ResolvedCurve:
+    def from_file(self, detected: DetectedModel, value: str, name: str, data: dict) -> ResolvedCurve:
         curves = _curves_from_file(name, data)
-        return ResolvedCurve(key=value, family=data.get("family", adapter.family),
+        return ResolvedCurve(key=value, family=data.get("family", detected.family),
                              curves=tuple((branch, tuple(values)) for branch, values in curves.items()))
 
-    def tuning_inputs(self) -> list[io.Input]:
-        return [
-            io.Float.Input("threshold", default=0.06, min=0.0, max=1.0, step=0.01,
-                           tooltip="How much accumulated error to tolerate before computing again (the sum of "
-                           "|1 - product of ratios| since the last computed step). 0 = never skip (output "
-                           "identical to no node). 0.06 is the safe default; 0.12-0.24 is faster and less "
-                           "faithful."),
-            io.Int.Input("max_skip_steps", display_name="K (max consecutive skips)", default=2, min=0, max=20,
-                         tooltip="K: at most this many steps in a row reuse the residual before one is computed. "
-                         "0 = never skip. 2-4 is typical (the MagCache scripts use 2-6)."),
-            io.Float.Input("retention_ratio", default=0.2, min=0.0, max=1.0, step=0.01,
-                           tooltip="This fraction of the first steps is always computed (they set the "
-                           "composition). Counted on this sampler's own steps, so for a Wan 2.2 expert it "
-                           "is per phase."),
-            *percent_window_inputs(),
-        ]
-
-    def make_settings(self, adapter: DetectedModel, found: MagCacheCurve | ResolvedCurve | None,
-                      tuning: dict[str, Any], auto: bool) -> MagCacheSettings:
-        calibrate = found is None
-        start, end = float(tuning["start_percent"]), float(tuning["end_percent"])
-        settings = MagCacheSettings(
-            threshold=float(tuning["threshold"]), max_skip_steps=int(tuning["max_skip_steps"]),
-            retention_ratio=float(tuning["retention_ratio"]), start_percent=start, end_percent=end,
-            cache_device=tuning["cache_device"], curves=() if calibrate else found.curves,
-            model_label=f"{adapter.variant}, {'calibrate' if calibrate else found.key}", calibrate=calibrate,
-            notes=tuple(adapter.recommendation(KIND).notes) if auto else (), forecast_order=forecast_order(tuning))
-        _config(settings, None)  # validate now, at execute time, rather than in the sampler
-        return settings
-
-    def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> MagCacheRun:
-        adapter = session.adapter
-        strategy = MagCacheStrategy(name=adapter.family, build_stack=adapter.build_stack)
-        return apply_mag_cache_hook(diffusion_model, _config(session.settings, session.cache_device), strategy,
-                                    session.stats, implicit_calls=False)
-
-    def collect_calibration(self, run: MagCacheRun) -> dict[str, dict[str, list[float]]]:
+    def collect(self, run: MagCacheRun) -> dict[str, dict[str, list[float]]]:
         return run.get_calibration_result()
 
-    def calibration_file(self, parts: list[dict[str, dict[str, list[float]]]], adapter: DetectedModel) -> dict:
+    def file_contents(self, parts: list[dict[str, dict[str, list[float]]]], detected: DetectedModel) -> dict:
         result: dict[str, dict[str, list[float]]] = {}
         for part in parts:
             result.update(part)
-        return {"family": adapter.family, "variant": adapter.variant, **calibration_data(result)}
+        return {"family": detected.family, "variant": detected.variant, **calibration_data(result)}
 
-    def describe_calibration(self, data: dict) -> str:
+    def describe(self, data: dict) -> str:
         return ", ".join(f"{label} {len(values)}" for label, values in data["mag_ratios"].items()) + " ratios"
+
+
+class MagCache(BlockStackCache):
+    """MagCache: skips the blocks while the accumulated error of the calibrated magnitude-ratio curve stays small."""
+
+    kind = KIND
+    title = NODE_TITLE
+    variant_input = "curve"
+    published = PUBLISHED
+    calibration = MagCacheCalibration()
+    calibrate_inputs = {"threshold": 0.0, "max_skip_steps": 0, "retention_ratio": 0.0, "start_percent": 0.0,
+                        "end_percent": 1.0, "cache_device": "compute device"}
+
+    def auto_key(self, detected: DetectedModel) -> str | None:
+        key = detected.auto_choice(KIND).key
+        if key is not None and detected.auto_choice(KIND).notes:
+            log.info("OmniHooks %s: 'auto' chose the %r curve for %s. %s", NODE_TITLE, key, detected.describe(),
+                     " ".join(detected.auto_choice(KIND).notes))
+        return key
+
+    def no_auto_fit(self, detected: DetectedModel) -> str:
+        notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in detected.auto_choice(KIND).notes)
+        if not for_family(detected.family):
+            return (f"no MagCache curve is published for {detected.describe()} models. {notes}To use MagCache, "
+                    f"{CALIBRATE_HINT}.")
+        return (f"no published MagCache curve fits {detected.describe()}. {notes}Choose a {detected.family} curve, or "
+                f"{CALIBRATE_HINT}.")
+
+    def make_config(self, detected: DetectedModel, found: MagCacheCurve | ResolvedCurve | None,
+                    tuning: dict[str, Any], shared: dict[str, Any]) -> MagCacheConfig:
+        calibrate = found is None
+        return MagCacheConfig(
+            threshold=float(tuning["threshold"]), max_skip_steps=int(tuning["max_skip_steps"]),
+            retention_ratio=float(tuning["retention_ratio"]),
+            mag_ratios=None if calibrate else {name: tuple(values) for name, values in found.curves},
+            model_label=f"{detected.variant}, {'calibrate' if calibrate else found.key}",
+            **{**shared, "notes": shared["notes"] + ((found.note,) if found is not None and found.note else ())})
+
+    def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> MagCacheRun:
+        detected = session.detected
+        strategy = MagCacheStrategy(name=detected.family, build_stack=detected.build_stack)
+        return apply_mag_cache_hook(diffusion_model, session.config, strategy, session.stats, implicit_calls=False)
 
 
 MAGCACHE = register_cache(MagCache())
@@ -254,9 +188,67 @@ MAGCACHE = register_cache(MagCache())
 class ApplyMagCache(ApplyCacheNode):
     cache = MAGCACHE
 
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE_ID, display_name=display_name(NODE_TITLE), category=CATEGORY,
+            description="Skips the transformer blocks on steps where the calibrated growth of the model's residual "
+                        "(its magnitude-ratio curve) says reusing the last computed residual costs little. Detects "
+                        "the model; reports every decision. Wan 2.2 A14B: put one on each expert and choose the "
+                        "curve's '(high noise)' / '(low noise)' part; each uses its own sampler's steps.",
+            inputs=[
+                cache_model_input(),
+                io.Float.Input("threshold", default=0.06, min=0.0, max=1.0, step=0.01,
+                               tooltip="How much accumulated error to tolerate before computing again (the sum of "
+                               "|1 - product of ratios| since the last computed step). 0 = never skip (output "
+                               "identical to no node). 0.06 is the safe default; 0.12-0.24 is faster and less "
+                               "faithful."),
+                io.Int.Input("max_skip_steps", display_name="K (max consecutive skips)", default=2, min=0, max=20,
+                             tooltip="K: at most this many steps in a row reuse the residual before one is computed. "
+                             "0 = never skip. 2-4 is typical (the MagCache scripts use 2-6)."),
+                io.Float.Input("retention_ratio", default=0.2, min=0.0, max=1.0, step=0.01,
+                               tooltip="This fraction of the first steps is always computed (they set the "
+                               "composition). Counted on this sampler's own steps, so for a Wan 2.2 expert it "
+                               "is per phase."),
+                *window_inputs(),
+                cache_device_input(),
+                io.Combo.Input("curve", options=MAGCACHE.variant_options(), default=AUTO,
+                               tooltip="The magnitude-ratio curve. 'auto' picks the published one for the detected "
+                               "model; choose one when the weights cannot tell (Wan I2V 720p vs 480p, Flux Kontext, "
+                               "Qwen-Image-Edit, Wan 2.2 A14B '(high noise)' / '(low noise)' per expert), or a "
+                               "'calibration: <name>' file from MagCache Calibrate (for models without a published "
+                               "curve). Interpolated to your step count; a Wan 2.2 part to its own expert's steps "
+                               "(ComfyUI's Wan 2.2 template, switch at step 10 of 20, fits the parts)."),
+                forecast_input(),  # last: a saved workflow's widget values keep their positions
+            ],
+            outputs=[io.Model.Output(tooltip="The same MODEL with MagCache attached for its sampling runs.")],
+            hidden=[io.Hidden.unique_id])
+
 
 class MagCacheCalibrate(CalibrateCacheNode):
     cache = MAGCACHE
+    title = CALIBRATE_TITLE
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=CALIBRATE_NODE_ID, display_name=display_name(CALIBRATE_TITLE), category=CATEGORY,
+            description="A KSampler that computes every step and records, per step and CFG branch, how the magnitude "
+                        "of the transformer's residual changes from the previous step (mean ratio of per-token norms, "
+                        "its spread and the cosine distance), then saves that curve under 'name'. Apply MagCache "
+                        "lists it as 'calibration: <name>'. Use the sampler settings you will generate with.",
+            inputs=[
+                *calibration_sampler_inputs(
+                    MagCacheCalibration.min_steps, steps_tooltip="Sampling steps; the curve gets one ratio per step "
+                    "and branch (Apply MagCache interpolates it to other step counts).",
+                    sampler_tooltip="The sampler you will generate with; one that evaluates the model once per step "
+                    "(euler, ...) gives exactly one ratio per step."),
+                calibration_name_input(KIND, "curve"),
+            ],
+            outputs=[io.Latent.Output(tooltip="The sampled latent (every step computed)."),
+                     io.String.Output(display_name="curve", tooltip="The recorded curve as JSON: mag_ratios, std and "
+                                      "cos_dist per branch, and the CFG-interleaved list.")],
+            hidden=[io.Hidden.unique_id], is_output_node=True)
 
 
-__all__ = ["ApplyMagCache", "MAGCACHE", "MagCache", "MagCacheCalibrate", "MagCacheSettings", "calibration_data"]
+__all__ = ["ApplyMagCache", "MAGCACHE", "MagCache", "MagCacheCalibrate", "MagCacheCalibration", "calibration_data"]

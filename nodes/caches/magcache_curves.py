@@ -7,7 +7,7 @@ here into a cond and an uncond curve: each branch reads its own curve at its own
 back here (``pad``). Every curve is nearest-interpolated to the run's step count.
 
 The FLUX.2 and HunyuanVideo 1.5 curves serve ComfyUI 0.3.75's Flux 2 and HunyuanVideo 1.5 (families ``flux2``,
-``hunyuan_video15``; nothing matches them on older ComfyUI). Not offered: FramePack and OmniGen2 (no adapter in
+``hunyuan_video15``; nothing matches them on older ComfyUI). Not offered: FramePack and OmniGen2 (no family in
 this pack), and kijai/ComfyUI-WanVideoWrapper's Wan 2.2 A14B entries (they are the TI2V-5B curves, see below).
 
 Wan 2.2 A14B, two experts -- the rule
@@ -67,8 +67,7 @@ class MagCacheCurve:
     curves: tuple[tuple[str, tuple[float, ...]], ...]
     calibrated_steps: int
     source: str
-    phase: str | None = None   # Wan 2.2 A14B: which expert's part of the curve
-    note: str = ""
+    note: str = ""             # Wan 2.2 A14B: which expert's part of the curve (a note of the run using it)
 
     @property
     def ratios(self) -> dict[str, tuple[float, ...]]:
@@ -372,7 +371,7 @@ def _build() -> dict[str, MagCacheCurve]:
             parts = {name: [1.0] + values[part][1:] for name, values in curves.items()}
             key = f"{raw.key} ({phase})"
             published[key] = MagCacheCurve(key, raw.family, _freeze(parts), len(next(iter(parts.values()))),
-                                           raw.source, phase=phase, note=_A14B_NOTES[(raw.key, phase)])
+                                           raw.source, note=_A14B_NOTES[(raw.key, phase)])
     return published
 
 

@@ -89,7 +89,7 @@ def family_named(name: str) -> ModelFamily:
 
 
 def detect(patcher) -> DetectedModel:
-    """The detected family, variant and recommendations of a ComfyUI MODEL (ModelPatcher).
+    """The detected family, variant and auto choices of a ComfyUI MODEL (ModelPatcher).
 
     UnsupportedModelError naming the model's class and the supported families when no family matches.
     """
@@ -121,13 +121,13 @@ def model_input(extra: str = "") -> io.Model.Input:
 
 
 def _detected(family: ModelFamily, variant: Variant) -> DetectedModel:
-    for kind, recommendation in variant.recommendations.items():
-        declared = family.recommendation_keys.get(kind, frozenset())
-        if recommendation.key is not None and recommendation.key not in declared:
+    for kind, choice in variant.auto_choices.items():
+        declared = family.auto_keys.get(kind, frozenset())
+        if choice.key is not None and choice.key not in declared:
             raise RuntimeError(f"model family {family.name!r}: variant {variant.name!r} recommends the {kind} key "
-                               f"{recommendation.key!r}, which the family's recommendation_keys[{kind!r}] does not "
+                               f"{choice.key!r}, which the family's auto_keys[{kind!r}] does not "
                                "list")
-    return DetectedModel(model_family=family, variant=variant.name, recommendations=variant.recommendations)
+    return DetectedModel(model_family=family, variant=variant.name, auto_choices=variant.auto_choices)
 
 
 __all__ = ["FAMILIES", "AutoChoice", "DetectedModel", "ModelFamily", "UnsupportedModelError", "Variant", "detect",

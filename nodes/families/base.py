@@ -4,8 +4,8 @@ Each family file in this package defines one ``FAMILY = ModelFamily(...)``: how 
 diffusion model itself (its class and config, never a file name), how its block stack is called, the TeaCache signal
 it measures, the weights that live outside the block stack, its sequence plan and attention sites, and ONE decision
 tree (``resolve_variant``) that names the detected variant together with what each cache's 'auto' uses for it, keyed
-by the cache's kind ("teacache", "magcache"). The recommendation tables live with each cache (``nodes/caches/``) and
-are keyed by those recommendations; a cache no family recommends anything for needs nothing here (its 'auto' then
+by the cache's kind ("teacache", "magcache"). The published tables live with each cache (``nodes/caches/``) and
+are keyed by those auto_choices; a cache no family recommends anything for needs nothing here (its 'auto' then
 asks for a calibration). ``nodes/families/__init__.py`` registers every family file and detects.
 """
 from __future__ import annotations
@@ -31,23 +31,25 @@ class AutoChoice:
 
     key: str | None = None
     notes: tuple[str, ...] = ()
+    #: the key 'auto' uses instead when the run's conditioning carries reference latents (Flux: Kontext's entry)
+    with_reference: str | None = None
 
 
-NO_RECOMMENDATION = AutoChoice()
+NO_AUTO_CHOICE = AutoChoice()
 
 
 @dataclass(frozen=True, init=False)
 class Variant:
-    """The outcome of a family's decision tree: the variant's name and each cache's recommendation for it, keyed by
+    """The outcome of a family's decision tree: the variant's name and each cache's auto choice for it, keyed by
     the cache's kind: ``Variant("Wan T2V 1.3B", teacache=AutoChoice("wan2.1_t2v_1.3B"), magcache=AutoChoice(...))``.
-    A cache without an entry has no recommendation for the variant."""
+    A cache without an entry has no auto choice for the variant."""
 
     name: str
-    recommendations: Mapping[str, AutoChoice]
+    auto_choices: Mapping[str, AutoChoice]
 
-    def __init__(self, name: str, **recommendations: AutoChoice):
+    def __init__(self, name: str, **auto_choices: AutoChoice):
         object.__setattr__(self, "name", name)
-        object.__setattr__(self, "recommendations", MappingProxyType(dict(recommendations)))
+        object.__setattr__(self, "auto_choices", MappingProxyType(dict(auto_choices)))
 
 
 def calibrate_first(name: str, model: str, *notes: str) -> Variant:
@@ -115,7 +117,7 @@ class Expectations:
 class ModelFamily:
     """One registered model family (one file per family in ``nodes/families/``).
 
-    ``name`` is the family's key everywhere (calibration files, the ``family`` of the recommendation tables);
+    ``name`` is the family's key everywhere (calibration files, the ``family`` of the published tables);
     ``display_name`` is how users see it in the supported-families list. ``resident`` names the attributes of the
     diffusion model (modules or parameters; a name absent on some variant is skipped) that hold weights outside the
     block stack: embeddings, the tail, side branches such as VACE blocks (a dotted name reaches into a submodule:
@@ -123,7 +125,7 @@ class ModelFamily:
     every parameter and buffer of the model (checked on every tiny and real-size test model), so an offloading feature
     can stream the blocks and keep exactly these on the compute device.
 
-    ``recommendation_keys`` lists, by cache kind, every key ``resolve_variant`` may recommend; detection refuses a key
+    ``auto_keys`` lists, by cache kind, every key ``resolve_variant`` may recommend; detection refuses a key
     outside them, and the tests check each exists in its table under this family. ``detect_before`` names families
     whose matcher must be tried after this one (e.g. Chroma before Flux), so precedence never rests on file order.
     ``expects`` is what the family's code assumes about the model's blocks, call and plan inputs;
@@ -137,7 +139,7 @@ class ModelFamily:
     build_stack: StackBuilder
     build_modulated_input: ModulatedInputBuilder
     resident: tuple[str, ...]
-    recommendation_keys: Mapping[str, frozenset[str]] = field(default_factory=dict, hash=False)
+    auto_keys: Mapping[str, frozenset[str]] = field(default_factory=dict, hash=False)
     detect_before: tuple[str, ...] = ()
     sequence_plan: SequencePlanBuilder | None = None
     attention_sites: AttentionSitesBuilder | None = None
@@ -158,19 +160,19 @@ class ModelFamily:
 @dataclass(frozen=True)
 class DetectedModel:
     """One detected MODEL: its registered family, the variant its decision tree named, and each cache's
-    recommendation by cache kind. ``family`` is the family's name."""
+    auto choice by cache kind. ``family`` is the family's name."""
 
     model_family: ModelFamily
     variant: str
-    recommendations: Mapping[str, AutoChoice]
+    auto_choices: Mapping[str, AutoChoice]
 
     @property
     def family(self) -> str:
         return self.model_family.name
 
-    def recommendation(self, cache_kind: str) -> AutoChoice:
+    def auto_choice(self, cache_kind: str) -> AutoChoice:
         """What ``cache_kind``'s 'auto' uses for this model (no key and no notes when the family names none)."""
-        return self.recommendations.get(cache_kind, NO_RECOMMENDATION)
+        return self.auto_choices.get(cache_kind, NO_AUTO_CHOICE)
 
     def describe(self) -> str:
         return f"{self.family} ({self.variant})"

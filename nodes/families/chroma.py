@@ -75,7 +75,7 @@ FAMILY = ModelFamily(
     # Chroma's forward has Flux's modules and names (img_in, pe_embedder, double/single blocks, final_layer): the same
     # plan; blocks in skip_mmdit / skip_dit carry hooks that never run
     sequence_plan=flux_layout_sequence_plan, attention_sites=flux_layout_attention_sites,
-    recommendation_keys={"magcache": frozenset({"chroma"})},
+    auto_keys={"magcache": frozenset({"chroma"})},
     # model_base.Chroma subclasses model_base.Flux (ldm.chroma.model.Chroma and ldm.flux.model.Flux are unrelated
     # classes today): Chroma is tried first so that no future subclassing lets Flux's matcher take it
     detect_before=("flux",),

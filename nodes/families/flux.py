@@ -133,8 +133,9 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
     return Variant(
         variant,
         teacache=AutoChoice("flux", (
-            "Flux Kontext has the same weights shape as Flux dev: if this is Kontext, choose the 'flux-kontext' "
-            "model_variant (its coefficients and its 0.2-0.9 window differ)",)),
+            "Flux Kontext has the same weights shape as Flux dev: a run whose conditioning carries reference "
+            "latents (Kontext's) uses the 'flux-kontext' coefficients and their 0.2-0.9 window",),
+            with_reference="flux-kontext"),
         magcache=AutoChoice("flux", (
             "Flux Kontext has the same weights shape as Flux dev: if this is Kontext, choose "
             "'flux_kontext_official' (28 steps) or 'flux_kontext' (ComfyUI-MagCache's 20-step curve)",)))
@@ -145,7 +146,7 @@ FAMILY = ModelFamily(
     build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
     resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "final_layer"),
     sequence_plan=flux_layout_sequence_plan, attention_sites=flux_layout_attention_sites,
-    recommendation_keys={"teacache": frozenset({"flux"}), "magcache": frozenset({"flux"})},
+    auto_keys={"teacache": frozenset({"flux"}), "magcache": frozenset({"flux"})},
     expects=Expectations(
         blocks=FLUX_LAYOUT_BLOCKS,
         call=ForwardParameters(("x", "timestep", "context", "y", "guidance", "ref_latents", "control",

@@ -58,4 +58,4 @@ FAMILY = ModelFamily(
     resident=("img_in", "time_in", "guidance_in", "txt_in", "final_layer", "double_stream_modulation_img",
               "double_stream_modulation_txt", "single_stream_modulation"),
     sequence_plan=flux_layout_sequence_plan, attention_sites=flux_layout_attention_sites,
-    recommendation_keys={"magcache": frozenset({"flux2"})})
+    auto_keys={"magcache": frozenset({"flux2"})})

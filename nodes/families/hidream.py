@@ -59,7 +59,7 @@ FAMILY = ModelFamily(
     name="hidream", display_name="HiDream-I1", matches=_matches, resolve_variant=_variant, build_stack=_stack,
     build_modulated_input=_modulated_input,
     resident=("x_embedder", "t_embedder", "p_embedder", "caption_projection", "final_layer"),
-    recommendation_keys={"teacache": frozenset({"hidream_i1_full"})},
+    auto_keys={"teacache": frozenset({"hidream_i1_full"})},
     expects=Expectations(
         blocks={name: ForwardParameters(("image_tokens", "image_tokens_masks", "text_tokens", "adaln_input", "rope",
                                          "transformer_options"), positions={"image_tokens": 0, "text_tokens": 2})

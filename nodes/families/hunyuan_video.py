@@ -94,7 +94,7 @@ FAMILY = ModelFamily(
     build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
     resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "byt5_in", "time_r_in", "final_layer"),
     sequence_plan=_sequence_plan, attention_sites=flux_layout_attention_sites,
-    recommendation_keys={"teacache": frozenset({"hunyuan_video"}), "magcache": frozenset({"hunyuan_video"})},
+    auto_keys={"teacache": frozenset({"hunyuan_video"}), "magcache": frozenset({"hunyuan_video"})},
     expects=Expectations(
         blocks=FLUX_LAYOUT_BLOCKS,
         call=ForwardParameters(("x", "timestep", "context", "y", "txt_byt5", "guidance", "attention_mask",

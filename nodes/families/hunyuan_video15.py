@@ -52,4 +52,4 @@ FAMILY = ModelFamily(
     build_modulated_input=HUNYUAN_VIDEO.build_modulated_input,
     resident=(*HUNYUAN_VIDEO.resident, "vision_in", "cond_type_embedding"),
     sequence_plan=HUNYUAN_VIDEO.sequence_plan, attention_sites=flux_layout_attention_sites,
-    recommendation_keys={"magcache": frozenset({"hunyuan_video1.5"})})
+    auto_keys={"magcache": frozenset({"hunyuan_video1.5"})})

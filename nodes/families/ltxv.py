@@ -125,7 +125,7 @@ FAMILY = ModelFamily(
     # scale_shift_table is a parameter of the model itself (the final modulation), not of a block
     resident=("patchify_proj", "adaln_single", "caption_projection", "scale_shift_table", "norm_out", "proj_out"),
     sequence_plan=_sequence_plan, attention_sites=_attention_sites,
-    recommendation_keys={"teacache": frozenset({"ltxv"})},
+    auto_keys={"teacache": frozenset({"ltxv"})},
     expects=Expectations(
         blocks={"transformer_blocks": ForwardParameters(
             ("x", "context", "attention_mask", "timestep", "pe", "transformer_options"),

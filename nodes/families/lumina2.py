@@ -64,7 +64,7 @@ FAMILY = ModelFamily(
     build_modulated_input=lumina_modulated_input,
     resident=("x_embedder", "t_embedder", "cap_embedder", "noise_refiner", "context_refiner", "norm_final",
               "final_layer"),
-    recommendation_keys={"teacache": frozenset({"lumina_2"})},
+    auto_keys={"teacache": frozenset({"lumina_2"})},
     expects=Expectations(
         blocks={"layers": ForwardParameters(("x", "x_mask", "freqs_cis", "adaln_input", "transformer_options"),
                                             positions={"x": 0, "adaln_input": 3})},

@@ -116,7 +116,7 @@ FAMILY = ModelFamily(
     build_modulated_input=_modulated_input,
     resident=("img_in", "txt_norm", "txt_in", "time_text_embed", "norm_out", "proj_out"),
     sequence_plan=_sequence_plan, attention_sites=_attention_sites,
-    recommendation_keys={"teacache": frozenset({"qwen_image"}), "magcache": frozenset({"qwen_image"})},
+    auto_keys={"teacache": frozenset({"qwen_image"}), "magcache": frozenset({"qwen_image"})},
     expects=Expectations(
         blocks={"transformer_blocks": ForwardParameters(
             ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb", "image_rotary_emb",

@@ -150,7 +150,7 @@ FAMILY = ModelFamily(
               "pose_patch_embedding", "motion_encoder", "face_encoder", "face_adapter",   # Animate
               "patch_embedding_pose", "patch_embedding_mask"),                            # SCAIL, SCAIL 2
     sequence_plan=_sequence_plan, attention_sites=_attention_sites,
-    recommendation_keys={"teacache": frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B"}),
+    auto_keys={"teacache": frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B"}),
                          "magcache": frozenset({"wan2.1_t2v_1.3B", "wan2.1_t2v_14B", "wan2.1_i2v_480p_14B",
                                                 "wan2.1_vace_1.3B", "wan2.1_vace_14B", "wan2.2_ti2v_5B"})},
     expects=Expectations(

@@ -1,8 +1,8 @@
-"""CPU Offload: the node, its settings, and its sampling run as a feature of the lifecycle (``nodes.features``).
+"""CPU Offload: the node, its config, and its sampling run as a feature of the lifecycle (``nodes.features``).
 
 ComfyUI loads the model as it always does (fully, or in part with its lowvram mode when it does not fit). Then, for
 the run only (``OffloadSession.after_load``, undone by ``close``):
-  * the last N blocks of the block stack are offloaded with ``omni_hooks.offload.apply_layerwise_offload``: one CPU
+  * the last N blocks of the block stack are offloaded with ``omni_hooks.offload.LayerwiseOffloadRun``: one CPU
     master copy per block (pinned within a budget on CUDA), ``1 + prefetch_blocks`` device slots, a look-ahead on a
     copy stream. Layers ComfyUI runs in its cast mode (``comfy_cast_weights``, LoRA as ``LowVramPatch`` weight
     functions) keep running that way: the weight they cast is the slot view, already on the device, so ComfyUI's
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from dataclasses import dataclass
+import dataclasses
 from typing import Any
 
 import comfy.model_management
@@ -31,10 +31,10 @@ from comfy_api.latest import io
 
 from ...omni_hooks.base import HookPhase, HookRegistry, ModelHook, remove_hook_and_restore
 from ...omni_hooks.context import CallContext
-from ...omni_hooks.offload import LayerwiseOffloadHandle, OffloadStats, apply_layerwise_offload, unpackable_reason
+from ...omni_hooks.offload import LayerwiseOffloadRun, OffloadConfig, OffloadStats, unpackable_reason
 from .. import families
 from ..families import detect_for_node, model_input
-from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, LoadRequest, attach_feature, \
+from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, LoadRequest, attach_feature, named, \
     register_feature
 from ..stats_store import FeatureReport, StepTotals
 from .placement import BlockFootprint, OffloadPlan, Promotion, block_tensors, gib, plan_offload
@@ -51,21 +51,10 @@ PIN_OPTIONS: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 HOST_STREAMS_HOOK = "offload_host_streams"  # sorts after the library's "layerwise_offload" within the placement phase
 
 
-@dataclass(frozen=True)
-class OffloadSettings:
-    """What the CPU Offload node resolved at execute time (deepcopy-safe; travels with the MODEL clone)."""
-
-    blocks_to_offload: int | None      # None = auto
-    prefetch_blocks: int
-    pin_memory: bool | None            # None = auto (pin on CUDA within the library's budget)
-    vram_budget_bytes: int | None      # None = what ComfyUI reports free
-    model_label: str
-    block_count: int
-
-
-def settings_for(model, blocks_to_offload: int, prefetch_blocks: int, pin_memory: str,
-                 vram_budget_gb: float) -> OffloadSettings:
-    """The node's inputs resolved for ``model``; ValueError naming the node for a value it cannot use."""
+def config_for(model, blocks_to_offload: int, prefetch_blocks: int, pin_memory: str,
+               vram_budget_gb: float) -> OffloadConfig:
+    """The node's one frozen config, built from its inputs and ``model``; ValueError naming the node for a value it
+    cannot use."""
     if pin_memory not in PIN_OPTIONS:  # ComfyUI 0.3.64 does not validate V3 combo values at /prompt
         raise ValueError(f"{NODE_TITLE}: unknown pin_memory {pin_memory!r}; choose one of {list(PIN_OPTIONS)}")
     if not AUTO <= blocks_to_offload <= MAX_BLOCKS:
@@ -79,10 +68,13 @@ def settings_for(model, blocks_to_offload: int, prefetch_blocks: int, pin_memory
     detected = detect_for_node(NODE_TITLE, model)
     blocks = detected.build_stack(model.model.diffusion_model).blocks
     check_for_this_machine(model, len(blocks), blocks_to_offload, prefetch_blocks, vram_budget_gb)
-    return OffloadSettings(blocks_to_offload=None if blocks_to_offload == AUTO else blocks_to_offload,
-                           prefetch_blocks=prefetch_blocks, pin_memory=PIN_OPTIONS[pin_memory],
-                           vram_budget_bytes=int(vram_budget_gb * 1024 ** 3) if vram_budget_gb > 0 else None,
-                           model_label=detected.variant, block_count=len(blocks))
+    try:
+        return OffloadConfig(blocks_to_offload=None if blocks_to_offload == AUTO else blocks_to_offload,
+                             prefetch_blocks=prefetch_blocks, pin_memory=PIN_OPTIONS[pin_memory],
+                             vram_budget_bytes=int(vram_budget_gb * 1024 ** 3) if vram_budget_gb > 0 else None,
+                             model_label=detected.variant, block_count=len(blocks))
+    except ValueError as e:
+        raise named(NODE_TITLE, e) from None
 
 
 def check_for_this_machine(model, block_count: int, blocks_to_offload: int, prefetch_blocks: int,
@@ -196,12 +188,12 @@ class OffloadSession(FeatureSession):
 
     def __init__(self, patcher, feature: AppliedFeature):
         super().__init__(patcher, feature)
-        self.settings: OffloadSettings = feature.settings
+        self.config: OffloadConfig = feature.config  # the node's own object: the run reads it unchanged
         self.notes: list[str] = []
         self.status: str | None = None
         self.target: torch.device | None = None
         self.plan: OffloadPlan | None = None
-        self.handle: LayerwiseOffloadHandle | None = None
+        self.run: LayerwiseOffloadRun | None = None
         self.promotion = Promotion()
         self.promoted_bytes = 0  # kept for the statistics after ``close`` undid the promotion
         self.freed_device_bytes = 0
@@ -236,7 +228,7 @@ class OffloadSession(FeatureSession):
         blocks = list(families.detect(patcher).build_stack(patcher.model.diffusion_model).blocks)
         footprints = [BlockFootprint.of(block, target) for block in blocks]
         available = self._available_for_blocks(patcher, target, footprints)
-        self.plan = plan = plan_offload(footprints, self.settings.blocks_to_offload, self.settings.prefetch_blocks,
+        self.plan = plan = plan_offload(footprints, self.config.blocks_to_offload, self.config.prefetch_blocks,
                                         available)
         self.notes.extend(plan.notes)
         if not plan.offloaded and not plan.promoted:
@@ -245,9 +237,8 @@ class OffloadSession(FeatureSession):
             for index in plan.promoted:
                 self.promoted_bytes += self.promotion.promote(blocks[index], target)
             if plan.offloaded:
-                self.handle = apply_layerwise_offload(
-                    [blocks[i] for i in plan.offloaded], target, prefetch_blocks=self.settings.prefetch_blocks,
-                    pin_memory=self._pin_memory(target), keep_resident=_unmovable)
+                self.run = LayerwiseOffloadRun([blocks[i] for i in plan.offloaded], target,
+                                               self._config_for(target), keep_resident=_unmovable).apply()
                 self.freed_device_bytes = sum(footprints[i].device_bytes for i in plan.offloaded)
                 self._order_host_streams([blocks[i] for i in plan.offloaded], target)
             self._account(patcher)
@@ -287,20 +278,20 @@ class OffloadSession(FeatureSession):
     # -- statistics -----------------------------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
-        """JSON-safe: the offload handle's ``OffloadStats.summary()`` (zeros when nothing was offloaded) plus what
+        """JSON-safe: the offload run's ``OffloadStats.summary()`` (zeros when nothing was offloaded) plus what
         the run decided and saw: ``active``, ``status``, block counts, promoted and freed bytes, computed and skipped
         calls and the bytes moved during skipped calls (0 by design), the bytes moved and the copy wait when the
         blocks were placed (before the first call), the device's weight bytes during the run, ``unchanged_reason`` (why nothing was
         offloaded, else None), ``steps`` (``StepTotals``: per sampler step its calls, skipped calls, bytes moved and
         copy wait) and ``notes`` (the library's and the run's)."""
-        stats = self.handle.stats if self.handle is not None else self._idle_stats()
+        stats = self.run.stats if self.run is not None else self._idle_stats()
         summary = stats.summary()
         plan = self.plan
         summary.update({
-            "model": self.settings.model_label,
+            "model": self.config.model_label,
             "status": self.status,
-            "active": self.handle is not None or self.promoted_bytes > 0,
-            "blocks_total": self.settings.block_count,
+            "active": self.run is not None or self.promoted_bytes > 0,
+            "blocks_total": self.config.block_count,
             "blocks_offloaded": len(plan.offloaded) if plan else 0,
             "blocks_promoted": len(plan.promoted) if plan else 0,
             "blocks_partly_streamed": len(plan.partly_streamed) if plan else 0,
@@ -327,10 +318,10 @@ class OffloadSession(FeatureSession):
 
     def log_line(self) -> str:
         node = f"node #{self.feature.node_id}, " if self.feature.node_id else ""
-        head = f"{NODE_TITLE} ({node}{self.settings.model_label}, {self.status or 'running'})"
-        if self.handle is None and not self.promoted_bytes:
+        head = f"{NODE_TITLE} ({node}{self.config.model_label}, {self.status or 'running'})"
+        if self.run is None and not self.promoted_bytes:
             return f"{head}: " + ("; ".join(self.notes) or "nothing offloaded")
-        parts = [self.handle.stats.log_line() if self.handle is not None else "no block offloaded"]
+        parts = [self.run.stats.log_line() if self.run is not None else "no block offloaded"]
         if self.promoted_bytes:
             parts.append(f"{len(self.plan.promoted)} resident blocks completed on the device "
                          f"({gib(self.promoted_bytes)})")
@@ -355,7 +346,7 @@ class OffloadSession(FeatureSession):
             return ("this MODEL has ComfyUI weight hooks (Create Hook LoRA and the like), which patch weights in the "
                     "middle of sampling; CPU Offload does not move weights ComfyUI may patch during the run, so it "
                     "changes nothing")
-        if self.settings.blocks_to_offload == 0:
+        if self.config.blocks_to_offload == 0:
             return "blocks_to_offload is 0: nothing offloaded; set it to -1 (auto) or to the number of blocks to keep in RAM"
         return None
 
@@ -367,7 +358,7 @@ class OffloadSession(FeatureSession):
         available = free + on_device - reserve
         why = (f"{gib(free)} free after ComfyUI loaded the model, {gib(on_device)} held by its blocks, "
                f"{gib(reserve)} left for activations ({how})")
-        budget = self.settings.vram_budget_bytes
+        budget = self.config.vram_budget_bytes
         if budget is not None:
             other = sum(t.numel() * t.element_size() for t in block_tensors(patcher.model.diffusion_model)
                         if t.device == target) - on_device
@@ -377,13 +368,14 @@ class OffloadSession(FeatureSession):
         self.notes.append(f"VRAM for the blocks: {gib(available)} ({why})")
         return available
 
-    def _pin_memory(self, target: torch.device) -> bool | None:
-        pin = self.settings.pin_memory
-        if pin and target.type != "cuda":
+    def _config_for(self, target: torch.device) -> OffloadConfig:
+        """The node's config, as it is; pinning asked on a device that cannot use pinned memory is the one case the
+        run gets a copy with pinning off (and the run's notes say so)."""
+        if self.config.pin_memory and target.type != "cuda":
             self.notes.append(f"pin_memory is on, but pinned memory needs a CUDA device, not {target.type}: "
                               "nothing pinned")
-            return False
-        return pin
+            return dataclasses.replace(self.config, pin_memory=False)
+        return self.config
 
     def _order_host_streams(self, blocks: list[torch.nn.Module], target: torch.device) -> None:
         if target.type != "cuda" or getattr(comfy.model_management, "NUM_STREAMS", 1) <= 1:
@@ -396,7 +388,7 @@ class OffloadSession(FeatureSession):
     def _account(self, patcher) -> None:
         """Tell ComfyUI's model management the weight bytes this model holds on the device during the run."""
         model = patcher.model
-        delta = (self.handle.device_bytes if self.handle is not None else 0) + self.promotion.nbytes \
+        delta = (self.run.device_bytes if self.run is not None else 0) + self.promotion.nbytes \
             - self.freed_device_bytes
         own = model.model_loaded_weight_memory
         model.model_loaded_weight_memory = max(0, own + delta)
@@ -404,22 +396,22 @@ class OffloadSession(FeatureSession):
         self.device_weight_bytes = model.model_loaded_weight_memory
 
     def _bytes_moved(self) -> int:
-        return self.handle.stats.bytes_moved if self.handle is not None else 0
+        return self.run.stats.bytes_moved if self.run is not None else 0
 
     def _copy_wait(self) -> float:
         """The copy waits measured so far (on CUDA, a wait still being timed counts at a later call)."""
-        return self.handle.stats.copy_wait_seconds if self.handle is not None else 0.0
+        return self.run.stats.copy_wait_seconds if self.run is not None else 0.0
 
     def _idle_stats(self) -> OffloadStats:
         device = str(self.target if self.target is not None else self.patcher.load_device)
-        return OffloadStats(device=device, blocks=0, prefetch_blocks=self.settings.prefetch_blocks, slots=0,
+        return OffloadStats(device=device, blocks=0, prefetch_blocks=self.config.prefetch_blocks, slots=0,
                             slot_bytes=0, device_bytes=0, offloaded_bytes=0, pinned_bytes=0, pinned_blocks=0,
                             kept_resident_bytes=0, uses_streams=False)
 
     def _undo(self) -> None:
         """Undo everything ``after_load`` did, each part whatever the others did; re-raise the first failure."""
         failure: BaseException | None = None
-        for step in (self._unhook_host_streams, self._remove_handle, self.promotion.undo, self._undo_account):
+        for step in (self._unhook_host_streams, self._remove_run, self.promotion.undo, self._undo_account):
             try:
                 step()
             except Exception as e:
@@ -433,9 +425,9 @@ class OffloadSession(FeatureSession):
         for block in hooked:
             remove_hook_and_restore(block, HOST_STREAMS_HOOK)
 
-    def _remove_handle(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()  # keeps the handle: its stats are final now
+    def _remove_run(self) -> None:
+        if self.run is not None:
+            self.run.remove()  # keeps the run: its stats are final now
 
     def _undo_account(self) -> None:
         accounted, self.accounted = self.accounted, None
@@ -493,10 +485,10 @@ class CPUOffload(io.ComfyNode):
     @classmethod
     def execute(cls, model, blocks_to_offload: int, prefetch_blocks: int, pin_memory: str,
                 vram_budget_gb: float) -> io.NodeOutput:
-        settings = settings_for(model, blocks_to_offload, prefetch_blocks, pin_memory, vram_budget_gb)
+        config = config_for(model, blocks_to_offload, prefetch_blocks, pin_memory, vram_budget_gb)
         feature = AppliedFeature(kind=KIND, category=Category.OFFLOAD, node_title=NODE_TITLE,
-                                 node_id=cls.hidden.unique_id, settings=settings)
+                                 node_id=cls.hidden.unique_id, config=config)
         return io.NodeOutput(attach_feature(model, feature))
 
 
-__all__ = ["CPUOffload", "OffloadSession", "OffloadSettings", "dynamic_vram_reason", "offload_target"]
+__all__ = ["CPUOffload", "OffloadSession", "dynamic_vram_reason", "offload_target"]

@@ -44,9 +44,10 @@ LOCAL_ONLY_OPTIONS = ("wrappers", "callbacks", "omni_hooks.run", "omni_hooks.fea
 
 
 @dataclass(frozen=True)
-class SequenceParallelSettings:
-    """The node's settings: the group it runs on (changing it starts another group) and how each call is split
-    (changing that only builds another mesh in the same group)."""
+class SequenceParallelRequest:
+    """What the node's inputs ask for, before the model's head count resolves 'auto' (``resolve_degrees`` makes the
+    one ``SequenceParallelConfig`` of it): the group it runs on (changing it starts another group) and how each call
+    is split (changing that only builds another mesh in the same group)."""
 
     group: sp_group.GroupSettings
     ulysses_degree: int | None  # None: auto
@@ -122,19 +123,19 @@ def resolve_devices(value: str, world_size: int, master_address: str = "127.0.0.
     return devices
 
 
-def resolve_degrees(settings: SequenceParallelSettings, heads: int | None) -> SequenceParallelConfig:
+def resolve_degrees(request: SequenceParallelRequest, heads: int | None) -> SequenceParallelConfig:
     """'auto': Ulysses when the head count divides the world size's, else ring attention. With ``cfg_parallel`` the
     degrees share half the world (two cfg halves). ``heads`` None: not known (explicit degrees are not checked
     against it). ValueError naming the input and the fix."""
-    world = settings.group.world_size
-    cfg = 2 if settings.cfg_parallel else 1
+    world = request.group.world_size
+    cfg = 2 if request.cfg_parallel else 1
     if world % cfg:
         raise ValueError(f"{NODE_TITLE}: cfg_parallel splits the ranks into two halves, so it needs an even "
                          f"world_size, got {world}; set world_size to {world + 1} or {world - 1}, or turn cfg_parallel "
                          "off")
     world //= cfg
     what = "world_size / 2 (cfg_parallel)" if cfg > 1 else "world_size"
-    u, r = settings.ulysses_degree, settings.ring_degree
+    u, r = request.ulysses_degree, request.ring_degree
     for name, degree in (("ulysses_degree", u), ("ring_degree", r)):
         if degree is not None and world % degree:
             raise ValueError(f"{NODE_TITLE}: {name} {degree} does not divide {what} {world}; set it to a divisor of "
@@ -151,10 +152,27 @@ def resolve_degrees(settings: SequenceParallelSettings, heads: int | None) -> Se
     if u * r != world:
         raise ValueError(f"{NODE_TITLE}: ulysses_degree {u} x ring_degree {r} must equal {what} {world}; set one of "
                          "them to 'auto'")
-    if heads is not None and heads % u:
-        raise ValueError(f"{NODE_TITLE}: the model has {heads} attention heads, which ulysses_degree {u} does not "
-                         "divide; set ulysses_degree to a divisor or 'auto'")
-    return SequenceParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg)
+    config = SequenceParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg, group=request.group)
+    if heads is not None:
+        check_heads(config, heads)
+    return config
+
+
+def check_heads(config: SequenceParallelConfig, heads: int) -> None:
+    """ValueError naming the input when the model's ``heads`` cannot be split ``config.ulysses_degree`` ways (degrees
+    chosen when the node could not read the head count)."""
+    if heads % config.ulysses_degree:
+        raise ValueError(f"{NODE_TITLE}: the model has {heads} attention heads, which ulysses_degree "
+                         f"{config.ulysses_degree} does not divide; set ulysses_degree to a divisor or 'auto'")
+
+
+def config_for(model, request: SequenceParallelRequest) -> SequenceParallelConfig:
+    """The node's one frozen config for ``model`` (its head count resolves 'auto'); ValueError naming the input."""
+    try:
+        heads = _heads(model.model.diffusion_model, detect(model).model_family)
+    except ValueError:
+        heads = None  # 'auto' degrees say so; explicit ones are checked against the model at the run
+    return resolve_degrees(request, heads)
 
 
 def _heads(dm: torch.nn.Module, family: ModelFamily) -> int:
@@ -184,7 +202,7 @@ class SequenceParallelSession(ShardSession):
 
     def __init__(self, patcher, feature: AppliedFeature):
         super().__init__(patcher, feature)
-        self.settings: SequenceParallelSettings = feature.settings
+        self.config: SequenceParallelConfig = feature.config  # the node's own object: the run reads it unchanged
         self.family = detect(patcher).model_family
         self.group: sp_group.SequenceParallelGroup | None = None
         self.degrees: tuple[int, int, int] | None = None  # (ulysses, ring, cfg)
@@ -199,17 +217,18 @@ class SequenceParallelSession(ShardSession):
         self._join(patcher)
 
     def _join(self, patcher) -> None:
-        """The group of this run's settings, holding the model's current weights."""
+        """The group of this run's config, holding the model's current weights."""
         if self.family.sequence_plan is None:
             raise ValueError(f"{self.feature.describe()}: {self.family.display_name} has no sequence plan yet"
                              f"{_refusal(self.family)}; supported: {supported_families()}")
         if self.group is None:
-            self.group = sp_group.current_group(self.settings.group, _comfyui_root())
+            self.group = sp_group.current_group(self.config.group, _comfyui_root())
         self.group.sync_weights(patcher, self.family.name)
 
     def install(self, diffusion_model: torch.nn.Module) -> None:
         self._join(self.patcher)
-        config = resolve_degrees(self.settings, _heads(diffusion_model, self.family))
+        config = self.config
+        check_heads(config, _heads(diffusion_model, self.family))
         self.install_shard(diffusion_model, self.family, config, self.group.mesh(config))
         self.degrees = (config.ulysses_degree, config.ring_degree, config.cfg_degree)
 
@@ -234,15 +253,15 @@ class SequenceParallelSession(ShardSession):
         self.calls += 1
         self.in_call = True
         super().before_call(args, kwargs, transformer_options)
-        self.runtime.gate.hold(answers)  # the workers check the call while this rank computes up to its first exchange
+        self.run.gate.hold(answers)  # the workers check the call while this rank computes up to its first exchange
 
     def begin_call(self, context) -> None:
         super().begin_call(context)
-        if self.degrees is not None and self.degrees[2] > 1 and self.runtime.batch_part()[1] == 1:
-            batch = self.runtime.whole_call and call_batch(*self.runtime.whole_call)
+        if self.degrees is not None and self.degrees[2] > 1 and self.run.batch_part()[1] == 1:
+            batch = self.run.whole_call and call_batch(*self.run.whole_call)
             self.calls_unsplit.append(f"a batch of {batch} does not split into cfg_degree {self.degrees[2]} equal "
                                       "parts: the call ran on every rank with the sequence split only")
-        self._call_start = (time.perf_counter(), self.runtime.stats.bytes_sent)
+        self._call_start = (time.perf_counter(), self.run.stats.bytes_sent)
 
     def end_call(self, context) -> None:
         if self._call_start is None:
@@ -250,11 +269,11 @@ class SequenceParallelSession(ShardSession):
         started, sent = self._call_start
         self._call_start = None
         self.steps.add(context.step, seconds=time.perf_counter() - started,
-                       bytes_sent=self.runtime.stats.bytes_sent - sent,
+                       bytes_sent=self.run.stats.bytes_sent - sent,
                        decided=int(context.blocks_run is not None), skipped=int(context.blocks_run is False))
 
     def call_output(self, output: Any) -> Any:
-        self.runtime.gate.release()  # a call whose every exchange was skipped still hears every worker's answer
+        self.run.gate.release()  # a call whose every exchange was skipped still hears every worker's answer
         output = super().call_output(output)
         self.in_call = False
         return output
@@ -293,17 +312,17 @@ class SequenceParallelSession(ShardSession):
         if self.degrees is None:
             return None
         ulysses, ring, cfg = self.degrees
-        group = self.settings.group
+        group = self.config.group
         return {"world_size": group.world_size, "ulysses_degree": ulysses, "ring_degree": ring, "cfg_degree": cfg,
                 "backend": group.backend, "local_devices": list(group.devices),
-                "calls": self.calls, "bytes_sent": self.runtime.stats.bytes_sent if self.runtime else 0,
+                "calls": self.calls, "bytes_sent": self.run.stats.bytes_sent if self.run else 0,
                 **self._activity()}
 
     def _activity(self) -> dict[str, Any]:
         """What the card shows beyond the setup: per sampler step its calls, seconds on this rank, bytes this rank
         sent, the calls a cache decided for every rank (``decided``, agreed over the group) and of those the skipped
         ones (``StepTotals``); bytes sent per exchange kind; the calls whose batch ran whole and why."""
-        by_kind = self.runtime.stats.snapshot() if self.runtime else {}
+        by_kind = self.run.stats.snapshot() if self.run else {}
         return {"steps": self.steps.to_list(), "bytes_sent_by_exchange": {k: r.bytes_sent for k, r in by_kind.items()},
                 "calls_unsplit": len(self.calls_unsplit),
                 "unsplit_reason": self.calls_unsplit[0] if self.calls_unsplit else None}
@@ -383,17 +402,13 @@ class SequenceParallel(io.ComfyNode):
             raise ValueError(f"{NODE_TITLE}: {world_size - len(local)} rank(s) are remote: set master_port so they "
                              "know where to join")
         sp_group.check_platform(backend)
-        settings = SequenceParallelSettings(
+        request = SequenceParallelRequest(
             sp_group.GroupSettings(world_size, backend, local, master_address, master_port),
             ulysses_degree=None if ulysses_degree == AUTO else int(ulysses_degree),
             ring_degree=None if ring_degree == AUTO else int(ring_degree), cfg_parallel=bool(cfg_parallel))
-        try:
-            heads = _heads(model.model.diffusion_model, family)
-        except ValueError:
-            heads = None  # 'auto' degrees say so below; explicit ones are checked at the run
-        resolve_degrees(settings, heads)  # every degree the model or the world cannot take, before any rank starts
-        feature = AppliedFeature(KIND, Category.SEQUENCE_PARALLEL, NODE_TITLE, cls.hidden.unique_id, settings)
+        config = config_for(model, request)  # every degree the model or the world cannot take, before any rank starts
+        feature = AppliedFeature(KIND, Category.SEQUENCE_PARALLEL, NODE_TITLE, cls.hidden.unique_id, config)
         return io.NodeOutput(attach_feature(model, feature))
 
 
-__all__ = ["SequenceParallel", "SequenceParallelSession", "SequenceParallelSettings"]
+__all__ = ["SequenceParallel", "SequenceParallelRequest", "SequenceParallelSession", "config_for"]

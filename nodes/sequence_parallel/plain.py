@@ -3,7 +3,7 @@
 ``to_plain`` turns a value into JSON-able data, every tensor replaced by what the caller's ``slot`` makes of it (its
 place among the raw bytes that follow, its dtype and shape); ``from_plain`` rebuilds it. What travels: None, bool,
 int, float, str, bytes, lists, tuples, dicts (any of these as keys), tensors, ``torch.dtype``, ``torch.device``,
-``uuid.UUID``, and this pack's own dataclasses and enums (a feature's settings) as their class's name inside the pack
+``uuid.UUID``, and this pack's own dataclasses and enums (a feature's config) as their class's name inside the pack
 and their fields. A receiver rebuilds only dataclasses and enums of this pack's own modules; anything else is a ``PlainDataError`` naming it. Nothing here unpickles.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ def to_plain(value: Any, slot: Callable[[torch.Tensor], dict]) -> Any:
         fields = {f.name: to_plain(getattr(value, f.name), slot) for f in dataclasses.fields(value) if f.init}
         return {_TAG: "dataclass", "class": _pack_class(type(value)), "fields": fields}
     raise PlainDataError(f"a {type(value).__module__}.{type(value).__qualname__} cannot be sent to the other ranks "
-                         "(plain data, tensors and this pack's settings only)")
+                         "(plain data, tensors and this pack's configs only)")
 
 
 def from_plain(data: Any, tensor: Callable[[dict], torch.Tensor]) -> Any:
@@ -144,7 +144,7 @@ def _key(value: Any) -> Any:
 
 
 def _pack_class(cls: type) -> str | None:
-    """``cls``'s name inside this pack ("nodes.caches.teacache:TeaCacheSettings"), None for a class of elsewhere."""
+    """``cls``'s name inside this pack ("omni_hooks.teacache.config:TeaCacheConfig"), None for a class of elsewhere."""
     if not cls.__module__.startswith(PACKAGE + ".") or "<" in cls.__qualname__:
         return None
     return f"{cls.__module__[len(PACKAGE) + 1:]}:{cls.__qualname__}"

@@ -2,7 +2,7 @@
 process around it: joining, the command loop, exit).
 
 The worker builds the model class from rank 0's config into a ComfyUI ``ModelPatcher`` of its own (loaded the way
-ComfyUI loads it on rank 0, lowvram included) and mirrors rank 0's run: a ``RunSession`` with the same caches and
+ComfyUI loads it on rank 0, lowvram included) and mirrors rank 0's run: a ``SamplingRun`` with the same caches and
 offload, where rank 0 has its Sequence Parallel session a ``WorkerShardSession``, and every call through
 ``features.run_call``, so the caches decide on the same ``CallContext`` (step, branches, the group's ``RankView``).
 """
@@ -16,8 +16,10 @@ import comfy.supported_models_base
 import torch
 
 from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequenceParallelMesh
+from ..caches import magcache, teacache  # noqa: F401  (they register the features a run's command may carry)
 from ..families import family_named
-from ..features import AppliedFeature, RunSession, run_call
+from ..offload import node as offload_node  # noqa: F401  (registers CPU Offload's feature)
+from ..features import AppliedFeature, SamplingRun, run_call
 from .shard import KIND, ShardSession
 from .protocol import OPTIONS_SLOT, Command, broadcast_tensors, tensor_signature, to_device
 
@@ -33,7 +35,7 @@ class WorkerRank:
         self.meshes: dict[tuple[int, int, int], SequenceParallelMesh] = {}  # (ulysses, ring, cfg)
         self.weights_serial: int | None = None
         self.degrees: tuple[int, int, int] | None = None  # of the call being run
-        self.run: RunSession | None = None
+        self.sampling: SamplingRun | None = None
         self.run_id: str | None = None
 
     def prepare(self, command: Command) -> None:
@@ -70,7 +72,7 @@ class WorkerRank:
             kwargs = {k: options if _is_options_slot(v) else v for k, v in kwargs.items()}
             dm = self.patcher.model.diffusion_model
             with torch.inference_mode():
-                run_call(self.run, dm, dm.forward, args, kwargs, options)
+                run_call(self.sampling, dm, dm.forward, args, kwargs, options)
         elif command.op == "end":
             if command.header["run"] == self.run_id:
                 self.end_run(command.header["status"])
@@ -78,14 +80,14 @@ class WorkerRank:
     def _open_run(self, run_id: str, applied: tuple[AppliedFeature, ...]) -> None:
         self.end_run("success")
         comfy.model_management.load_models_gpu([self.patcher])
-        run = RunSession(patcher=self.patcher)
-        self.run, self.run_id = run, run_id
+        run = SamplingRun(patcher=self.patcher)
+        self.sampling, self.run_id = run, run_id
         run.open(applied, factories={KIND: lambda patcher, feature: WorkerShardSession(self, patcher, feature)})
         run.after_load(self.patcher, None)
 
     def end_run(self, status: str) -> None:
         """Close the current run's sessions (hooks removed, offload restored)."""
-        run, self.run, self.run_id = self.run, None, None
+        run, self.sampling, self.run_id = self.sampling, None, None
         if run is not None:
             run.close(status)
 

@@ -26,14 +26,14 @@ class ShardSession(FeatureSession):
 
     def __init__(self, patcher, feature):
         super().__init__(patcher, feature)
-        self.runtime = None
+        self.run = None
         self.plan = None
         self.installed_on: torch.nn.Module | None = None
 
     def install_shard(self, diffusion_model: torch.nn.Module, family: ModelFamily, config: SequenceParallelConfig,
                       mesh: SequenceParallelMesh) -> None:
         plan = family.sequence_plan(diffusion_model)
-        self.runtime = apply_sequence_parallel(diffusion_model, config, plan, mesh=mesh, batch_hook=False)
+        self.run = apply_sequence_parallel(diffusion_model, config, plan, mesh=mesh, batch_hook=False)
         self.plan, self.installed_on = plan, diffusion_model
 
     def remove(self) -> None:
@@ -42,18 +42,18 @@ class ShardSession(FeatureSession):
         self.installed_on, self.plan = None, None
 
     def before_call(self, args: tuple, kwargs: dict, transformer_options: dict) -> None:
-        transformer_options[ATTENTION_OVERRIDE] = self.runtime.attention
-        self.runtime.reset()
+        transformer_options[ATTENTION_OVERRIDE] = self.run.attention
+        self.run.reset()
 
     def call_arguments(self, args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict]:
         """CFG parallel: this rank's part of a model call's batch (``transformer_options`` stays whole). Done here,
         inside the DIFFUSION_MODEL wrapper, not by a hook on the diffusion model: ComfyUI runs that wrapper inside the
         model's forward, so a hook there would run before a run's first call installed anything."""
         names = [OPTIONS_NAME if a is options else "" for a in args]
-        return self.runtime.split_batch(args, kwargs, names)
+        return self.run.split_batch(args, kwargs, names)
 
     def call_output(self, output: Any) -> Any:
-        return self.runtime.gather_batch(output)
+        return self.run.gather_batch(output)
 
     def begin_call(self, context: CallContext) -> None:
-        context.rank = self.runtime.rank_view()
+        context.rank = self.run.rank_view()

@@ -4,10 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-import torch
-
-from ..forecast import check_order
-from ..few_step import FewStepRule
+from ..cache_config import StackCacheConfig
 from .interp import MagRatioTable
 
 MISSING_RATIOS = ("MagCache needs mag_ratios (the per-step magnitude ratios of this model's residual). Run once with "
@@ -15,16 +12,16 @@ MISSING_RATIOS = ("MagCache needs mag_ratios (the per-step magnitude ratios of t
                   "mag_ratios; or use a strategy that carries published ratios.")
 
 
-@dataclass
-class MagCacheConfig:
-    """What MagCache skips and when.
+@dataclass(frozen=True, kw_only=True)
+class MagCacheConfig(StackCacheConfig):
+    """What MagCache skips and when (the shared fields: ``StackCacheConfig``).
 
     At step t (of N) a branch multiplies its accumulated ratio by ``mag_ratios[t]`` (its own curve, nearest-
     interpolated to N), adds ``|1 - accumulated_ratio|`` to its accumulated error and counts one more step; it may
     reuse the cached residual while the error stays ``<= threshold`` and at most ``max_skip_steps`` (K) steps in a row
     are skipped; otherwise it computes and the accumulators restart. ``threshold == 0`` and ``K == 0`` both mean
     "never skip" (the settings that prove the hooks change nothing). The first ``int(retention_ratio * N + 0.5)``
-    steps and every step whose position ``t / (N - 1)`` lies outside ``[start_percent, end_percent]`` are computed.
+    steps and every step outside the start/end window are computed.
 
     ``mag_ratios``: a flat list (one per step, every branch), a CFG-interleaved list ``[c0, u0, c1, u1, ...]`` with
     ``interleaved=True``, or a mapping ``{"cond": [...], "uncond": [...]}``. Required unless ``calibrate``.
@@ -32,9 +29,6 @@ class MagCacheConfig:
     counted and its state starts afresh after N of them); None means the length of the branch's curve.
     ``calibrate`` computes every step and records the magnitude ratio, its spread and the cosine distance of
     consecutive residuals per branch.
-    ``forecast_order`` (0, 1, 2): a skipped step adds the residual of the last computed step (0) or the extrapolation
-    through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``); "auto" chooses the
-    order per branch and skipped step from how well each predicted the run's computed residuals.
     """
 
     threshold: float = 0.06
@@ -43,32 +37,19 @@ class MagCacheConfig:
     mag_ratios: Sequence[float] | Mapping[str, Sequence[float]] | None = None
     interleaved: bool = False
     num_inference_steps: int | None = None
-    start_percent: float = 0.0
-    end_percent: float = 1.0
-    cache_device: torch.device | None = None
-    calibrate: bool = False
-    forecast_order: int | str = 0
-    #: the steps a run of few steps always computes (``omni_hooks.few_step``, e.g. ``FewStepRule()``); None: no rule
-    few_step: FewStepRule | None = None
-    ratio_table: MagRatioTable | None = field(default=None, init=False, repr=False)
+    ratio_table: MagRatioTable | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.forecast_order = check_order(self.forecast_order)
-        if not self.threshold >= 0:
-            raise ValueError(f"threshold must be >= 0, got {self.threshold}")
+        super().__post_init__()
         if int(self.max_skip_steps) != self.max_skip_steps or self.max_skip_steps < 0:
             raise ValueError(f"max_skip_steps (K) must be an integer >= 0, got {self.max_skip_steps}")
-        self.max_skip_steps = int(self.max_skip_steps)
+        object.__setattr__(self, "max_skip_steps", int(self.max_skip_steps))
         if not 0.0 <= self.retention_ratio <= 1.0:
             raise ValueError(f"retention_ratio must be in [0, 1], got {self.retention_ratio}")
         if self.num_inference_steps is not None and self.num_inference_steps <= 0:
             raise ValueError(f"num_inference_steps must be > 0, got {self.num_inference_steps}")
-        if not 0.0 <= self.start_percent <= self.end_percent <= 1.0:
-            raise ValueError(f"need 0 <= start_percent <= end_percent <= 1, "
-                             f"got {self.start_percent}, {self.end_percent}")
         if self.mag_ratios is None:
             if not self.calibrate:
                 raise ValueError(MISSING_RATIOS)
-            self.ratio_table = None
         else:
-            self.ratio_table = MagRatioTable.from_values(self.mag_ratios, self.interleaved)
+            object.__setattr__(self, "ratio_table", MagRatioTable.from_values(self.mag_ratios, self.interleaved))

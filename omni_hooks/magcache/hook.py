@@ -107,11 +107,9 @@ class MagCacheRun(StackCacheRun):
 
     def __init__(self, config: MagCacheConfig, stack: BlockStack, stats: CacheRunStats | None = None,
                  implicit_calls: bool = False):
-        super().__init__(stack, MagCacheState, config.threshold, config.cache_device,
-                         stats or CacheRunStats(kind="magcache", model="unknown", threshold=config.threshold),
-                         forecast_order=config.forecast_order,
-                         few_step=None if config.calibrate else config.few_step)
-        self.config = config
+        super().__init__(stack, MagCacheState, config, stats or CacheRunStats(
+            kind="magcache", model=config.model_label, threshold=config.threshold, notes=list(config.notes)))
+        self.config: MagCacheConfig = config
         self.implicit_calls = implicit_calls
         self.context: str | None = None
         # calibration lists of branches whose generation ended (fallback counting), by branch label
@@ -168,8 +166,7 @@ class MagCacheRun(StackCacheRun):
                 decisions.append(Decision("calibrate"))
                 continue
             n = total or step + 1
-            position = step / max(n - 1, 1)
-            if not cfg.start_percent <= position <= cfg.end_percent:
+            if not cfg.in_window(step, n):
                 st.reset_accumulators()
                 decisions.append(Decision("window"))
                 continue

@@ -10,7 +10,7 @@ import torch
 KeepResidentFn = Callable[[str, torch.Tensor], bool]
 
 
-@dataclass
+@dataclass(frozen=True)
 class OffloadConfig:
     """How ``apply_layerwise_offload`` places a block stack.
 
@@ -23,19 +23,26 @@ class OffloadConfig:
     * ``pinned_budget_bytes``: the most bytes of master copies to pin (blocks in list order until it is spent; the
       rest stay pageable, and a copy from pageable memory holds up the host while it runs). None = half the machine's
       physical memory where the standard library can tell it, else nothing is pinned (a note says so).
-    * ``keep_resident``: tensors for which it returns True are not offloaded and are left where they are (the host
-      places them, e.g. a block's small modulation table that a cache reads before the block runs).
     * ``offload_buffers``: offload the blocks' buffers too (False: buffers are left where they are).
     * ``measure_waits``: on a device with streams, time how long the computation waits for copies (CUDA timing events,
       read without blocking); without streams every copy is synchronous and timed on the host.
+    * ``blocks_to_offload`` / ``vram_budget_bytes`` / ``model_label`` / ``block_count``: what a host's planner reads
+      to choose the blocks it hands to ``apply_layerwise_offload`` (None: as many as the free memory needs; None: the
+      memory the host reports free) and what its statistics call the model; the run itself does not read them.
+
+    Frozen: built once by the caller and read unchanged by the run (``LayerwiseOffloadRun.config``). What tensors
+    stay in place (``keep_resident``) is a function of the caller's, passed to the run beside the config.
     """
 
     prefetch_blocks: int = 1
     pin_memory: bool | None = None
     pinned_budget_bytes: int | None = None
-    keep_resident: KeepResidentFn | None = None
     offload_buffers: bool = True
     measure_waits: bool = True
+    blocks_to_offload: int | None = None
+    vram_budget_bytes: int | None = None
+    model_label: str = ""
+    block_count: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.prefetch_blocks, bool) or not isinstance(self.prefetch_blocks, int) \

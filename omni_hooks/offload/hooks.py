@@ -52,20 +52,20 @@ class LayerwiseOffloadHook(ModelHook):
 
     phase = HookPhase.PLACEMENT
 
-    def __init__(self, handle: "LayerwiseOffloadHandle", index: int):
-        self.handle = handle
+    def __init__(self, run: "LayerwiseOffloadRun", index: int):
+        self.run = run
         self.index = index
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        self.handle.before_block(self.index)
+        self.run.before_block(self.index)
         return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        self.handle.after_block(self.index)
+        self.run.after_block(self.index)
         return output
 
 
-class LayerwiseOffloadHandle:
+class LayerwiseOffloadRun:
     """Block-level offload of one block stack; created by ``apply_layerwise_offload``.
 
     While applied, a block's offloaded tensors are views into a device slot or 0-element placeholders; every other
@@ -74,11 +74,12 @@ class LayerwiseOffloadHandle:
     object, original device, dtype, shape, strides and values) and unregisters the hooks.
     """
 
-    def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device | str, config: OffloadConfig):
+    def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device | str, config: OffloadConfig,
+                 keep_resident: KeepResidentFn | None = None):
         self.blocks = list(blocks)
-        self.config = config
+        self.config = config  # the caller's frozen config, read unchanged
         self.device = _resolve_device(device)
-        self.layouts = _layouts(self.blocks, config.keep_resident, config.offload_buffers)
+        self.layouts = _layouts(self.blocks, keep_resident, config.offload_buffers)
         self.prefetch_blocks = config.prefetch_blocks
         slot_count = min(len(self.blocks), 1 + self.prefetch_blocks)
         slot_bytes = max(layout.nbytes for layout in self.layouts)
@@ -112,11 +113,11 @@ class LayerwiseOffloadHandle:
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
-    def apply(self) -> "LayerwiseOffloadHandle":
+    def apply(self) -> "LayerwiseOffloadRun":
         """Pack every block into its master copy, release it from wherever it was, register the hooks and load the
         stack's head. On any error everything done so far is undone and the error propagates."""
         if self._applied:
-            raise RuntimeError("apply_layerwise_offload: this handle is already applied")
+            raise RuntimeError("apply_layerwise_offload: this run is already applied")
         self._applied = True
         try:
             with torch.inference_mode(False):
@@ -143,7 +144,7 @@ class LayerwiseOffloadHandle:
 
     def remove(self) -> None:
         """Unregister the hooks and restore every offloaded tensor exactly; frees the slots and the master copies.
-        Idempotent; the handle cannot be applied again."""
+        Idempotent; the run cannot be applied again."""
         if self._removed or not self._applied:
             self._removed = True
             return
@@ -169,7 +170,7 @@ class LayerwiseOffloadHandle:
             master.release()
         self._masters.clear()
 
-    def __enter__(self) -> "LayerwiseOffloadHandle":
+    def __enter__(self) -> "LayerwiseOffloadRun":
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -287,17 +288,19 @@ class LayerwiseOffloadHandle:
 def apply_layerwise_offload(blocks: Sequence[torch.nn.Module], device: torch.device | str, *,
                             prefetch_blocks: int = 1, pin_memory: bool | None = None,
                             pinned_budget_bytes: int | None = None, keep_resident: KeepResidentFn | None = None,
-                            offload_buffers: bool = True, measure_waits: bool = True) -> LayerwiseOffloadHandle:
+                            offload_buffers: bool = True, measure_waits: bool = True) -> LayerwiseOffloadRun:
     """Offload ``blocks`` (a block stack, in execution order) to the CPU and stream them to ``device`` block by block.
 
-    See ``OffloadConfig`` for the options. Returns the applied handle: ``remove()`` undoes everything, ``stats`` /
+    See ``OffloadConfig`` for the options; ``keep_resident``: tensors for which it returns True are not offloaded and
+    are left where they are (the host places them, e.g. a block's small modulation table that a cache reads before the
+    block runs). Returns the applied run: ``remove()`` undoes everything, ``stats`` /
     ``collect_stats()`` report it. Raises ValueError (changing nothing) for an empty or repeated block list, a block
     that is already offloaded, a tensor shared between blocks or one that cannot be packed as plain bytes.
     """
     config = OffloadConfig(prefetch_blocks=prefetch_blocks, pin_memory=pin_memory,
-                           pinned_budget_bytes=pinned_budget_bytes, keep_resident=keep_resident,
-                           offload_buffers=offload_buffers, measure_waits=measure_waits)
-    return LayerwiseOffloadHandle(blocks, device, config).apply()
+                           pinned_budget_bytes=pinned_budget_bytes, offload_buffers=offload_buffers,
+                           measure_waits=measure_waits)
+    return LayerwiseOffloadRun(blocks, device, config, keep_resident).apply()
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:
@@ -322,7 +325,7 @@ def _layouts(blocks: list[torch.nn.Module], keep_resident: KeepResidentFn | None
         where = f"block {index} ({type(block).__name__})"
         registry = block.__dict__.get(REGISTRY_ATTR)
         if registry is not None and registry.get_hook(HOOK_NAME) is not None:
-            raise ValueError(f"apply_layerwise_offload: {where} is already offloaded; remove the other handle first")
+            raise ValueError(f"apply_layerwise_offload: {where} is already offloaded; remove the other run first")
         layout = BlockLayout.of(block, keep_resident, offload_buffers, where)
         for packed in layout.tensors:
             first = owner.setdefault(id(packed.tensor), index)

@@ -107,7 +107,7 @@ class SyncCopies:
 
 
 class CudaStreamCopies:
-    """Copies on one side stream per handle.
+    """Copies on one side stream per run.
 
     A copy into a slot first waits for the work queued on the current (compute) stream and on the stream that last
     used the slot (the same one unless the host switched streams), so the block the slot held is done with it; it

@@ -1,4 +1,4 @@
-"""What one offload handle did: placement, copies, residency and waiting. ``summary()`` is JSON-safe numbers."""
+"""What one offload run did: placement, copies, residency and waiting. ``summary()`` is JSON-safe numbers."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,9 +9,9 @@ GIB = 1024 ** 3
 
 @dataclass
 class OffloadStats:
-    """Counters of one ``LayerwiseOffloadHandle``, updated as blocks run.
+    """Counters of one ``LayerwiseOffloadRun``, updated as blocks run.
 
-    Placement (fixed when the handle is applied):
+    Placement (fixed when the run is applied):
       ``blocks``, ``prefetch_blocks``, ``slots`` (= min(blocks, 1 + prefetch_blocks)), ``slot_bytes`` (one slot,
       sized for the largest block), ``device_bytes`` (all slots: what the blocks hold on the device),
       ``offloaded_bytes`` (the CPU master copies), ``pinned_bytes`` / ``pinned_blocks`` (of those, page-locked),

@@ -53,7 +53,7 @@ from .plan import (
     unwrap_module,
     validate_sp_plan,
 )
-from .runtime import ActiveSite, SequenceParallelRuntime
+from .run import ActiveSite, SequenceParallelRun
 from .sharding import PaddingRecord
 
 __all__ = [
@@ -76,7 +76,7 @@ __all__ = [
     "SequenceParallelOutput",
     "SequenceParallelPartialInput",
     "SequenceParallelRefusedInput",
-    "SequenceParallelRuntime",
+    "SequenceParallelRun",
     "SequenceParallelSelfAttention",
     "SequenceParallelSelfAttentionHook",
     "SequenceParallelSplitHook",

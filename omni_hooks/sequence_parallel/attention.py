@@ -29,7 +29,7 @@ import torch
 from .comm import Communicator
 
 if TYPE_CHECKING:
-    from .runtime import ActiveSite, SequenceParallelRuntime
+    from .run import ActiveSite, SequenceParallelRun
 
 # Where ring blocks are computed by torch's math, it is in chunks of query rows so that one chunk's score matrix holds
 # at most this many elements (2^25 float32 = 128 MiB), whatever the sequence length.
@@ -272,19 +272,19 @@ class SequenceParallelAttention:
       mask), ring applies it to each block. Without a mask, ``func`` gets none (mask-blind kernels work).
     """
 
-    def __init__(self, runtime: "SequenceParallelRuntime"):
-        self.runtime = runtime
+    def __init__(self, run: "SequenceParallelRun"):
+        self.run = run
 
     def __call__(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  heads: int, mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        site = self.runtime.active_site
+        site = self.run.active_site
         if site is None:
             return func(q, k, v, heads, mask=mask, **kwargs)
         return self._exchange(func, q, k, v, heads, site, mask, kwargs)
 
     def _exchange(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   heads: int, site: "ActiveSite", mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
-        rt = self.runtime
+        rt = self.run
         ulysses, ring = rt.ulysses_comm, rt.ring_comm
         heads_first = bool(kwargs.get("skip_reshape", False))
         out_heads_first = bool(kwargs.get("skip_output_reshape", False))
@@ -353,15 +353,15 @@ class SequenceParallelAttention:
         holds, so no rank waits for another."""
         mask_joint, mask_split = split(mask, mask.dim() - 1)
         wire = mask_split.to(torch.uint8) if mask_split.dtype == torch.bool else mask_split  # gloo has no bool
-        mask_split = self.runtime.sp_comm.all_gather(wire.contiguous(), mask.dim() - 1, MASK_KIND).to(mask.dtype)
+        mask_split = self.run.sp_comm.all_gather(wire.contiguous(), mask.dim() - 1, MASK_KIND).to(mask.dtype)
         if mask.dim() == 4 and mask.shape[1] == heads and local_heads != heads:  # after the gather: every rank's
-            first = self.runtime.ulysses_comm.group.rank * local_heads             # keys, this rank's heads
+            first = self.run.ulysses_comm.group.rank * local_heads             # keys, this rank's heads
             mask_joint, mask_split = (m.narrow(1, first, local_heads) for m in (mask_joint, mask_split))
         return mask_joint, mask_split
 
     def _valid_keys(self, site: "ActiveSite", segment: int, ring_size: int) -> Callable[[int], int] | None:
         """Real (unpadded) keys in ring block ``j``, or None when the site's sequence was not padded."""
-        record = self.runtime.padding.get(site.spec.shard_group)
+        record = self.run.padding.get(site.spec.shard_group)
         if record is None or record.pad == 0:
             return None
         if record.padded_len != segment * ring_size:

@@ -47,7 +47,7 @@ class CommStats:
 class ExchangeGate:
     """What must happen on this rank before its next exchange, once: e.g. a host that sent a call to the other ranks
     checks that each accepted it, while this rank already computes up to its first collective. Every communicator of
-    a runtime shares one gate; its first real collective after ``hold`` runs the check (which may raise: then no
+    a run shares one gate; its first real collective after ``hold`` runs the check (which may raise: then no
     collective of the call has started on this rank)."""
 
     def __init__(self) -> None:

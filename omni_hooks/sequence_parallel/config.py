@@ -1,11 +1,11 @@
 """``SequenceParallelConfig``: how many ranks split the sequence, and how attention is exchanged among them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
-@dataclass
+@dataclass(frozen=True)
 class SequenceParallelConfig:
     """Degrees of the two attention exchanges; their product is the sequence-parallel world size.
 
@@ -25,6 +25,10 @@ class SequenceParallelConfig:
     * ``batch_unsplit_inputs``: (CFG parallel) forward parameters of the plan's root that are never split along the
       batch (their tensors are not batched data); every other tensor argument whose leading dim is the call's batch
       is, also inside lists, tuples and dicts.
+    * ``group``: the host's description of the ranks' process group (a frozen dataclass of plain values: world size,
+      backend, devices, address); the library does not read it, the host finds or starts its group from it.
+
+    Frozen: built once by the caller and read unchanged by the run (``SequenceParallelRun.config``).
     """
 
     ulysses_degree: int = 1
@@ -32,6 +36,7 @@ class SequenceParallelConfig:
     cfg_degree: int = 1
     process_group: Any = None
     batch_unsplit_inputs: tuple[str, ...] = ("transformer_options",)
+    group: Any = None
 
     def __post_init__(self) -> None:
         for name in ("ulysses_degree", "ring_degree", "cfg_degree"):
@@ -53,7 +58,7 @@ class SequenceParallelConfig:
     def whole_config(self) -> "SequenceParallelConfig":
         """The degrees of a call that the cfg halves cannot split: all C·U·R ranks, the cfg factor added to the ring
         (ring attention has no head constraint; the Ulysses groups keep their members)."""
-        return SequenceParallelConfig(ulysses_degree=self.ulysses_degree, ring_degree=self.ring_degree * self.cfg_degree)
+        return replace(self, ring_degree=self.ring_degree * self.cfg_degree, cfg_degree=1)
 
     @property
     def sequence_parallel_size(self) -> int:

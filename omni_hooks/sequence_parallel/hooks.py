@@ -30,7 +30,7 @@ from .plan import (
     splits_outside_caches,
     validate_sp_plan,
 )
-from .runtime import ActiveSite, SequenceParallelRuntime
+from .run import ActiveSite, SequenceParallelRun
 from .sharding import PaddingRecord, pad_to, padded_length, shard
 
 log = logging.getLogger("omni_hooks")
@@ -52,12 +52,12 @@ def _dims_match(hook: ModelHook, x: torch.Tensor, expected: int | None, what: st
 
 
 class SequenceParallelHook(ModelHook):
-    """What the three hooks share: the sharding phase, the runtime, their plan entry and where it sits."""
+    """What the three hooks share: the sharding phase, the run, their plan entry and where it sits."""
 
     phase = HookPhase.SHARDING
 
-    def __init__(self, runtime: SequenceParallelRuntime, spec: Any, module_id: str):
-        self.runtime = runtime
+    def __init__(self, run: SequenceParallelRun, spec: Any, module_id: str):
+        self.run = run
         self.spec = spec
         self.module_id = module_id
         self.module_forward_metadata: ModuleForwardMetadata | None = None
@@ -68,8 +68,8 @@ class SequenceParallelSplitHook(SequenceParallelHook):
     """Splits a module's planned inputs before it runs (and ``split_output`` elements of its output after).
     ``spec``: the plan's dict of parameter name / output index -> input spec."""
 
-    def __init__(self, runtime: SequenceParallelRuntime, spec: dict, module_id: str):
-        super().__init__(runtime, spec, module_id)
+    def __init__(self, run: SequenceParallelRun, spec: dict, module_id: str):
+        super().__init__(run, spec, module_id)
         self._call: tuple[tuple, dict] = ((), {})
         self._recorded: dict[str | None, PaddingRecord] = {}
 
@@ -98,7 +98,7 @@ class SequenceParallelSplitHook(SequenceParallelHook):
             if value is None:
                 for s in (spec if isinstance(spec, (list, tuple)) else [spec]):
                     if s is not None and s.auto_pad:  # not passed this call: no padding of its sequence to remember
-                        self.runtime.padding.pop(s.shard_group, None)
+                        self.run.padding.pop(s.shard_group, None)
                 continue
             if isinstance(value, torch.Tensor):
                 if isinstance(spec, (list, tuple)):
@@ -153,7 +153,7 @@ class SequenceParallelSplitHook(SequenceParallelHook):
         if isinstance(spec, SequenceParallelPartialInput):
             args, kwargs = self._call
             text_len = resolve_length(spec.text_len_source, spec.text_len_dim, self.module_forward_metadata, module,
-                                      args, kwargs, "text_len_source", self.runtime.split_length)
+                                      args, kwargs, "text_len_source", self.run.split_length)
             if text_len > x.shape[dim]:
                 raise ValueError(f"{self._where(name)}: text length {text_len} exceeds the tensor's {x.shape[dim]}")
             text_front = spec.text_position == "front"
@@ -162,7 +162,7 @@ class SequenceParallelSplitHook(SequenceParallelHook):
                 text, x = x.narrow(dim, 0, text_len), x.narrow(dim, text_len, image_len)
             else:
                 text, x = x.narrow(dim, image_len, text_len), x.narrow(dim, 0, image_len)
-        world = self.runtime.world_size
+        world = self.run.world_size
         if spec.auto_pad:
             record = PaddingRecord(x.shape[dim], padded_length(x.shape[dim], world))
             earlier = self._recorded.setdefault(spec.shard_group, record)
@@ -170,9 +170,9 @@ class SequenceParallelSplitHook(SequenceParallelHook):
                 raise ValueError(f"{self._where(name)}: {record.original_len} tokens, but another input of "
                                  f"shard_group {spec.shard_group!r} had {earlier.original_len}; tensors of one "
                                  "shard group must hold the same sequence")
-            self.runtime.padding[spec.shard_group] = record
+            self.run.padding[spec.shard_group] = record
             x = pad_to(x, dim, record.padded_len)
-        part = shard(x, dim, world, self.runtime.rank, self._where(name))
+        part = shard(x, dim, world, self.run.rank, self._where(name))
         if text is not None:
             part = torch.cat([text, part] if text_front else [part, text], dim)
         elif isinstance(spec, SequenceParallelInput) and spec.clone_shard:
@@ -209,13 +209,13 @@ class SequenceParallelGatherHook(SequenceParallelHook):
             dim = spec.gather_dim % x.dim()
             replicated = None
             if spec.replicated_position is not None:
-                shard_len = self.runtime.split_length(spec.shard_group, "shard")
+                shard_len = self.run.split_length(spec.shard_group, "shard")
                 text_len = x.shape[dim] - shard_len
                 front = spec.replicated_position == "front"
                 replicated = x.narrow(dim, 0 if front else shard_len, text_len)
                 x = x.narrow(dim, text_len if front else 0, shard_len)
-            gathered = self.runtime.sp_comm.all_gather(x, dim, GATHER_KIND)
-            record = self.runtime.padding.get(spec.shard_group)  # per output: its own sequence's length
+            gathered = self.run.sp_comm.all_gather(x, dim, GATHER_KIND)
+            record = self.run.padding.get(spec.shard_group)  # per output: its own sequence's length
             if record is not None and gathered.shape[dim] > record.original_len:
                 gathered = gathered.narrow(dim, 0, record.original_len)
             if replicated is not None:
@@ -226,7 +226,7 @@ class SequenceParallelGatherHook(SequenceParallelHook):
 
 
 class SequenceParallelSelfAttentionHook(SequenceParallelHook):
-    """Marks the module's forward as a self-attention site for the runtime's attention entry. ``spec``: its
+    """Marks the module's forward as a self-attention site for the run's attention entry. ``spec``: its
     ``SequenceParallelSelfAttention``."""
 
     def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -240,28 +240,28 @@ class SequenceParallelSelfAttentionHook(SequenceParallelHook):
         joint = 0
         if self.spec.joint_tokens is not None:
             joint = resolve_length(self.spec.joint_tokens, self.spec.joint_tokens_dim, self.module_forward_metadata,
-                                   module, args, kwargs, "joint_tokens", self.runtime.split_length)
-        self.runtime.enter_site(ActiveSite(self.spec, joint, module))
+                                   module, args, kwargs, "joint_tokens", self.run.split_length)
+        self.run.enter_site(ActiveSite(self.spec, joint, module))
         return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        self.runtime.leave_site(module)
+        self.run.leave_site(module)
         return output
 
     def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
-        self.runtime.leave_site(module)
+        self.run.leave_site(module)
         return module
 
 
 class SequenceParallelBatchHook(ModelHook):
     """CFG parallel, on the plan's root: this rank's part of the call's batch in, every part's output out (see
-    ``SequenceParallelRuntime.split_batch``). Of the observation phase: outside every other hook on the root, so the
+    ``SequenceParallelRun.split_batch``). Of the observation phase: outside every other hook on the root, so the
     sequence split and any cache there see the part."""
 
     phase = HookPhase.OBSERVATION
 
-    def __init__(self, runtime: SequenceParallelRuntime):
-        self.runtime = runtime
+    def __init__(self, run: SequenceParallelRun):
+        self.run = run
         self.names: list[str] = []
 
     def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -270,10 +270,10 @@ class SequenceParallelBatchHook(ModelHook):
         return module
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        return self.runtime.split_batch(args, kwargs, self.names)
+        return self.run.split_batch(args, kwargs, self.names)
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        return self.runtime.gather_batch(output)
+        return self.run.gather_batch(output)
 
 
 def _hooks_for(module_id: str, spec: Any) -> tuple[str, type, Any]:
@@ -294,20 +294,20 @@ def _hooks_for(module_id: str, spec: Any) -> tuple[str, type, Any]:
 
 def apply_sequence_parallel(module: torch.nn.Module, config: SequenceParallelConfig, plan: SequenceParallelModelPlan,
                             *, mesh: SequenceParallelMesh | None = None,
-                            batch_hook: bool = True) -> SequenceParallelRuntime:
-    """Register the plan's hooks on ``module`` and return the runtime that drives them.
+                            batch_hook: bool = True) -> SequenceParallelRun:
+    """Register the plan's hooks on ``module`` and return the run that drives them.
 
     ``mesh`` None builds it from torch.distributed (``SequenceParallelMesh.from_config``: collective, call on every
     rank). Errors (plan, unknown parameter names, a missing submodule, a conflicting hook) leave the model as it was.
-    The host then installs ``runtime.attention`` in its attention-override seam and passes ``runtime.rank_view()``
+    The host then installs ``run.attention`` in its attention-override seam and passes ``run.rank_view()``
     in each call's ``CallContext``. With ``config.cfg_degree`` > 1 a batch hook on ``module`` itself splits each
-    call's batch between the cfg halves and gathers the output (``SequenceParallelRuntime.split_batch``), unless
+    call's batch between the cfg halves and gathers the output (``SequenceParallelRun.split_batch``), unless
     ``batch_hook`` is False: a host whose call reaches the module's hooks before it can act (ComfyUI's wrappers run
     inside the root forward) then calls ``split_batch``/``gather_batch`` itself around the forward.
     ``remove_sequence_parallel(module, plan)`` undoes it.
     """
     validate_sp_plan(plan)
-    runtime = SequenceParallelRuntime(config, mesh)
+    run = SequenceParallelRun(config, mesh)
     planned = []
     if config.cfg_degree > 1 and batch_hook:
         planned.append((module, BATCH_HOOK, lambda rt, spec, module_id: SequenceParallelBatchHook(rt), None, ""))
@@ -320,7 +320,7 @@ def apply_sequence_parallel(module: torch.nn.Module, config: SequenceParallelCon
         for target, name, hook_cls, hook_spec, module_id in planned:
             registry = HookRegistry.get_or_create(target)
             try:
-                registry.register_hook(name, hook_cls(runtime, hook_spec, module_id))
+                registry.register_hook(name, hook_cls(run, hook_spec, module_id))
             finally:
                 _drop_empty_registry(target)
             installed.append((target, name))
@@ -328,7 +328,7 @@ def apply_sequence_parallel(module: torch.nn.Module, config: SequenceParallelCon
         for target, name in reversed(installed):
             remove_hook_and_restore(target, name)
         raise
-    return runtime
+    return run
 
 
 def _drop_empty_registry(module: torch.nn.Module) -> None:

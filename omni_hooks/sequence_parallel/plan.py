@@ -328,7 +328,7 @@ def resolve_length(source: LengthSource, dim: int, metadata: ModuleForwardMetada
     """Resolve a ``LengthSource`` for one call of ``module``; ValueError naming ``what`` if it cannot.
 
     ``split_length(shard_group, part)``: the length of a split sequence's ``part`` ("shard" or "sequence") in the
-    current call (the runtime's ``split_length``), needed by ``ReplicatedTokens`` sources.
+    current call (the run's ``split_length``), needed by ``ReplicatedTokens`` sources.
     """
     try:
         if isinstance(source, ReplicatedTokens):
@@ -336,7 +336,7 @@ def resolve_length(source: LengthSource, dim: int, metadata: ModuleForwardMetada
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"parameter {source.param!r} is not a tensor (got {type(value).__name__})")
             if split_length is None:
-                raise ValueError("ReplicatedTokens needs the runtime's split_length")
+                raise ValueError("ReplicatedTokens needs the run's split_length")
             value = value.shape[source.dim] - split_length(source.shard_group, source.beside)
         elif callable(source):
             value = source(module, args, kwargs)

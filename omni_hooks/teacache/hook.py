@@ -5,7 +5,7 @@ structural change: instead of re-implementing each model's forward in an extract
 blocks (``BlockStack``), so the model's forward runs unchanged and only the modulated input is model-specific.
 
 Decision per branch: the relative L1 change of the modulated input since the previous call of that branch is mapped
-through the rescale polynomial and accumulated; while the sum stays below ``rel_l1_thresh`` the branch may reuse.
+through the rescale polynomial and accumulated; while the sum stays below ``threshold`` the branch may reuse.
 """
 from __future__ import annotations
 
@@ -62,11 +62,10 @@ class TeaCacheRun(StackCacheRun):
 
     def __init__(self, config: TeaCacheConfig, stack: BlockStack, modulated_input: ModulatedInput,
                  stats: CacheRunStats | None = None):
-        super().__init__(stack, TeaCacheState, config.rel_l1_thresh, config.cache_device,
-                         stats or CacheRunStats(kind="teacache", model="unknown", threshold=config.rel_l1_thresh),
-                         capture_module=modulated_input.capture, forecast_order=config.forecast_order,
-                         few_step=None if config.calibrate else config.few_step)
-        self.config = config
+        super().__init__(stack, TeaCacheState, config, stats or CacheRunStats(
+            kind="teacache", model=config.model_label, threshold=config.threshold, notes=list(config.notes)),
+                         capture_module=modulated_input.capture)
+        self.config: TeaCacheConfig = config
         self.modulated_input = modulated_input
         self.rescale = np.poly1d(config.coefficients)
 
@@ -80,8 +79,7 @@ class TeaCacheRun(StackCacheRun):
         cfg = self.config
         if info.step < cfg.ret_steps or (cfg.force_last_step and info.step >= info.total_steps - 1):
             return "forced"
-        position = info.step / max(info.total_steps - 1, 1)
-        if not cfg.start_percent <= position <= cfg.end_percent:
+        if not cfg.in_window(info.step, info.total_steps):
             return "window"
         return None
 
@@ -122,7 +120,7 @@ class TeaCacheRun(StackCacheRun):
                 continue
             states[i].accumulated_rel_l1_distance += abs(float(self.rescale(rel)))
             metrics[i] = states[i].accumulated_rel_l1_distance
-            reasons[i] = "reuse" if metrics[i] < cfg.rel_l1_thresh else "threshold"
+            reasons[i] = "reuse" if metrics[i] < cfg.threshold else "threshold"
         for st, m in zip(states, signals):
             st.previous_modulated_input = m.detach()
             st.cnt += 1
@@ -134,13 +132,14 @@ class TeaCacheRun(StackCacheRun):
                 self.branch_state(key).accumulated_rel_l1_distance = 0.0
 
     def on_residual(self, call: ActiveCall, key: str, residual: torch.Tensor, output: torch.Tensor) -> None:
-        if not self.config.calibrate:
+        cfg = self.config
+        if not cfg.calibrate:
             return
         st = self.branch_state(key)
         rel_in = call.head_measures.get(key)
         if rel_in is not None and st.previous_output is not None and st.previous_output.shape == output.shape:
             st.calibration_pairs.append((rel_in, relative_l1(output, st.previous_output.to(output.device)).item()))
-        st.previous_output = output.to(self.cache_device) if self.cache_device is not None else output.clone()
+        st.previous_output = output.to(cfg.cache_device) if cfg.cache_device is not None else output.clone()
 
 
 def apply_teacache_hook(stack: BlockStack, config: TeaCacheConfig, modulated_input: ModulatedInput,

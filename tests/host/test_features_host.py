@@ -38,7 +38,7 @@ def env(user_dir):
         instances: list["ToySession"] = []
 
         def __init__(self, patcher, feature):
-            if feature.settings.fail_in_factory:
+            if feature.config.fail_in_factory:
                 raise RuntimeError("toy factory failed")
             super().__init__(patcher, feature)
             self.calls = 0
@@ -75,7 +75,7 @@ def env(user_dir):
 
         def begin_call(self, context):
             ToySession.log.append("begin toy")
-            settings = self.feature.settings
+            settings = self.feature.config
             if settings.fail_at_call == self.calls:
                 raise RuntimeError("toy failure inside the run")
             if settings.interrupt_at_call == self.calls:
@@ -110,7 +110,7 @@ def env(user_dir):
         @staticmethod
         def toy(model, node_id="t1", **settings):
             feature = features.AppliedFeature(kind=TOY, category=features.Category.OFFLOAD, node_title="Toy Feature",
-                                              node_id=node_id, settings=ToySettings(**settings))
+                                              node_id=node_id, config=ToySettings(**settings))
             return features.attach_feature(model, feature)
 
         @staticmethod

@@ -186,3 +186,8 @@ def test_every_pointer_into_docs_names_a_section_that_exists():
         assert (ROOT / page).is_file(), f"{path.relative_to(ROOT)} points to {page}, which does not exist"
         headings = {h.strip() for h in re.findall(r"^#+ (.+)$", (ROOT / page).read_text(), re.M)}
         assert section in headings, f"{path.relative_to(ROOT)} points to {page}, {section!r}, which is not a heading"
+
+
+def test_the_readme_stays_a_users_page_under_2500_words():
+    # what a user needs on one page; the rest lives in docs/ (nodes, testing, design, benchmarks)
+    assert len(README.split()) < 2500

@@ -224,8 +224,8 @@ def test_auto_without_a_published_curve_points_to_magcache_calibrate(env, wan):
 def test_auto_picks_the_published_curve(env):
     case = env.tiny.build_case("flux")
     patched = env.apply(case.patcher, 0.1, curve="auto")
-    settings = patched.model_options["transformer_options"]["omni_hooks.features"][0].settings
-    assert settings.model_label.endswith(", flux") and dict(settings.curves)["default"][:2] == (1.0, 1.21094)
+    config = patched.model_options["transformer_options"]["omni_hooks.features"][0].config
+    assert config.model_label.endswith(", flux") and tuple(config.mag_ratios["default"][:2]) == (1.0, 1.21094)
 
 
 def test_a_curve_of_another_family_is_refused(env, wan):

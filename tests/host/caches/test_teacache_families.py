@@ -93,11 +93,77 @@ def run_node_auto(env, model):
                     cache_device="compute device", model_variant="auto")[0]
 
 
+def window_reasons(run) -> list[tuple[float, bool, set[str]]]:
+    """Per evaluation: its position in the run (0..1), whether it was computed, its branches' reasons."""
+    return [(e["step"] / max(e["total_steps"] - 1, 1), e["computed"], {b["reason"] for b in e["branches"]})
+            for e in run["evaluations"]]
+
+
+@pytest.mark.parametrize("case_name, variant, window", [
+    ("flux_kontext", "flux-kontext", (0.2, 0.9)),   # the published Flux Kontext window, chosen by name
+    ("hidream", "auto", (0.1, 1.0)),                # 'auto' picks HiDream I1 full, published from 0.1
+])
+def test_the_published_window_applies_where_the_inputs_keep_their_defaults(env, case_name, variant, window):
+    from omnitest.pack import run_node
+
+    case = env.tiny.build_case(case_name)
+    patched = run_node(env.teacache.ApplyTeaCache, model=case.patcher, rel_l1_thresh=1e9, start_percent=0.0,
+                       end_percent=1.0, cache_device="compute device", model_variant=variant)[0]
+    config = patched.model_options["transformer_options"]["omni_hooks.features"][0].config
+    assert (config.start_percent, config.end_percent) == window
+    env.tiny.sample(case, model=patched, steps=20)
+    evaluations = window_reasons(env.last_run())
+    outside = [e for e in evaluations if not window[0] <= e[0] <= window[1]]
+    assert outside and all(computed and reasons == {"window"} for _, computed, reasons in outside
+                           if reasons != {"forced"} and reasons != {"first"})
+    assert all(computed for _, computed, _ in outside)
+    assert not any("window" in reasons for position, _, reasons in evaluations if window[0] <= position <= window[1])
+
+
+def test_auto_on_a_run_with_reference_latents_uses_flux_kontexts_entry_and_window(env):
+    """Flux Kontext has Flux dev's weights: 'auto' builds both entries and a run whose conditioning carries reference
+    latents (ReferenceLatent, as Kontext's workflows have) uses Kontext's, computing every step outside 0.2-0.9."""
+    from omnitest.pack import run_node
+
+    def apply(case):
+        return run_node(env.teacache.ApplyTeaCache, model=case.patcher, rel_l1_thresh=1e9, start_percent=0.0,
+                        end_percent=1.0, cache_device="compute device", model_variant="auto")[0]
+
+    kontext = env.tiny.build_case("flux_kontext")
+    patched = apply(kontext)
+    config = patched.model_options["transformer_options"]["omni_hooks.features"][0].config
+    assert (config.start_percent, config.end_percent) == (0.0, 1.0) and config.model_label.endswith(", flux")
+    assert (config.with_reference.start_percent, config.with_reference.end_percent) == (0.2, 0.9)
+    env.tiny.sample(kontext, model=patched, steps=20)
+    run = env.last_run()
+    assert run["summary"]["model"].endswith(", flux-kontext")
+    evaluations = window_reasons(run)
+    outside = [e for e in evaluations if not 0.2 <= e[0] <= 0.9]
+    assert outside and all(computed for _, computed, _ in outside)
+    assert any(not computed for position, computed, _ in evaluations if 0.2 <= position <= 0.9)
+
+    dev = env.tiny.build_case("flux")  # no reference latents: Flux dev's entry, no window
+    env.tiny.sample(dev, model=apply(dev), steps=20)
+    run = env.last_run()
+    assert run["summary"]["model"].endswith(", flux")
+    assert any(not computed for position, computed, _ in window_reasons(run) if position < 0.2)
+
+
+def test_the_users_own_window_keeps_priority(env):
+    from omnitest.pack import run_node
+
+    case = env.tiny.build_case("flux_kontext")
+    patched = run_node(env.teacache.ApplyTeaCache, model=case.patcher, rel_l1_thresh=0.3, start_percent=0.5,
+                       end_percent=1.0, cache_device="compute device", model_variant="flux-kontext")[0]
+    config = patched.model_options["transformer_options"]["omni_hooks.features"][0].config
+    assert (config.start_percent, config.end_percent) == (0.5, 0.9)  # start is the user's, end the published one
+
+
 def test_auto_picks_the_published_coefficients(env):
     case = env.tiny.build_case("ltxv")
     patched = run_node_auto(env, case.patcher)
-    settings = patched.model_options["transformer_options"]["omni_hooks.features"][0].settings
-    assert settings.model_label.endswith(", ltxv") and settings.rel_l1_thresh == 0.06
+    config = patched.model_options["transformer_options"]["omni_hooks.features"][0].config
+    assert config.model_label.endswith(", ltxv") and config.threshold == 0.06
 
 
 def test_a_variant_of_another_family_is_a_clear_error(env):
@@ -201,7 +267,7 @@ def test_a_reused_call_on_the_same_input_reproduces_the_computed_call(env, case)
 
     def twice(executor, *args, **kwargs):
         dm = executor.class_obj
-        config = teacache.TeaCacheConfig(rel_l1_thresh=1e9, coefficients=(0, 0, 0, 1, 0), ret_steps=0,
+        config = teacache.TeaCacheConfig(threshold=1e9, coefficients=(0, 0, 0, 1, 0), ret_steps=0,
                                          force_last_step=False)
         signal = detected.build_modulated_input(dm, "default")
         run = teacache.apply_teacache_hook(detected.build_stack(dm), config, signal)

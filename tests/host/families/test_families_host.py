@@ -3,7 +3,7 @@
 Registration: every family file is registered, precedence is declared (Chroma before Flux) rather than left to file
 order, and every family has a tiny model. Detection: each tiny model matches exactly its own family. Variants: on
 models at the sizes of released checkpoints (built on the meta device), each family's decision tree names the variant
-and the TeaCache / MagCache recommendations; the keys a family declares are exactly the ones its tree recommends, and
+and the TeaCache / MagCache auto_choices; the keys a family declares are exactly the ones its tree recommends, and
 each exists in its table under that family. Weights: the block stack and the declared resident modules hold every
 weight of the model, once. The supported-families text of errors, tooltips and the README names every family.
 """
@@ -287,10 +287,10 @@ def test_a_tiny_model_matches_exactly_its_family(families, name):
     detected = families.detect(case.patcher)
     assert detected.family == case.family and detected.model_family is families.family_named(case.family)
     for kind in ("teacache", "magcache"):
-        key = detected.recommendation(kind).key
-        assert key is None or key in detected.model_family.recommendation_keys[kind]
-    if detected.recommendation("teacache").key is None:
-        assert detected.recommendation("teacache").notes, "a model without TeaCache coefficients must say what to do"
+        key = detected.auto_choice(kind).key
+        assert key is None or key in detected.model_family.auto_keys[kind]
+    if detected.auto_choice("teacache").key is None:
+        assert detected.auto_choice("teacache").notes, "a model without TeaCache coefficients must say what to do"
 
 
 # -- variants on models of the released sizes ------------------------------------------------------------------------
@@ -299,10 +299,10 @@ def test_a_tiny_model_matches_exactly_its_family(families, name):
 def test_the_decision_tree_names_the_variant_and_both_recommendations(families, name):
     family, variant, teacache_key, magcache_key = VARIANTS[name][1]
     detected = families.detect(real_size(name))
-    assert (detected.family, detected.variant, detected.recommendation("teacache").key,
-            detected.recommendation("magcache").key) == (family, variant, teacache_key, magcache_key)
+    assert (detected.family, detected.variant, detected.auto_choice("teacache").key,
+            detected.auto_choice("magcache").key) == (family, variant, teacache_key, magcache_key)
     if teacache_key is None:
-        assert detected.recommendation("teacache").notes
+        assert detected.auto_choice("teacache").notes
     assert detected.describe() == f"{family} ({variant})"
 
 
@@ -310,22 +310,22 @@ def test_declared_keys_are_the_keys_the_variants_recommend(families):
     for family in families.FAMILIES:
         outcomes = [expected for _, expected in VARIANTS.values() if expected[0] == family.name]
         assert outcomes, f"no real-size model of {family.name} in VARIANTS"
-        declared = family.recommendation_keys
+        declared = family.auto_keys
         assert {o[2] for o in outcomes} - {None} == declared.get("teacache", frozenset()), family.name
         assert {o[3] for o in outcomes} - {None} == declared.get("magcache", frozenset()), family.name
         assert set(declared) <= {"teacache", "magcache"}, family.name
 
 
-def test_recommendation_keys_exist_in_the_tables_under_their_family(families):
+def test_auto_keys_exist_in_the_tables_under_their_family(families):
     from omnitest.pack import pack_module
 
     coefficients = pack_module("nodes.caches.teacache_coefficients").PUBLISHED
     curves = pack_module("nodes.caches.magcache_curves").PUBLISHED
     registered = {f.name for f in families.FAMILIES}
     for family in families.FAMILIES:
-        for key in family.recommendation_keys.get("teacache", ()):
+        for key in family.auto_keys.get("teacache", ()):
             assert coefficients[key].family == family.name, (family.name, key)
-        for key in family.recommendation_keys.get("magcache", ()):
+        for key in family.auto_keys.get("magcache", ()):
             assert curves[key].family == family.name, (family.name, key)
     assert {c.family for c in coefficients.values()} <= registered
     assert {c.family for c in curves.values()} <= registered
@@ -335,10 +335,10 @@ def test_a_key_the_family_does_not_declare_is_refused(families):
     from omnitest import tiny_models
 
     flux = families.family_named("flux")
-    stale = dataclasses.replace(flux, recommendation_keys={"magcache": frozenset({"flux"})})
+    stale = dataclasses.replace(flux, auto_keys={"magcache": frozenset({"flux"})})
     base_model = tiny_models.build_case("flux").patcher.model
     with pytest.raises(RuntimeError, match=r"recommends the teacache key 'flux', which the family's "
-                                           r"recommendation_keys\['teacache'\]"):
+                                           r"auto_keys\['teacache'\]"):
         families._detected(stale, flux.resolve_variant(base_model, base_model.diffusion_model))
 
 

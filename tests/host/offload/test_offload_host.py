@@ -409,7 +409,7 @@ def test_repeated_runs_do_not_grow_memory(env, forced):
     growth = statistics.median(rss[-4:]) - statistics.median(rss[:4])
     assert growth < 3 * one_run, f"RSS grew by {growth} bytes over 12 runs (one run allocates {one_run}): {rss}"
     for session in sessions:  # every run let go of its master copies and slots
-        assert session.handle._masters == [] and session.handle._slots == []
+        assert session.run._masters == [] and session.run._slots == []
 
 
 def test_auto_offloads_as_few_blocks_as_the_free_memory_needs(env, wan, forced, monkeypatch):
@@ -583,7 +583,9 @@ def test_comfyuis_own_offload_streams_wait_for_the_copy_before_an_offloaded_bloc
 
     monkeypatch.setitem(mm.STREAMS, cpu, [Stream(), Stream()])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute stream")
-    handle = node.apply_layerwise_offload(blocks, cpu, prefetch_blocks=0)
+    from omnitest.pack import pack_module
+
+    handle = pack_module("omni_hooks.offload").apply_layerwise_offload(blocks, cpu, prefetch_blocks=0)
     try:
         for block in blocks:
             node.HookRegistry.get_or_create(block).register_hook(node.HOST_STREAMS_HOOK, node.HostStreamsHook(cpu))

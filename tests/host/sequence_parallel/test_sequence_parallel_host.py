@@ -29,10 +29,10 @@ def _with_sp(node, case, world_size=2):
     from omnitest.pack import pack_module
 
     group = pack_module("nodes.sequence_parallel.group").GroupSettings(world_size, "gloo", ("cpu",) * world_size)
-    settings = node.SequenceParallelSettings(group, ulysses_degree=None, ring_degree=None)
+    config = node.config_for(case.patcher, node.SequenceParallelRequest(group, ulysses_degree=None, ring_degree=None))
 
     features = pack_module("nodes.features")
-    feature = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "1", settings)
+    feature = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "1", config)
     return features.attach_feature(case.patcher, feature)
 
 

@@ -69,7 +69,7 @@ def _settings(node, world_size: int, cfg_parallel: bool, ulysses=None, ring=None
     from omnitest.pack import pack_module
 
     group = pack_module("nodes.sequence_parallel.group").GroupSettings(world_size, "gloo", ("cpu",) * world_size)
-    return node.SequenceParallelSettings(group, ulysses_degree=ulysses, ring_degree=ring, cfg_parallel=cfg_parallel)
+    return node.SequenceParallelRequest(group, ulysses_degree=ulysses, ring_degree=ring, cfg_parallel=cfg_parallel)
 
 
 def test_cfg_parallel_degrees_share_half_the_world(sp_node):

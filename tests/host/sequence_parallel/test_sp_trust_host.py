@@ -106,15 +106,16 @@ def test_a_command_holds_plain_data_only_and_a_malformed_one_is_refused(sp):
 
     protocol, plain, features = sp["protocol"], sp["plain"], __import__("omnitest.pack").pack.pack_module("nodes.features")
     node = sp["node"]
-    settings = node.SequenceParallelSettings(sp["group"].GroupSettings(2, "gloo", ("cpu", "cpu")), 2, None, True)
-    applied = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "3", settings)
+    request = node.SequenceParallelRequest(sp["group"].GroupSettings(2, "gloo", ("cpu", "cpu")), 1, None, True)
+    config = node.resolve_degrees(request, heads=2)
+    applied = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "3", config)
     payload = {"features": (applied,), "dtype": torch.bfloat16, "uuid": __import__("uuid").uuid4(),
                "keys": {1: "a", (2, 3): None}, "values": [float("inf"), -0.0, 2 ** 70, b"\x00"]}
     data, _ = protocol.encode(protocol.Command("call", 1, {"degrees": (2, 1, 2)}, payload))
     assert b"pickle" not in data and data[8:9] == b"{"
     got = protocol.decode(data)
     assert got.payload == payload and got.header == {"degrees": (2, 1, 2)}
-    assert type(got.payload["features"][0].settings.group) is sp["group"].GroupSettings
+    assert type(got.payload["features"][0].config.group) is sp["group"].GroupSettings
     with pytest.raises(plain.PlainDataError, match="cannot be sent"):
         protocol.encode(protocol.Command("call", 1, {}, {"x": object()}))
     body = b'{"op":"call","serial":1,"header":{"$":"dict","items":[]},"payload":%s}'
@@ -250,9 +251,10 @@ def test_a_group_starts_and_computes_while_strangers_knock_and_a_pickle_sits_in_
     monkeypatch.setattr(control.ControlServer, "accept_waiting", accept_with_strangers)
     case = build_case("wan21_t2v")
     reference = sample(case)
-    settings = node.SequenceParallelSettings(group.GroupSettings(2, "gloo", ("cpu", "cpu")), None, None)
+    config = node.config_for(case.patcher, node.SequenceParallelRequest(group.GroupSettings(2, "gloo", ("cpu", "cpu")),
+                                                                          None, None))
     features = __import__("omnitest.pack").pack.pack_module("nodes.features")
-    feature = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "1", settings)
+    feature = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "1", config)
     model = features.attach_feature(case.patcher, feature)
     try:
         with deadline(TEST_DEADLINE_S, "a group with strangers"):

@@ -22,7 +22,7 @@ def magcache(model, steps, rule):
 
 
 def teacache(model, steps, rule):
-    return apply_teacache_hook(toy_stack(model), TeaCacheConfig(rel_l1_thresh=100.0, force_last_step=False,
+    return apply_teacache_hook(toy_stack(model), TeaCacheConfig(threshold=100.0, force_last_step=False,
                                                                 few_step=rule), SIGNAL)
 
 

@@ -296,7 +296,7 @@ def test_fit_recovers_a_known_polynomial_and_refuses_too_few_points():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"rel_l1_thresh": -0.1}, "rel_l1_thresh"),
+    ({"threshold": -0.1}, "threshold"),
     ({"coefficients": (1.0, 2.0)}, "exactly 5"),
     ({"start_percent": 0.8, "end_percent": 0.2}, "start_percent"),
 ])

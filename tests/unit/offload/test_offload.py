@@ -17,7 +17,7 @@ from omni_hooks import HookPhase, HookRegistry, ModelHook, module_has_active_hoo
 from omni_hooks.offload import (
     ALIGN_BYTES,
     HOOK_NAME,
-    LayerwiseOffloadHandle,
+    LayerwiseOffloadRun,
     OffloadConfig,
     apply_layerwise_offload,
     plan_pinning,
@@ -266,7 +266,7 @@ def test_remove_keeps_other_hooks_on_the_blocks():
 def test_a_failed_apply_undoes_what_it_did():
     model, x = ToyStack(depth=4), toy_inputs()
     before, dicts = snapshot(model), module_dict_keys(model)
-    handle = LayerwiseOffloadHandle(model.blocks, "cpu", OffloadConfig())
+    handle = LayerwiseOffloadRun(model.blocks, "cpu", OffloadConfig())
     # a same-named hook appearing after validation makes registration fail on block 2, after every block was packed
     HookRegistry.get_or_create(model.blocks[2]).register_hook(HOOK_NAME, ModelHook())
     with pytest.raises(ValueError, match="already registered"):

@@ -27,7 +27,7 @@ def head_modulation() -> ModulatedInput:
 
 def apply_teacache(model: ToyStack):
     # steps 1-3 may reuse; 4-7 lie outside end_percent 0.5, 0 is the first: computed
-    config = TeaCacheConfig(rel_l1_thresh=0.5, coefficients=ALWAYS_REUSE, end_percent=0.5)
+    config = TeaCacheConfig(threshold=0.5, coefficients=ALWAYS_REUSE, end_percent=0.5)
     return apply_teacache_hook(toy_block_stack(model), config, head_modulation())
 
 

@@ -168,7 +168,7 @@ def test_teacache_skips_move_nothing_on_the_gpu():
     model = ToyStack(dim=64, depth=5)
     non_blocks_to(model, CUDA)
     handle = apply_layerwise_offload(model.blocks, CUDA, prefetch_blocks=1)
-    config = TeaCacheConfig(rel_l1_thresh=0.5, coefficients=(0.0,) * 5, end_percent=0.5)
+    config = TeaCacheConfig(threshold=0.5, coefficients=(0.0,) * 5, end_percent=0.5)
     run = apply_teacache_hook(toy_block_stack(model), config,
                               ModulatedInput(compute=lambda head, args, kwargs, captured: head.mod(kwargs["t"])))
     moved = []

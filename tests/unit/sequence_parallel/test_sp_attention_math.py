@@ -10,7 +10,7 @@ from omni_hooks.sequence_parallel import (
     ActiveSite,
     SequenceParallelConfig,
     SequenceParallelMesh,
-    SequenceParallelRuntime,
+    SequenceParallelRun,
     SequenceParallelSelfAttention,
     attention_math_with_lse,
     attention_with_lse,
@@ -92,7 +92,7 @@ def test_the_reference_local_function_accepts_both_host_layouts():
 
 def runtime_at_site(ulysses, ring, joint=0, rank=0):
     config = SequenceParallelConfig(ulysses_degree=ulysses, ring_degree=ring)
-    runtime = SequenceParallelRuntime(config, SequenceParallelMesh.simulated_for(config, rank))
+    runtime = SequenceParallelRun(config, SequenceParallelMesh.simulated_for(config, rank))
     runtime.enter_site(ActiveSite(SequenceParallelSelfAttention(joint_tokens=joint), joint, torch.nn.Identity()))
     return runtime
 

@@ -58,7 +58,7 @@ def slow_signal() -> ModulatedInput:
 def test_teacache_asks_once_per_call_and_decides_on_the_mean_over_ranks():
     model = ToyDiT()
     peers = PretendPeers(offset=0.1)  # the mean rel-L1 is this rank's + 0.05
-    cache = apply_teacache_hook(toy_stack(model), TeaCacheConfig(rel_l1_thresh=0.2), slow_signal())
+    cache = apply_teacache_hook(toy_stack(model), TeaCacheConfig(threshold=0.2), slow_signal())
     evaluations = run(model, cache, peers)
     assert len(peers.means) == len(peers.verdicts) == 6  # also on the first call, where nothing is measured
     assert peers.means[0] == [0.0, 0.0]

@@ -61,7 +61,7 @@ def test_a_batch_the_halves_cannot_split_runs_on_every_rank_with_the_same_result
 def rank_cfg_teacache(ulysses: int, batches: tuple[int, ...]):
     """TeaCache on the toy under CFG parallel: calls of cond+uncond (split) and of one branch (whole), with the real
     signal (the modulated input of the first block), against the same run in one process."""
-    config = TeaCacheConfig(rel_l1_thresh=0.3)
+    config = TeaCacheConfig(threshold=0.3)
 
     def run(sp_config):
         model = ToyDiT()

@@ -11,7 +11,7 @@ from omni_hooks.sequence_parallel import (
     ActiveSite,
     PaddingRecord,
     SequenceParallelConfig,
-    SequenceParallelRuntime,
+    SequenceParallelRun,
     SequenceParallelSelfAttention,
     attention_math_with_lse,
     attention_with_lse,
@@ -99,7 +99,7 @@ def comfy_like_host(calls):
 
 def rank_masked_entry(ulysses: int, ring: int, joint: int, front: bool, image: int, kind: str):
     rank, world = dist.get_rank(), dist.get_world_size()
-    runtime = SequenceParallelRuntime(SequenceParallelConfig(ulysses_degree=ulysses, ring_degree=ring))
+    runtime = SequenceParallelRun(SequenceParallelConfig(ulysses_degree=ulysses, ring_degree=ring))
     g = torch.Generator().manual_seed(5)
     b, heads, dim = 2, 4, 8
     q, k, v = (torch.randn(b, joint + image, heads, dim, generator=g, dtype=torch.float64) for _ in range(3))

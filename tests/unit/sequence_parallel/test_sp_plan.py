@@ -16,7 +16,7 @@ from omni_hooks.sequence_parallel import (
     SequenceParallelOutput,
     SequenceParallelPartialInput,
     SequenceParallelRefusedInput,
-    SequenceParallelRuntime,
+    SequenceParallelRun,
     SequenceParallelSelfAttention,
     apply_sequence_parallel,
     get_sp_plan_from_model,
@@ -84,7 +84,7 @@ def test_a_rank_view_of_several_ranks_needs_an_agreement():
     with pytest.raises(ValueError, match="outside"):
         RankView(rank=2, world_size=2, agreement=object())
     config, mesh = simulated()
-    view = SequenceParallelRuntime(config, mesh).rank_view()
+    view = SequenceParallelRun(config, mesh).rank_view()
     assert (view.rank, view.world_size) == (0, 2) and view.agreement is not None
 
 
@@ -433,7 +433,7 @@ def test_a_split_declared_outside_caches_runs_before_the_cache_on_its_module():
 
 def test_outside_a_site_the_attention_entry_calls_the_host_function_unchanged():
     config, mesh = simulated()
-    runtime = SequenceParallelRuntime(config, mesh)
+    runtime = SequenceParallelRun(config, mesh)
     calls = []
 
     def host(q, k, v, heads, **kwargs):

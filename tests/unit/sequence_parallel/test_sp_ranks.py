@@ -22,7 +22,7 @@ from omni_hooks.sequence_parallel import (
     SequenceParallelMesh,
     SequenceParallelOutput,
     SequenceParallelPartialInput,
-    SequenceParallelRuntime,
+    SequenceParallelRun,
     SequenceParallelSelfAttention,
     apply_sequence_parallel,
     heads_to_sequence,
@@ -121,7 +121,7 @@ def test_a_length_the_world_does_not_divide_fails_on_every_rank_naming_auto_pad(
 
 def rank_all_to_all():
     rank, world = dist.get_rank(), dist.get_world_size()
-    runtime = SequenceParallelRuntime(degrees(world, 1))
+    runtime = SequenceParallelRun(degrees(world, 1))
     b, length, heads, dim = 2, 4 * world, 2 * world, 3
     full = torch.arange(b * length * heads * dim, dtype=torch.float64).reshape(b, length, heads, dim)
     shard = full.chunk(world, 1)[rank]
@@ -153,7 +153,7 @@ def full_attention(q, k, v):
 
 def rank_ring_vs_full(joint: int, image: int):
     rank, world = dist.get_rank(), dist.get_world_size()
-    runtime = SequenceParallelRuntime(degrees(1, world))
+    runtime = SequenceParallelRun(degrees(1, world))
     g = torch.Generator().manual_seed(3)
     b, heads, dim = 2, 3, 8
     q, k, v = (torch.randn(b, joint + image, heads, dim, generator=g, dtype=torch.float64) for _ in range(3))
@@ -183,7 +183,7 @@ def rank_entry_vs_full(ulysses: int, ring: int, joint: int, image: int, heads_fi
     """The host-facing entry at a self-attention site (float64), and its byte accounting against a simulated mesh."""
     rank, world = dist.get_rank(), dist.get_world_size()
     config = degrees(ulysses, ring)
-    runtime = SequenceParallelRuntime(config)
+    runtime = SequenceParallelRun(config)
     g = torch.Generator().manual_seed(4)
     b, heads, dim = 1, 4, 8
     q, k, v = (torch.randn(b, joint + image, heads, dim, generator=g, dtype=torch.float64) for _ in range(3))
@@ -216,7 +216,7 @@ def rank_entry_vs_full(ulysses: int, ring: int, joint: int, image: int, heads_fi
     got = torch.cat([out[:, :joint], out[:, joint:joint + valid]], 1)
     want = torch.cat([reference[:, :joint], reference[:, joint + rank * local:joint + rank * local + valid]], 1)
     # the same call on a simulated mesh (meta tensors) counts exactly the bytes the real exchange sent
-    simulated = SequenceParallelRuntime(config, SequenceParallelMesh.simulated_for(config, rank))
+    simulated = SequenceParallelRun(config, SequenceParallelMesh.simulated_for(config, rank))
     simulated.padding.update(runtime.padding)
     simulated.enter_site(site)
     meta = mine(q).to("meta")
@@ -256,7 +256,7 @@ def test_hybrid_groups_follow_the_ulysses_low_layout(rank_pool):
 
 
 def rank_indivisible_heads():
-    runtime = SequenceParallelRuntime(degrees(2, 1))
+    runtime = SequenceParallelRun(degrees(2, 1))
     runtime.enter_site(ActiveSite(SequenceParallelSelfAttention(), 0, torch.nn.Identity()))
     q = torch.zeros(1, 4, 3 * 8)
     try:
@@ -357,7 +357,7 @@ def rank_signal(rank: int) -> ModulatedInput:
 
 def rank_teacache(ulysses: int, ring: int):
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = TeaCacheConfig(rel_l1_thresh=0.07)
+    config = TeaCacheConfig(threshold=0.07)
     # what this rank alone would decide (no sequence parallelism, its own signal)
     alone = ToyDiT()
     local_run = apply_teacache_hook(toy_stack(alone), config, rank_signal(rank))
@@ -397,7 +397,7 @@ def rank_teacache_auto_forecast(ulysses: int, ring: int):
     rank = dist.get_rank()
     model = ToyDiT()
     sp = apply_sequence_parallel(model, degrees(ulysses, ring), sp_plan())
-    run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(rel_l1_thresh=0.07, forecast_order=AUTO),
+    run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(threshold=0.07, forecast_order=AUTO),
                               rank_signal(rank))
     outputs = sample(model, run, sp)
     states = [run.branch_state(k) for k in ("c", "u")]
@@ -458,7 +458,7 @@ def rank_sp_with_offload_and_teacache(ulysses: int, ring: int):
         model = ToyDiT()
         sp = apply_sequence_parallel(model, degrees(ulysses, ring), sp_plan())
         handle = apply_layerwise_offload(list(model.blocks), "cpu", prefetch_blocks=1) if offload else None
-        run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(rel_l1_thresh=0.07), rank_signal(rank))
+        run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(threshold=0.07), rank_signal(rank))
         outputs = sample(model, run, sp)
         block_calls = handle.collect_stats().block_calls if handle is not None else None
         return outputs, [e.computed for e in run.stats.evaluations], block_calls

@@ -1,4 +1,4 @@
-"""``SequenceParallelRuntime``: sequence parallelism on one model in one process, shared by its hooks and its
+"""``SequenceParallelRun``: sequence parallelism on one model in one process, shared by its hooks and its
 attention entry."""
 from __future__ import annotations
 
@@ -43,20 +43,20 @@ class _Layout:
 
 
 class _CallAgreement:
-    """The runtime's ``RankAgreement``: the agreement of the layout the current call runs on (a cache asks during the
+    """The run's ``RankAgreement``: the agreement of the layout the current call runs on (a cache asks during the
     call, after the root has chosen it)."""
 
-    def __init__(self, runtime: "SequenceParallelRuntime"):
-        self.runtime = runtime
+    def __init__(self, run: "SequenceParallelRun"):
+        self.run = run
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
-        return self.runtime._layout.agreement.mean(values)
+        return self.run._layout.agreement.mean(values)
 
     def any(self, flag: bool) -> bool:
-        return self.runtime._layout.agreement.any(flag)
+        return self.run._layout.agreement.any(flag)
 
 
-class SequenceParallelRuntime:
+class SequenceParallelRun:
     """What ``apply_sequence_parallel`` returns: the mesh, the per-call facts the split/gather/attention hooks share,
     the byte accounting, and the two things a host installs:
 
@@ -66,7 +66,7 @@ class SequenceParallelRuntime:
     ``gate`` (``ExchangeGate``): a check the host wants run before this rank's next collective.
 
     Per call facts: ``padding`` maps a shard group (None: the default sequence) to the length its last split padded;
-    ``active_site`` is the self-attention site whose forward is running. One runtime serves one thread.
+    ``active_site`` is the self-attention site whose forward is running. One run serves one thread.
 
     CFG parallel (``config.cfg_degree`` C > 1): the root's batch hook calls ``split_batch`` and ``gather_batch``
     around the root forward. A call whose batch C divides runs part ``c`` on cfg half ``c`` (``sp_comm``,
@@ -81,13 +81,13 @@ class SequenceParallelRuntime:
         self.config = config
         self.mesh = mesh if mesh is not None else SequenceParallelMesh.from_config(config)
         if self.mesh.sp.size != config.sequence_parallel_size:
-            raise ValueError(f"SequenceParallelRuntime: mesh of {self.mesh.sp.size} ranks for a config of "
+            raise ValueError(f"SequenceParallelRun: mesh of {self.mesh.sp.size} ranks for a config of "
                              f"{config.sequence_parallel_size}")
         self.stats = CommStats()
         self.gate = ExchangeGate()
         whole = self.mesh.whole
         if (config.cfg_degree > 1) != (whole is not None):
-            raise ValueError(f"SequenceParallelRuntime: cfg_degree {config.cfg_degree} needs a mesh built for it "
+            raise ValueError(f"SequenceParallelRun: cfg_degree {config.cfg_degree} needs a mesh built for it "
                              "(SequenceParallelMesh.from_config of the same config)")
         self._whole = _Layout(whole, self.stats, self.gate) if whole is not None else None
         world_comm = self._whole.sp_comm if self._whole is not None else None

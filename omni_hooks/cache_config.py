@@ -1,0 +1,69 @@
+"""``StackCacheConfig``: the fields every block-stack cache shares (TeaCache and MagCache extend it).
+
+A cache's config is built once (by the caller: a node, a test, a script), checked once (``__post_init__``) and then
+read, unchanged, by the cache's run (``omni_hooks.stack_cache.StackCacheRun.config``): it is frozen, holds only plain
+values (numbers, strings, tuples, a ``torch.device``) and can be copied or sent as data. What changes during a run
+(accumulators, residuals, the call in progress) lives in the run and its branch states, never here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import KW_ONLY, dataclass
+
+import torch
+
+from .few_step import FewStepRule
+from .forecast import check_order
+
+
+@dataclass(frozen=True)
+class StackCacheConfig:
+    """What every block-stack cache is told (its own config class adds its policy's fields).
+
+    * ``threshold``: how much accumulated change the policy tolerates before it computes again; 0 = never skip (the
+      setting that proves the hooks change nothing).
+    * ``start_percent`` / ``end_percent``: every step whose position ``step / (total_steps - 1)`` lies outside this
+      window is computed.
+    * ``cache_device``: where cached residuals are kept; None keeps them where they were computed.
+    * ``calibrate``: compute every step and record what the cache's calibration needs.
+    * ``forecast_order`` (0, 1, 2): a skipped step adds the residual of the last computed step (0) or the
+      extrapolation through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``); "auto" chooses the order per branch and skipped step from how well each predicted the run's
+      computed residuals.
+    * ``few_step``: the steps a run of few steps always computes (``omni_hooks.few_step``); None: no rule. A
+      calibrating run ignores it (it computes every step anyway).
+    * ``model_label`` / ``notes``: what the run's statistics say about the model and the choice made for it.
+    * ``with_reference``: the config a run uses instead when its conditioning carries reference latents (the
+      caller decides; e.g. Flux Kontext's published entry where 'auto' chose Flux dev's), built and checked with
+      this one; None: this config serves every run.
+    """
+
+    threshold: float = 0.0
+    _: KW_ONLY  # the shared fields after ``threshold`` are keywords (a subclass's own fields may follow it)
+    start_percent: float = 0.0
+    end_percent: float = 1.0
+    cache_device: torch.device | None = None
+    calibrate: bool = False
+    forecast_order: int | str = 0
+    few_step: FewStepRule | None = None
+    model_label: str = "unknown"
+    notes: tuple[str, ...] = ()
+    with_reference: "StackCacheConfig | None" = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "forecast_order", check_order(self.forecast_order))
+        if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold) and self.threshold >= 0):
+            raise ValueError(f"threshold must be a finite number >= 0, got {self.threshold}")
+        if not 0.0 <= self.start_percent <= self.end_percent <= 1.0:
+            raise ValueError(f"start_percent ({self.start_percent}) must not be above end_percent "
+                             f"({self.end_percent}), both within 0..1")
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    @property
+    def active_few_step(self) -> FewStepRule | None:
+        """The few-step rule a run applies: none while calibrating."""
+        return None if self.calibrate else self.few_step
+
+    def in_window(self, step: int, total_steps: int) -> bool:
+        """True when ``step`` of ``total_steps`` lies within ``[start_percent, end_percent]``."""
+        position = step / max(total_steps - 1, 1)
+        return self.start_percent <= position <= self.end_percent
