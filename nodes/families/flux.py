@@ -137,8 +137,9 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
             "latents (Kontext's) uses the 'flux-kontext' coefficients and their 0.2-0.9 window",),
             with_reference="flux-kontext"),
         magcache=AutoChoice("flux", (
-            "Flux Kontext has the same weights shape as Flux dev: if this is Kontext, choose "
-            "'flux_kontext_official' (28 steps) or 'flux_kontext' (ComfyUI-MagCache's 20-step curve)",)))
+            "Flux Kontext has the same weights shape as Flux dev: a run whose conditioning carries reference "
+            "latents (Kontext's) uses the 'flux_kontext_official' curve (choose 'flux_kontext', ComfyUI-MagCache's "
+            "20-step curve, if you prefer it)",), with_reference="flux_kontext_official"))
 
 
 FAMILY = ModelFamily(

@@ -228,6 +228,17 @@ def test_auto_picks_the_published_curve(env):
     assert config.model_label.endswith(", flux") and tuple(config.mag_ratios["default"][:2]) == (1.0, 1.21094)
 
 
+def test_auto_on_a_run_with_reference_latents_uses_flux_kontexts_curve(env):
+    # Flux Kontext has Flux dev's weights; its runs carry reference latents (ReferenceLatent)
+    for name, curve in (("flux_kontext", "flux_kontext_official"), ("flux", "flux")):
+        case = env.tiny.build_case(name)
+        patched = env.apply(case.patcher, 0.1, curve="auto")
+        config = patched.model_options["transformer_options"]["omni_hooks.features"][0].config
+        assert config.with_reference.model_label.endswith(", flux_kontext_official")
+        env.tiny.sample(case, model=patched, steps=STEPS)
+        assert env.last_run()["summary"]["model"].endswith(f", {curve}"), name
+
+
 def test_a_curve_of_another_family_is_refused(env, wan):
     with pytest.raises(ValueError, match="'flux' is for flux models, but this MODEL is wan"):
         env.apply(wan.patcher, 0.1, curve="flux")
