@@ -15,12 +15,6 @@ from ..families import model_input
 from ..features import RUN_KEY, AppliedFeature, FeatureSession, SamplingRun, attach_feature
 
 CACHE_DEVICES = ["compute device", "offload device"]
-CATEGORY = "OmniHooks"
-
-
-def display_name(title: str) -> str:
-    """A node's name in ComfyUI's menus: its title and the pack's."""
-    return f"{title} (OmniHooks)"
 
 
 def cache_model_input() -> io.Model.Input:

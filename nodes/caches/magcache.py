@@ -35,8 +35,9 @@ from ...omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_inter
 from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
-from .inputs import (CATEGORY, cache_device_input, cache_model_input, calibration_name_input,
-                     calibration_sampler_inputs, display_name, forecast_input, window_inputs)
+from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
+                     forecast_input, window_inputs)
+from ..features import CATEGORY, display_name
 from ..families import DetectedModel
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
 
@@ -214,11 +215,12 @@ class ApplyMagCache(ApplyCacheNode):
                 cache_device_input(),
                 io.Combo.Input("curve", options=MAGCACHE.variant_options(), default=AUTO,
                                tooltip="The magnitude-ratio curve. 'auto' picks the published one for the detected "
-                               "model; choose one when the weights cannot tell (Wan I2V 720p vs 480p, Flux Kontext, "
+                               "model; choose one when the weights cannot tell (Wan I2V 720p vs 480p, "
                                "Qwen-Image-Edit, Wan 2.2 A14B '(high noise)' / '(low noise)' per expert), or a "
                                "'calibration: <name>' file from MagCache Calibrate (for models without a published "
                                "curve). Interpolated to your step count; a Wan 2.2 part to its own expert's steps "
-                               "(ComfyUI's Wan 2.2 template, switch at step 10 of 20, fits the parts)."),
+                               "(ComfyUI's Wan 2.2 template, switch at step 10 of 20, fits the parts). On Flux, a run whose "
+                               "conditioning carries reference latents (Kontext) uses Kontext's official curve."),
                 forecast_input(),  # last: a saved workflow's widget values keep their positions
             ],
             outputs=[io.Model.Output(tooltip="The same MODEL with MagCache attached for its sampling runs.")],

@@ -12,8 +12,9 @@ from ...omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_h
 from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
-from .inputs import (CATEGORY, cache_device_input, cache_model_input, calibration_name_input,
-                     calibration_sampler_inputs, display_name, forecast_input, window_inputs)
+from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
+                     forecast_input, window_inputs)
+from ..features import CATEGORY, display_name
 from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients, for_family
 from ..families import DetectedModel
 
@@ -159,7 +160,8 @@ class ApplyTeaCache(ApplyCacheNode):
                 io.Combo.Input("model_variant", options=TEACACHE.variant_options(), default=AUTO,
                                tooltip="Which published coefficients to use. 'auto' picks them from the model's "
                                "class and size; choose one when the weights cannot tell (Wan I2V 720p vs 480p, "
-                               "retention mode, HiDream dev/fast, Flux Kontext) or pick a calibration file."),
+                               "retention mode, HiDream dev/fast) or pick a calibration file. On Flux, a run whose "
+                               "conditioning carries reference latents (Kontext) uses Kontext's coefficients."),
                 forecast_input(),  # last: a saved workflow's widget values keep their positions
             ],
             outputs=[io.Model.Output(tooltip="The same MODEL with TeaCache attached for its sampling runs.")],

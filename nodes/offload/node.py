@@ -34,8 +34,8 @@ from ...omni_hooks.context import CallContext
 from ...omni_hooks.offload import LayerwiseOffloadRun, OffloadConfig, OffloadStats, unpackable_reason
 from .. import families
 from ..families import detect_for_node, model_input
-from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, LoadRequest, attach_feature, named, \
-    register_feature
+from ..features import CATEGORY, AppliedFeature, Category, FeatureSession, FeatureSpec, LoadRequest, attach_feature, \
+    display_name, named, register_feature
 from ..stats_store import FeatureReport, StepTotals
 from .placement import BlockFootprint, OffloadPlan, Promotion, block_tensors, gib, plan_offload
 
@@ -472,7 +472,7 @@ class CPUOffload(io.ComfyNode):
                            "are completed on the GPU."),
         ]
         return io.Schema(
-            node_id=NODE_ID, display_name=f"{NODE_TITLE} (OmniHooks)", category="OmniHooks",
+            node_id=NODE_ID, display_name=display_name(NODE_TITLE), category=CATEGORY,
             description=("Runs a diffusion transformer bigger than the GPU's free memory: the last blocks of its stack "
                          "stay in system RAM and are copied to the GPU one block ahead of the computation (pinned "
                          "memory, a copy stream), the others stay resident. Outputs are identical to sampling "

@@ -27,7 +27,8 @@ from ...omni_hooks.sequence_parallel import SequenceParallelConfig
 from ...omni_hooks.sequence_parallel.batch import call_batch
 from . import group as sp_group
 from ..families import FAMILIES, ModelFamily, detect
-from ..features import FEATURES_KEY, AppliedFeature, Category, FeatureSpec, attach_feature, register_feature
+from ..features import (CATEGORY, FEATURES_KEY, AppliedFeature, Category, FeatureSpec, attach_feature, display_name,
+                        register_feature)
 from ..stats_store import FeatureReport, StepTotals
 from .shard import ATTENTION_OVERRIDE, KIND, ShardSession
 from .plain import PlainDataError
@@ -351,7 +352,7 @@ class SequenceParallel(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
-            node_id=NODE_ID, display_name=f"{NODE_TITLE} (OmniHooks)", category="OmniHooks",
+            node_id=NODE_ID, display_name=display_name(NODE_TITLE), category=CATEGORY,
             description=("Samples this MODEL across several GPUs (or CPU processes): each rank computes its share of "
                          "the tokens, attention is exchanged exactly. Place between the loader (and LoRAs) and the "
                          f"sampler. Supported: {supported_families()}."),
