@@ -42,13 +42,13 @@ log = logging.getLogger("OmniHooks")
 
 FEATURES_KEY = "omni_hooks.features"  # transformer_options: the tuple of AppliedFeature on this MODEL
 RUN_KEY = "omni_hooks.run"             # transformer_options of one run's model-options copy: the live SamplingRun
+WRAPPER_KEY = "omni_hooks"
 CATEGORY = "OmniHooks"                 # every node's menu category
 
 
 def display_name(title: str) -> str:
     """A node's name in ComfyUI's menus: its title and the pack's."""
     return f"{title} (OmniHooks)"
-WRAPPER_KEY = "omni_hooks"
 
 
 class Category(str, enum.Enum):
