@@ -191,3 +191,14 @@ def test_every_pointer_into_docs_names_a_section_that_exists():
 def test_the_readme_stays_a_users_page_under_2500_words():
     # what a user needs on one page; the rest lives in docs/ (nodes, testing, design, benchmarks)
     assert len(README.split()) < 2500
+
+
+def test_the_docs_name_machines_and_hosts_not_who_had_what():
+    texts = {p.name: p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]}
+    assert not [name for name, text in texts.items() if re.search(r"this task|was lent", text)]
+
+
+def test_nodes_keeps_at_most_three_modules_at_its_top_level():
+    # everything else lives in a feature's folder (caches, offload, sequence_parallel) or with the families
+    top = sorted(p.name for p in (ROOT / "nodes").glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 3, top
