@@ -11,12 +11,20 @@ Memory: a branch keeps at most ``order + 1`` residuals (``ResidualHistory.limit`
 
 ``AUTO`` chooses the order per branch and skipped step from what the run has seen, with no extra model call: at each
 computed step, before its residual joins the history, every order that has enough older residuals predicts it from
-them (``ResidualHistory.prediction_errors``); ``OrderScores`` keeps a running relative error per order and a skip
-uses the order with the smallest one, plain reuse unless an order beats it. An auto branch keeps ``MAX_ORDER + 2``
-residuals (the newest is scored against the ``MAX_ORDER + 1`` before it). The scores are measured per rank shard and
-averaged over the ranks (like the caches' metrics), so every rank of a group chooses the same order. The skip policy
-does not use them: scaling the accumulated change by the forecast's measured gain over reuse skipped more steps at a
-threshold but lost more quality than it saved evaluations (docs/benchmarks.md).
+them (``ResidualHistory.prediction_errors``); ``OrderScores`` keeps a running relative error per order and the
+distance (in the coordinate) those predictions spanned. A skip uses the order whose error, carried to the skip's own
+distance from the last computed step, is smallest: an order-k extrapolation errs like the distance to the power
+k + 1, reuse like the distance, so a skip close to the last computed step favours the higher orders and one far
+from it favours reuse. Plain reuse unless an order beats it. An auto branch keeps ``MAX_ORDER + 2`` residuals (the
+newest is scored against the ``MAX_ORDER + 1`` before it). The scores are measured per rank shard and averaged over
+the ranks (like the caches' metrics), so every rank of a group chooses the same order.
+
+A policy that knows it forecasts (``ErrorPerMetric``): at each computed step the cache also knows the metric that
+made it compute (TeaCache's accumulated change) and the error the forecast a skip would have used made predicting
+that step. Their quotient, the forecast's error per unit of metric, is high where the forecast does poorly for the
+change the metric sees; the policy weighs its metric by the recent quotient over the run's mean (``weight``,
+bounded to ``WEIGHT_RANGE``), so computes move to where the forecast is weakest. Scaling the metric down by the
+forecast's gain over reuse instead skipped more and lost quality on both benchmark models (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ FORECAST_FALLBACK = "forecast-fallback"  # ... whose forecast was not finite, so
 
 
 SCORE_MEMORY = 0.5  # the running scores: weight of the newest measurement
+WEIGHT_RANGE = (0.5, 2.0)  # ErrorPerMetric.weight: how far the forecast's record may move the policy's metric
 
 
 def check_order(order: int | str) -> int | str:
@@ -149,15 +158,18 @@ class ResidualHistory:
 
 @dataclass
 class OrderScores:
-    """A branch's running relative squared error of each order (``errors[order]``, None: not measured yet).
+    """A branch's running relative squared error of each order (``errors[order]``, None: not measured yet) and the
+    running distance in the coordinate over which they were measured (``horizon``, None: not known).
 
-    ``update`` takes one measurement (``ResidualHistory.prediction_errors`` as floats): an order's score moves
-    toward its error divided by the residual's squared norm, by ``SCORE_MEMORY``.
+    ``update`` takes one measurement (``ResidualHistory.prediction_errors`` as floats) and the distance from the
+    newest kept residual to the predicted one: an order's score moves toward its error divided by the residual's
+    squared norm, by ``SCORE_MEMORY``, and so does ``horizon``.
     """
 
     errors: list[float | None] = field(default_factory=lambda: [None] * len(ORDERS))
+    horizon: float | None = None
 
-    def update(self, measured: list[float | None]) -> None:
+    def update(self, measured: list[float | None], horizon: float | None = None) -> None:
         *errors, norm = measured
         if norm is None:
             return
@@ -167,18 +179,53 @@ class OrderScores:
             relative = error / (norm + 1e-12)
             old = self.errors[order]
             self.errors[order] = relative if old is None else (1 - SCORE_MEMORY) * old + SCORE_MEMORY * relative
+        if horizon:
+            self.horizon = horizon if self.horizon is None else (
+                (1 - SCORE_MEMORY) * self.horizon + SCORE_MEMORY * horizon)
 
-    def best(self, available: int = MAX_ORDER) -> int:
-        """The order (at most ``available``) with the smallest score; 0 (reuse) unless another one beats it."""
+    def best(self, available: int = MAX_ORDER, horizon: float | None = None) -> int:
+        """The order (at most ``available``) expected to err least at ``horizon``; 0 (reuse) unless another one
+        beats it. Relative to reuse, an order's squared error scales by ``(horizon / self.horizon) ** (2 * order)``
+        (none when either distance is unknown)."""
         reuse = self.errors[0]
         if reuse is None:
             return 0
+        scale = horizon / self.horizon if horizon and self.horizon else 1.0
         best, best_error = 0, reuse
         for order in range(1, min(available, MAX_ORDER) + 1):
             error = self.errors[order]
-            if error is not None and error < best_error:
-                best, best_error = order, error
+            if error is not None and error * scale ** (2 * order) < best_error:
+                best, best_error = order, error * scale ** (2 * order)
         return best
 
     def clear(self) -> None:
         self.errors = [None] * len(ORDERS)
+        self.horizon = None
+
+
+@dataclass
+class ErrorPerMetric:
+    """A branch's record of the forecast's relative error per unit of the cache's metric, over its computed steps.
+
+    ``update(error, metric)``: the relative (L2) error the forecast a skip would have used made predicting a computed
+    step, and the unweighted metric that made the policy compute it. ``weight`` is the recent quotient (running, by
+    ``SCORE_MEMORY``) over the mean of all of them, bounded to ``WEIGHT_RANGE``; 1 until one is measured.
+    """
+
+    recent: float | None = None
+    total: float = 0.0
+    count: int = 0
+
+    def update(self, error: float, metric: float | None) -> None:
+        if metric is None or not metric > 0 or not math.isfinite(error):
+            return
+        quotient = error / metric
+        self.recent = quotient if self.recent is None else (1 - SCORE_MEMORY) * self.recent + SCORE_MEMORY * quotient
+        self.total += quotient
+        self.count += 1
+
+    def weight(self) -> float:
+        if self.recent is None or self.total <= 0:
+            return 1.0
+        low, high = WEIGHT_RANGE
+        return min(high, max(low, self.recent * self.count / self.total))

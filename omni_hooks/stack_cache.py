@@ -8,7 +8,9 @@ Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_cal
   * with ``forecast_order`` k > 0 a branch keeps its last k + 1 residuals and a skip adds their extrapolation to the
     call's sigma (``omni_hooks.forecast``) instead of the last one; its reason becomes "forecast";
   * with ``forecast_order`` "auto" each computed call scores every order on predicting its residual from the older
-    ones (means over the ranks under sequence parallelism) and a skip uses the best-scoring order (0: reuse).
+    ones (means over the ranks under sequence parallelism) and a skip uses the order expected to err least at its
+    distance from the last computed step (0: reuse); a cache whose ``weighs_metric_by_forecast`` is set also weighs
+    its metric by the forecast's record (``ErrorPerMetric``), so it computes sooner where the forecast did poorly.
 Every skipped branch's record says which order its residual came from (``BranchDecision.forecast_order``).
 The stack is skipped only when every branch of the call may skip (and, under sequence parallelism, only when every
 rank may: ``CallContext.rank.agreement``); the verdict is written to the call's ``CallContext.blocks_run``. Outside a
@@ -19,6 +21,7 @@ TeaCache and MagCache differ only in ``decide`` (and what they record while cali
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +33,8 @@ from .blockstack import BlockStack
 from .context import CallContext
 from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
-from .forecast import AUTO, FORECAST, FORECAST_FALLBACK, OrderScores, ResidualHistory, history_limit
+from .forecast import (AUTO, FORECAST, FORECAST_FALLBACK, MAX_ORDER, ErrorPerMetric, OrderScores, ResidualHistory,
+                       history_limit)
 from .stats import BranchDecision, CacheRunStats, EvaluationRecord
 
 
@@ -45,6 +49,10 @@ class CachedResidualState(BaseState):
     history: ResidualHistory = field(default_factory=ResidualHistory)
     # with the "auto" forecast: how well each order has predicted this branch's computed residuals
     scores: OrderScores = field(default_factory=OrderScores)
+    # ... and, for a cache that weighs its metric by the forecast: the forecast's error per unit of metric, and the
+    # unweighted metric of the branch's latest decision (None: not measured), which a computed call is scored with
+    error_per_metric: ErrorPerMetric = field(default_factory=ErrorPerMetric)
+    unweighted_metric: float | None = None
 
     def reset(self) -> None:
         self.__init__()
@@ -99,6 +107,8 @@ class StackCacheRun:
     head_hook_cls: type["StackHeadHook"]
     block_hook_cls: type["StackBlockHook"]
     tail_hook_cls: type["StackTailHook"] | None = None  # None: StackTailHook
+    # under the "auto" forecast, the policy multiplies its metric by ``metric_weight`` (ErrorPerMetric)
+    weighs_metric_by_forecast: bool = False
 
     def __init__(self, stack: BlockStack, state_cls: type[CachedResidualState], config: StackCacheConfig,
                  stats: CacheRunStats, capture_module: torch.nn.Module | None = None):
@@ -120,6 +130,13 @@ class StackCacheRun:
 
     def after_decision(self, call: ActiveCall, compute: bool) -> None:
         """Called once per call after the verdict (e.g. to reset accumulators of computed branches)."""
+
+    def metric_weight(self, st: CachedResidualState) -> float:
+        """What the policy multiplies a branch's metric by: its ``ErrorPerMetric.weight()`` under the "auto" forecast
+        when the cache ``weighs_metric_by_forecast``, else 1."""
+        if self.weighs_metric_by_forecast and self.config.forecast_order == AUTO:
+            return st.error_per_metric.weight()
+        return 1.0
 
     def on_residual(self, call: ActiveCall, key: str, residual: torch.Tensor, output: torch.Tensor) -> None:
         """Called per branch after a computed call stored its residual (calibration hooks in here)."""
@@ -241,6 +258,12 @@ class StackCacheRun:
         """Where a call lies for forecasting: its sigma, else its step (None: unknown, so no forecast)."""
         return context.sigma if context.sigma is not None else context.step
 
+    @staticmethod
+    def distance(st: CachedResidualState, coord: float | None) -> float | None:
+        """How far ``coord`` lies from the branch's last computed step (None: either is unknown)."""
+        last = st.history.coords[-1] if st.history.coords else None
+        return None if coord is None or last is None else abs(float(coord) - float(last))
+
     def skipped_residuals(self) -> list[torch.Tensor]:
         """Per branch of the current (skipped) call: the residual to add. With forecasting, the branch's reason in
         the call's record becomes "forecast" (or "forecast-fallback" when the forecast was not finite)."""
@@ -251,7 +274,8 @@ class StackCacheRun:
         coord = self.coordinate(call.context)
         residuals = []
         for i, st in enumerate(states):
-            order = st.scores.best(len(st.history.residuals) - 1) if self.config.forecast_order == AUTO else None
+            order = (st.scores.best(len(st.history.residuals) - 1, self.distance(st, coord))
+                     if self.config.forecast_order == AUTO else None)
             made = st.history.forecast(coord, order=order)
             residuals.append(made.residual if made.residual is not None else st.previous_residual)
             reason = FORECAST_FALLBACK if made.fell_back else FORECAST if made.order else None
@@ -282,6 +306,7 @@ class StackCacheRun:
         residual = (output - head_input).detach()
         coord = self.coordinate(call.context)
         measured: list[torch.Tensor | None] = []
+        distances: list[float | None] = []
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
             part = residual[i * size:(i + 1) * size]
@@ -289,22 +314,33 @@ class StackCacheRun:
             st.residual_input_shape = head_input[i * size:(i + 1) * size].shape
             if self.config.forecast_order:
                 if self.config.forecast_order == AUTO:
+                    distances.append(self.distance(st, coord))
                     measured += st.history.prediction_errors(coord, st.previous_residual)
                 st.history.limit = history_limit(self.config.forecast_order)
                 st.history.add(coord, st.previous_residual)
             self.on_residual(call, key, part, output[i * size:(i + 1) * size].detach())
         if measured:
-            self._score_orders(call, measured)
+            self._score_orders(call, measured, distances)
         self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache_bytes())
 
-    def _score_orders(self, call: ActiveCall, measured: list[torch.Tensor | None]) -> None:
+    def _score_orders(self, call: ActiveCall, measured: list[torch.Tensor | None],
+                      distances: list[float | None]) -> None:
         """Update each branch's ``OrderScores`` from its prediction errors (``ResidualHistory.prediction_errors``,
-        concatenated over the call's branches): one host sync, and under sequence parallelism the means over the
-        ranks, so that every rank chooses the same orders."""
+        concatenated over the call's branches) made over ``distances``: one host sync, and under sequence
+        parallelism the means over the ranks, so that every rank chooses the same orders. A cache that weighs its
+        metric by the forecast also scores the order a skip at that distance would have used against the metric
+        that made this call compute (``ErrorPerMetric``)."""
         floats = self.measured_floats(call, measured)
         width = len(floats) // len(call.keys)
         for i, key in enumerate(call.keys):
-            self.branch_state(key).scores.update(floats[i * width:(i + 1) * width])
+            st = self.branch_state(key)
+            *errors, norm = floats[i * width:(i + 1) * width]
+            if self.weighs_metric_by_forecast and norm is not None:
+                error = errors[st.scores.best(MAX_ORDER, distances[i])]
+                error = errors[0] if error is None else error
+                if error is not None:
+                    st.error_per_metric.update(math.sqrt(error / (norm + 1e-12)), st.unweighted_metric)
+            st.scores.update([*errors, norm], distances[i])
 
     # -- hooks ----------------------------------------------------------------------------------------------------
 

@@ -15,7 +15,10 @@ Decision per branch at step t of N (its own curve, nearest-interpolated to N): o
 before the retention step ``int(retention_ratio * N + 0.5)`` compute (accumulators restart); else
 ``ratio *= mag_ratios[t]``, ``steps += 1``, ``err += |1 - ratio|`` and reuse iff ``threshold > 0``,
 ``err <= threshold`` and ``steps <= K`` (and a residual of the same shape is cached). The call is skipped only if
-every branch may reuse; a computed call restarts every branch's accumulators.
+every branch may reuse; a computed call restarts every branch's accumulators. Under the "auto" forecast the
+accumulated error is not weighed by the forecast's record (``ErrorPerMetric``), as TeaCache's change is: the
+per-step curve already tells where the residual moves, and weighing it lowered quality at the same number of
+evaluations on both benchmark models (docs/benchmarks.md).
 """
 from __future__ import annotations
 

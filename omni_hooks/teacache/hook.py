@@ -5,7 +5,9 @@ structural change: instead of re-implementing each model's forward in an extract
 blocks (``BlockStack``), so the model's forward runs unchanged and only the modulated input is model-specific.
 
 Decision per branch: the relative L1 change of the modulated input since the previous call of that branch is mapped
-through the rescale polynomial and accumulated; while the sum stays below ``threshold`` the branch may reuse.
+through the rescale polynomial and accumulated; while the sum stays below ``threshold`` the branch may reuse. Under
+the "auto" forecast the sum is weighed by the forecast's record first (``ErrorPerMetric``: above 1 where the
+forecast has recently erred more per unit of change than over the run, below where less).
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ class TeaCacheRun(StackCacheRun):
     hook_names = HOOK_NAMES
     head_hook_cls = TeaCacheHook
     block_hook_cls = TeaCacheBlockHook
+    weighs_metric_by_forecast = True
 
     def __init__(self, config: TeaCacheConfig, stack: BlockStack, modulated_input: ModulatedInput,
                  stats: CacheRunStats | None = None):
@@ -94,6 +97,7 @@ class TeaCacheRun(StackCacheRun):
         states = [self.branch_state(k) for k in call.keys]
         signals = []
         for i, st in enumerate(states):
+            st.unweighted_metric = None
             m = modulated[i * size:(i + 1) * size] if per_branch else modulated
             signals.append(m)
             prev = st.previous_modulated_input
@@ -119,7 +123,8 @@ class TeaCacheRun(StackCacheRun):
                 call.head_measures[call.keys[i]] = rel
                 continue
             states[i].accumulated_rel_l1_distance += abs(float(self.rescale(rel)))
-            metrics[i] = states[i].accumulated_rel_l1_distance
+            states[i].unweighted_metric = states[i].accumulated_rel_l1_distance
+            metrics[i] = states[i].accumulated_rel_l1_distance * self.metric_weight(states[i])
             reasons[i] = "reuse" if metrics[i] < cfg.threshold else "threshold"
         for st, m in zip(states, signals):
             st.previous_modulated_input = m.detach()

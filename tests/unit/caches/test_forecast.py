@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from omni_hooks.forecast import (AUTO, FORECAST, FORECAST_FALLBACK, MAX_ORDER, OrderScores, ResidualHistory, history_limit,
+from omni_hooks.forecast import (AUTO, FORECAST, FORECAST_FALLBACK, MAX_ORDER, WEIGHT_RANGE, ErrorPerMetric, OrderScores,
+                                 ResidualHistory, history_limit,
                                  lagrange_weights)
 from omni_hooks.magcache import MagCacheConfig, MagCacheStrategy, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
@@ -314,3 +315,84 @@ def test_auto_with_threshold_zero_is_bit_identical_and_forecast_values_are_check
         with pytest.raises(ValueError, match="forecast order must be one of"):
             TeaCacheConfig(forecast_order=bad)
 
+
+
+def test_order_scores_carry_their_errors_to_the_distance_of_the_skip():
+    scores = OrderScores()
+    scores.update([1.0, 1.2, None, 1.0], horizon=0.2)  # 1st order erred 1.2x reuse over 0.2
+    assert scores.horizon == 0.2
+    assert scores.best() == 0 and scores.best(horizon=0.2) == 0
+    assert scores.best(horizon=0.1) == 1  # half the distance: 1.2 * 0.5 ** 2 < 1
+    scores = OrderScores()
+    scores.update([1.0, 0.3, 0.2, 1.0], horizon=0.2)
+    assert scores.best() == 2 and scores.best(horizon=0.2) == 2
+    assert scores.best(horizon=0.3) == 1  # 1.5x the distance: 0.3 * 1.5 ** 2 < 0.2 * 1.5 ** 4, both below 1
+    assert scores.best(horizon=0.4) == 0  # twice: 0.3 * 4 and 0.2 * 16 both exceed reuse's 1
+    scores.update([1.0, 0.3, 0.2, 1.0], horizon=0.4)
+    assert scores.horizon == pytest.approx(0.3)  # a running distance, like the errors
+    scores.clear()
+    assert scores.errors == [None] * 3 and scores.horizon is None
+
+
+def test_error_per_metric_weighs_the_recent_record_against_the_runs_mean():
+    record = ErrorPerMetric()
+    assert record.weight() == 1.0  # nothing measured
+    for error in (0.1, 0.1, 0.1):
+        record.update(error, 0.1)
+    assert record.weight() == pytest.approx(1.0)
+    record.update(0.4, 0.1)  # the forecast erred 4x as much per unit of metric: recent 2.5, mean 1.75
+    assert record.weight() == pytest.approx(2.5 / 1.75)
+    record.update(10.0, 0.1)
+    assert record.weight() == WEIGHT_RANGE[1]
+    record.update(1.0, None)  # no metric (a forced compute): not a measurement
+    record.update(1.0, 0.0)
+    assert record.count == 5
+    low = ErrorPerMetric()
+    for error in (1.0,) * 5 + (0.001,) * 2:
+        low.update(error, 1.0)
+    assert low.weight() == WEIGHT_RANGE[0]
+
+
+KINK_SIGMAS = [1.0 - 0.04 * i for i in range(24)]
+
+
+def kinked(s: float, row: int) -> torch.Tensor:
+    """Linear in sigma (1st order forecasts it exactly) down to sigma 0.6, then bending along a sine (every forecast
+    errs, less the closer its computed steps lie)."""
+    bend = math.sin(15 * (0.6 - s)) if s < 0.6 else 0.0
+    return (1 + s) * BASE + 0.5 * bend * BASE.flip(0)
+
+
+def test_teacache_auto_computes_sooner_where_the_forecast_erred():
+    """A constant change per step computes every 3rd step; once the forecast errs far more per unit of that change
+    than it had, the weighed change crosses the threshold sooner. MagCache's error is never weighed."""
+    x = torch.zeros(1, 4, 3, dtype=torch.float64)
+    reference = sample(Model(kinked), NoCache(), x, sigmas=KINK_SIGMAS)
+    runs = {}
+    for weighs in (False, True):
+        model = Model(kinked)
+        signal = ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
+        run = apply_teacache_hook(stack_of(model), TeaCacheConfig(0.25, (0, 0, 0, 0, 0.1), ret_steps=3,
+                                                                  forecast_order=AUTO), signal)
+        run.weighs_metric_by_forecast = weighs
+        got = sample(model, run, x, sigmas=KINK_SIGMAS)
+        error = sum(float((a - b).abs().mean()) for a, b in zip(got, reference))
+        runs[weighs] = ([e.computed for e in run.stats.evaluations], error, run)
+    (plain, plain_error, _), (weighed, weighed_error, run) = runs[False], runs[True]
+    kink = next(i for i, s in enumerate(KINK_SIGMAS) if s < 0.6)
+    assert plain[:kink] == weighed[:kink]  # the forecast was exact: nothing to weigh
+    assert sum(weighed[kink:]) > sum(plain[kink:]) and weighed_error < plain_error
+    weighed_metrics = [e.branches[0].metric for e in run.stats.evaluations[kink:] if e.branches[0].metric]
+    assert any(m > 0.25 and m / 2 < 0.25 for m in weighed_metrics)  # crossed only because of the weight
+    assert run.branch_state("c").error_per_metric.count > 0
+
+
+def test_magcache_auto_never_weighs_its_error():
+    model = Model(kinked)
+    config = MagCacheConfig(threshold=0.3, mag_ratios=[0.97] * len(KINK_SIGMAS), retention_ratio=0.1,
+                            max_skip_steps=4, forecast_order=AUTO)
+    run = apply_mag_cache_hook(model, config, strategy=TOY, implicit_calls=False)
+    sample(model, run, torch.zeros(1, 4, 3, dtype=torch.float64), sigmas=KINK_SIGMAS)
+    st = run.branch_state("c")
+    assert run.metric_weight(st) == 1.0 and st.error_per_metric.count == 0
+    assert any(not e.computed for e in run.stats.evaluations)
