@@ -40,14 +40,17 @@ from omnitest.quality import psnr_db  # noqa: E402
 
 CFG = 3.0
 FORECASTS = ["off", "1st order", "2nd order", "auto"]
-TEA_THRESHOLDS = [0.05, 0.08, 0.12, 0.16, 0.2, 0.3, 0.45, 0.6]
-MAG_THRESHOLDS = [0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25]
+# fine sweeps: a threshold gives a whole number of evaluations, so a coarse sweep leaves budgets without a point
+TEA_THRESHOLDS = [0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.11, 0.12, 0.14, 0.16, 0.18, 0.2, 0.23, 0.26, 0.3, 0.35,
+                  0.4, 0.45, 0.5, 0.6]
+MAG_THRESHOLDS = [0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.06, 0.075, 0.09, 0.1, 0.12, 0.15, 0.2, 0.25,
+                  0.3]
 MAG_K = 6
 MAG_RETENTION = 0.1
 EASY_THRESHOLDS = [0.005, 0.02, 0.05, 0.1, 0.2, 0.5]
 # few-step runs: coarser steps change more per step, so larger thresholds
-FEW_TEA_THRESHOLDS = [0.1, 0.2, 0.4, 0.8, 1.5]
-FEW_MAG_THRESHOLDS = [0.05, 0.1, 0.2, 0.4, 0.8]
+FEW_TEA_THRESHOLDS = [0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.2, 1.5]
+FEW_MAG_THRESHOLDS = [0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8]
 FEW_EASY_THRESHOLDS = [0.05, 0.2, 0.5]
 
 
@@ -57,6 +60,27 @@ class Evaluations:
     def __init__(self, dm: torch.nn.Module):
         self.count = 0
         dm.blocks[-1].ffn.register_forward_pre_hook(lambda m, a: setattr(self, "count", self.count + 1))
+
+
+def budgets(steps: int) -> tuple[int, ...]:
+    """The evaluation budgets of the summary table for a run of ``steps``."""
+    return {30: (6, 8, 10, 12, 14, 20), 8: (5, 6, 7), 6: (4, 5)}.get(steps, (steps // 4, steps // 2, 3 * steps // 4))
+
+
+def best_per_budget(results: list[dict], steps: int) -> str:
+    """A markdown table: per configuration and budget, the best mean PSNR (with its worst prompt and threshold) of
+    the sweep's points that computed at most that many evaluations on average."""
+    cols = budgets(steps)
+    lines = ["| configuration | " + " | ".join(f"≤ {b}" for b in cols) + " |", "|---|" + "---|" * len(cols)]
+    for name in dict.fromkeys(r["configuration"] for r in results):
+        cells = []
+        for b in cols:
+            points = [r for r in results if r["configuration"] == name and r["evaluations"] <= b + 1e-9]
+            best = max(points, key=lambda r: r["psnr_mean"], default=None)
+            cells.append("—" if best is None else
+                         f"{best['psnr_mean']:.1f} / {best['psnr_min']:.1f} ({best['threshold']:g})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def sample_all(spec: cqm.QualityModel, case, model, counter: Evaluations,
@@ -137,6 +161,8 @@ def main() -> None:
     (opts.out / f"{name}.json").write_text(json.dumps(finite, indent=1))
     plot_curves(results, opts.out / f"{name}.png", steps=steps, targets=() if few else ((12, 45.0), (8, 40.0)),
                 title=f"{spec.name} model ({spec.description}), {steps} steps")
+    print(f"\nbest point per budget of model evaluations (of {steps}), mean / worst prompt in dB (threshold):\n")
+    print(best_per_budget(results, steps))
     print(f"\n| configuration | threshold | model evaluations (of {steps}) | latent PSNR mean (dB) | worst prompt (dB) |")
     print("|---|---|---|---|---|")
     for r in results:

@@ -60,9 +60,10 @@ def forecast_input() -> io.Combo.Input:
                           "extrapolated to this step's sigma from the last 2 / 3 computed steps (finite "
                           "differences, as TaylorSeer), which stays faithful at higher thresholds, so fewer steps "
                           "are computed for the same quality; keeps 2 / 3 residuals per branch in memory. 'auto': "
-                          "per branch and skipped step, whichever of reuse, 1st and 2nd order has best predicted the "
-                          "steps this run computed (never worse than 'off' in the benchmarks); keeps 4 residuals "
-                          "per branch.")
+                          "per branch and skipped step, whichever of reuse, 1st and 2nd order is expected to err "
+                          "least at this step, from how each predicted the steps this run computed; TeaCache also "
+                          "computes sooner where the forecast has recently erred more than usual (never worse than "
+                          "'off' in the benchmarks); keeps 4 residuals per branch.")
 
 
 def forecast_order(value: str) -> int | str:
