@@ -23,8 +23,10 @@ A policy that knows it forecasts (``ErrorPerMetric``): at each computed step the
 made it compute (TeaCache's accumulated change) and the error the forecast a skip would have used made predicting
 that step. Their quotient, the forecast's error per unit of metric, is high where the forecast does poorly for the
 change the metric sees; the policy weighs its metric by the recent quotient over the run's mean (``weight``,
-bounded to ``WEIGHT_RANGE``), so computes move to where the forecast is weakest. Scaling the metric down by the
-forecast's gain over reuse instead skipped more and lost quality on both benchmark models (docs/benchmarks.md).
+bounded to ``WEIGHT_RANGE``: 1 to 2), so computes come sooner where the forecast is weakest, and never later than
+the metric alone would have them. Letting the weight fall below 1 where the forecast did well gave no better
+quality per evaluation and made a threshold compute fewer steps than with reuse; scaling the metric down by the
+forecast's gain over reuse skipped more and lost quality on both benchmark models (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ FORECAST_FALLBACK = "forecast-fallback"  # ... whose forecast was not finite, so
 
 
 SCORE_MEMORY = 0.5  # the running scores: weight of the newest measurement
-WEIGHT_RANGE = (0.5, 2.0)  # ErrorPerMetric.weight: how far the forecast's record may move the policy's metric
+WEIGHT_RANGE = (1.0, 2.0)  # ErrorPerMetric.weight: the record only ever brings a compute forward
 
 
 def check_order(order: int | str) -> int | str:
@@ -209,7 +211,8 @@ class ErrorPerMetric:
 
     ``update(error, metric)``: the relative (L2) error the forecast a skip would have used made predicting a computed
     step, and the unweighted metric that made the policy compute it. ``weight`` is the recent quotient (running, by
-    ``SCORE_MEMORY``) over the mean of all of them, bounded to ``WEIGHT_RANGE``; 1 until one is measured.
+    ``SCORE_MEMORY``) over the mean of all of them, bounded to ``WEIGHT_RANGE`` (never below 1: where the forecast
+    did well the metric alone decides); 1 until one is measured.
     """
 
     recent: float | None = None
