@@ -80,6 +80,22 @@ class CacheRunStats:
     disabled: str | None = None  # why caching was disabled for the whole run (every step computed), if it was
     # set when the run had so few steps that the few-step rule (omni_hooks.few_step) applied: what it allowed, in words
     few_step_note: str | None = None
+    # branch evaluations computed only because the "auto" forecast's record weighed the metric (ErrorPerMetric), and
+    # the largest weight that did so
+    sooner_by_forecast: int = 0
+    largest_forecast_weight: float = 1.0
+
+    def computed_sooner(self, weight: float) -> None:
+        """Count a branch evaluation that the forecast's record (``weight`` > 1) made compute."""
+        self.sooner_by_forecast += 1
+        self.largest_forecast_weight = max(self.largest_forecast_weight, weight)
+
+    def forecast_note(self) -> str | None:
+        """In words, what the forecast's record changed (None: nothing)."""
+        if not self.sooner_by_forecast:
+            return None
+        return (f"forecast 'auto': {self.sooner_by_forecast} branch step(s) computed sooner because the forecast had "
+                f"recently erred more than usual (the change weighed up to {self.largest_forecast_weight:.2f}x)")
 
     def record(self, record: EvaluationRecord) -> None:
         self.evaluations.append(record)
@@ -182,7 +198,7 @@ class CacheRunStats:
             "estimated_speedup": (model_seconds + saved) / model_seconds if model_seconds > 0 else 1.0,
             "cache_bytes": self.cache_bytes,
             "warnings": warnings,
-            "notes": list(self.notes) + ([self.few_step_note] if self.few_step_note else []),
+            "notes": list(self.notes) + [n for n in (self.forecast_note(), self.few_step_note) if n],
             "forecast_orders": self.forecast_orders(),
         }
 

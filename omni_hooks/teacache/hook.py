@@ -124,8 +124,11 @@ class TeaCacheRun(StackCacheRun):
                 continue
             states[i].accumulated_rel_l1_distance += abs(float(self.rescale(rel)))
             states[i].unweighted_metric = states[i].accumulated_rel_l1_distance
-            metrics[i] = states[i].accumulated_rel_l1_distance * self.metric_weight(states[i])
+            weight = self.metric_weight(states[i])
+            metrics[i] = states[i].accumulated_rel_l1_distance * weight
             reasons[i] = "reuse" if metrics[i] < cfg.threshold else "threshold"
+            if reasons[i] == "threshold" and states[i].unweighted_metric < cfg.threshold:
+                self.stats.computed_sooner(weight)
         for st, m in zip(states, signals):
             st.previous_modulated_input = m.detach()
             st.cnt += 1

@@ -385,6 +385,9 @@ def test_teacache_auto_computes_sooner_where_the_forecast_erred():
     weighed_metrics = [e.branches[0].metric for e in run.stats.evaluations[kink:] if e.branches[0].metric]
     assert any(m > 0.25 and m / 2 < 0.25 for m in weighed_metrics)  # crossed only because of the weight
     assert run.branch_state("c").error_per_metric.count > 0
+    note = next(n for n in run.stats.summary()["notes"] if n.startswith("forecast 'auto'"))
+    assert f"{run.stats.sooner_by_forecast} branch step(s) computed sooner" in note and run.stats.sooner_by_forecast > 0
+    assert runs[False][2].stats.sooner_by_forecast == 0 and not runs[False][2].stats.forecast_note()
 
 
 def test_magcache_auto_never_weighs_its_error():
