@@ -9,8 +9,9 @@ Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_cal
     call's sigma (``omni_hooks.forecast``) instead of the last one; its reason becomes "forecast";
   * with ``forecast_order`` "auto" each computed call scores every order on predicting its residual from the older
     ones (means over the ranks under sequence parallelism) and a skip uses the order expected to err least at its
-    distance from the last computed step (0: reuse); a cache whose ``weighs_metric_by_forecast`` is set also weighs
-    its metric by the forecast's record (``ErrorPerMetric``), so it computes sooner where the forecast did poorly.
+    distance from the last computed step (0: reuse);
+  * a cache whose ``weighs_metric_by_forecast`` is set weighs its metric, under "auto" and 1st order, by the
+    forecast's record (``ErrorPerMetric``), so it computes sooner where the forecast did poorly.
 Every skipped branch's record says which order its residual came from (``BranchDecision.forecast_order``).
 The stack is skipped only when every branch of the call may skip (and, under sequence parallelism, only when every
 rank may: ``CallContext.rank.agreement``); the verdict is written to the call's ``CallContext.blocks_run``. Outside a
@@ -33,8 +34,8 @@ from .blockstack import BlockStack
 from .context import CallContext
 from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
-from .forecast import (AUTO, FORECAST, FORECAST_FALLBACK, MAX_ORDER, ErrorPerMetric, OrderScores, ResidualHistory,
-                       history_limit)
+from .forecast import (AUTO, FORECAST, FORECAST_FALLBACK, MAX_ORDER, WEIGHED_ORDERS, ErrorPerMetric, OrderScores,
+                       ResidualHistory, history_limit)
 from .stats import BranchDecision, CacheRunStats, EvaluationRecord
 
 
@@ -107,7 +108,7 @@ class StackCacheRun:
     head_hook_cls: type["StackHeadHook"]
     block_hook_cls: type["StackBlockHook"]
     tail_hook_cls: type["StackTailHook"] | None = None  # None: StackTailHook
-    # under the "auto" forecast, the policy multiplies its metric by ``metric_weight`` (ErrorPerMetric)
+    # under a forecast of ``WEIGHED_ORDERS``, the policy multiplies its metric by ``metric_weight`` (ErrorPerMetric)
     weighs_metric_by_forecast: bool = False
 
     def __init__(self, stack: BlockStack, state_cls: type[CachedResidualState], config: StackCacheConfig,
@@ -131,12 +132,16 @@ class StackCacheRun:
     def after_decision(self, call: ActiveCall, compute: bool) -> None:
         """Called once per call after the verdict (e.g. to reset accumulators of computed branches)."""
 
+    @property
+    def weighs_metric(self) -> bool:
+        """Whether this run weighs its metric by the forecast's record: the cache does (``weighs_metric_by_forecast``)
+        and its forecast is one of ``WEIGHED_ORDERS``."""
+        return self.weighs_metric_by_forecast and self.config.forecast_order in WEIGHED_ORDERS
+
     def metric_weight(self, st: CachedResidualState) -> float:
-        """What the policy multiplies a branch's metric by: its ``ErrorPerMetric.weight()`` under the "auto" forecast
-        when the cache ``weighs_metric_by_forecast``, else 1."""
-        if self.weighs_metric_by_forecast and self.config.forecast_order == AUTO:
-            return st.error_per_metric.weight()
-        return 1.0
+        """What the policy multiplies a branch's metric by: its ``ErrorPerMetric.weight()`` when the run
+        ``weighs_metric``, else 1."""
+        return st.error_per_metric.weight() if self.weighs_metric else 1.0
 
     def on_residual(self, call: ActiveCall, key: str, residual: torch.Tensor, output: torch.Tensor) -> None:
         """Called per branch after a computed call stored its residual (calibration hooks in here)."""
@@ -313,7 +318,7 @@ class StackCacheRun:
             st.previous_residual = part.to(self.config.cache_device) if self.config.cache_device is not None else part
             st.residual_input_shape = head_input[i * size:(i + 1) * size].shape
             if self.config.forecast_order:
-                if self.config.forecast_order == AUTO:
+                if self.config.forecast_order == AUTO or self.weighs_metric:
                     distances.append(self.distance(st, coord))
                     measured += st.history.prediction_errors(coord, st.previous_residual)
                 st.history.limit = history_limit(self.config.forecast_order)
@@ -335,8 +340,9 @@ class StackCacheRun:
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
             *errors, norm = floats[i * width:(i + 1) * width]
-            if self.weighs_metric_by_forecast and norm is not None:
-                error = errors[st.scores.best(MAX_ORDER, distances[i])]
+            if self.weighs_metric and norm is not None:
+                order = self.config.forecast_order
+                error = errors[st.scores.best(MAX_ORDER, distances[i]) if order == AUTO else order]
                 error = errors[0] if error is None else error
                 if error is not None:
                     st.error_per_metric.update(math.sqrt(error / (norm + 1e-12)), st.unweighted_metric)

@@ -80,7 +80,7 @@ class CacheRunStats:
     disabled: str | None = None  # why caching was disabled for the whole run (every step computed), if it was
     # set when the run had so few steps that the few-step rule (omni_hooks.few_step) applied: what it allowed, in words
     few_step_note: str | None = None
-    # branch evaluations computed only because the "auto" forecast's record weighed the metric (ErrorPerMetric), and
+    # branch evaluations computed only because the forecast's record weighed the metric (ErrorPerMetric), and
     # the largest weight that did so
     sooner_by_forecast: int = 0
     largest_forecast_weight: float = 1.0
@@ -94,7 +94,7 @@ class CacheRunStats:
         """In words, what the forecast's record changed (None: nothing)."""
         if not self.sooner_by_forecast:
             return None
-        return (f"forecast 'auto': {self.sooner_by_forecast} branch step(s) computed sooner because the forecast had "
+        return (f"forecast: {self.sooner_by_forecast} branch step(s) computed sooner because the forecast had "
                 f"recently erred more than usual (the change weighed up to {self.largest_forecast_weight:.2f}x)")
 
     def record(self, record: EvaluationRecord) -> None:

@@ -363,7 +363,8 @@ def kinked(s: float, row: int) -> torch.Tensor:
     return (1 + s) * BASE + 0.5 * bend * BASE.flip(0)
 
 
-def test_teacache_auto_computes_sooner_where_the_forecast_erred():
+@pytest.mark.parametrize("order", [AUTO, 1])
+def test_teacache_auto_and_1st_order_compute_sooner_where_the_forecast_erred(order):
     """A constant change per step computes every 3rd step; once the forecast errs far more per unit of that change
     than it had, the weighed change crosses the threshold sooner. MagCache's error is never weighed."""
     x = torch.zeros(1, 4, 3, dtype=torch.float64)
@@ -373,7 +374,7 @@ def test_teacache_auto_computes_sooner_where_the_forecast_erred():
         model = Model(kinked)
         signal = ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
         run = apply_teacache_hook(stack_of(model), TeaCacheConfig(0.25, (0, 0, 0, 0, 0.1), ret_steps=3,
-                                                                  forecast_order=AUTO), signal)
+                                                                  forecast_order=order), signal)
         run.weighs_metric_by_forecast = weighs
         got = sample(model, run, x, sigmas=KINK_SIGMAS)
         error = sum(float((a - b).abs().mean()) for a, b in zip(got, reference))
@@ -385,9 +386,18 @@ def test_teacache_auto_computes_sooner_where_the_forecast_erred():
     weighed_metrics = [e.branches[0].metric for e in run.stats.evaluations[kink:] if e.branches[0].metric]
     assert any(m > 0.25 and m / 2 < 0.25 for m in weighed_metrics)  # crossed only because of the weight
     assert run.branch_state("c").error_per_metric.count > 0
-    note = next(n for n in run.stats.summary()["notes"] if n.startswith("forecast 'auto'"))
+    note = next(n for n in run.stats.summary()["notes"] if n.startswith("forecast: "))
     assert f"{run.stats.sooner_by_forecast} branch step(s) computed sooner" in note and run.stats.sooner_by_forecast > 0
     assert runs[False][2].stats.sooner_by_forecast == 0 and not runs[False][2].stats.forecast_note()
+
+
+def test_teacache_2nd_order_and_off_are_not_weighed():
+    for order in (0, 2):
+        model = Model(kinked)
+        run = teacache(model, order, threshold=0.25)
+        sample(model, run, torch.zeros(1, 4, 3, dtype=torch.float64), sigmas=KINK_SIGMAS)
+        st = run.branch_state("c")
+        assert not run.weighs_metric and run.metric_weight(st) == 1.0 and st.error_per_metric.count == 0
 
 
 def test_magcache_auto_never_weighs_its_error():
