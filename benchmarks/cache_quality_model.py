@@ -9,6 +9,10 @@ data, so that a claim about the caches holds on more than one (``MODELS``):
 * ``wide``: dim 256, 6 blocks, latent [16, 1, 16, 16]. Class k is a few oriented stripe patches (Gabor patches: the
   class's orientation and frequency, random places, sizes and phases) in the class's three "colours" (channel
   directions) over a smooth gradient background in a fourth.
+* ``deep``: dim 128, 10 blocks, a 3-frame latent [16, 3, 12, 12]. Class k is a shape of its own (disk, square, ring,
+  cross) moving at the class's velocity from frame to frame, at a random start, size and brightness, in the class's
+  colour over noise-free black. Added after the forecast policy was chosen, as a check on a model it was not
+  developed on.
 
 The "prompt" of class k is a fixed random text conditioning (``tokens`` x ``text_dim``); the negative prompt is all
 zeros (trained as the unconditional input with probability ``DROPOUT``).
@@ -123,10 +127,41 @@ def gabor_patches(labels: torch.Tensor, g: torch.Generator, patches: int = 3) ->
     return x[:, :, None] * 0.6
 
 
+SHAPE_VELOCITY = [(0.12, 0.0), (0.0, 0.12), (0.09, 0.09), (-0.1, 0.06)]  # per frame, in latent widths
+
+
+def moving_shapes(labels: torch.Tensor, g: torch.Generator, frames: int = 3, size: int = 12) -> torch.Tensor:
+    """The ``deep`` model's data: one clean latent [16, frames, size, size] per label."""
+    n = labels.shape[0]
+    hh, ww = _grid(size)
+    colour = class_directions(seed=2468, count=1)[0][labels]  # [n, 16]
+    velocity = torch.tensor(SHAPE_VELOCITY)[labels]  # [n, 2]
+    start = torch.rand(n, 2, generator=g) * 0.4 + 0.2
+    radius = torch.rand(n, generator=g) * 0.12 + 0.12
+    amp = torch.rand(n, generator=g) * 0.8 + 0.6
+    out = []
+    for f in range(frames):
+        center = start + f * velocity
+        dy, dx = hh - center[:, 0, None, None], ww - center[:, 1, None, None]  # [n, size, size]
+        r = radius[:, None, None]
+        dist = torch.sqrt(dy ** 2 + dx ** 2)
+        box = torch.maximum(dy.abs(), dx.abs())
+        soft = lambda d: torch.sigmoid(d / 0.03)  # noqa: E731  a soft edge: inside where d > 0
+        shapes = torch.stack([soft(r - dist), soft(r - box), soft(r - dist) * soft(dist - 0.55 * r),
+                              torch.maximum(soft(0.35 * r - dy.abs()) * soft(r - dx.abs()),
+                                            soft(0.35 * r - dx.abs()) * soft(r - dy.abs()))], dim=1)
+        mask = shapes[torch.arange(n), labels]  # [n, size, size]
+        out.append(amp[:, None, None, None] * colour[:, :, None, None] * mask[:, None])
+    return torch.stack(out, dim=2) * 0.6
+
+
 SMALL = QualityModel("small", {"dim": 64, "ffn_dim": 256, "num_heads": 2, "num_layers": 4, "text_dim": 32},
                      (1, 16, 1, 8, 8), 4, waves_and_blobs, DATA / "cache_quality_wan.safetensors",
                      "dim 64, 4 blocks, an 8x8 latent (16 tokens), waves and blobs")
 WIDE = QualityModel("wide", {"dim": 256, "ffn_dim": 512, "num_heads": 4, "num_layers": 6, "text_dim": 64},
                     (1, 16, 1, 16, 16), 6, gabor_patches, DATA / "cache_quality_wan_wide.safetensors",
                     "dim 256, 6 blocks, a 16x16 latent (64 tokens), oriented stripe patches")
-MODELS = {m.name: m for m in (SMALL, WIDE)}
+DEEP = QualityModel("deep", {"dim": 128, "ffn_dim": 384, "num_heads": 4, "num_layers": 10, "text_dim": 48},
+                    (1, 16, 3, 12, 12), 5, moving_shapes, DATA / "cache_quality_wan_deep.safetensors",
+                    "dim 128, 10 blocks, a 3-frame 12x12 latent (108 tokens), moving shapes")
+MODELS = {m.name: m for m in (SMALL, WIDE, DEEP)}
