@@ -21,12 +21,12 @@ the ranks (like the caches' metrics), so every rank of a group chooses the same 
 
 A policy that knows it forecasts (``ErrorPerMetric``, under ``WEIGHED_ORDERS``): at each computed step the cache also
 knows the metric that made it compute (TeaCache's accumulated change) and the error the forecast a skip would have
-used made predicting that step. Their quotient, the forecast's error per unit of metric, is high where the forecast does poorly for the
-change the metric sees; the policy weighs its metric by the recent quotient over the run's mean (``weight``,
-bounded to ``WEIGHT_RANGE``: 1 to 2), so computes come sooner where the forecast is weakest, and never later than
-the metric alone would have them. Letting the weight fall below 1 where the forecast did well gave no better
-quality per evaluation and made a threshold compute fewer steps than with reuse; scaling the metric down by the
-forecast's gain over reuse skipped more and lost quality on both benchmark models (docs/benchmarks.md).
+used made predicting that step. Their quotient, the forecast's error per unit of metric, is high where the forecast
+does poorly for the change the metric sees; the policy weighs its metric by the recent quotient over the run's mean
+(``weight``, bounded to ``WEIGHT_RANGE``: 1 to 2), so computes come sooner where the forecast is weakest, and never
+later than the metric alone would have them. Letting the weight fall below 1 where the forecast did well gave no
+better quality per evaluation and made a threshold compute fewer steps than with reuse; scaling the metric down by
+the forecast's gain over reuse skipped more and lost quality (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ FORECAST_FALLBACK = "forecast-fallback"  # ... whose forecast was not finite, so
 SCORE_MEMORY = 0.5  # the running scores: weight of the newest measurement
 WEIGHT_RANGE = (1.0, 2.0)  # ErrorPerMetric.weight: the record only ever brings a compute forward
 # the forecast values under which a cache that weighs its metric by the forecast's record does so: 2nd order is not
-# one (weighed, it lost quality per evaluation on one of the benchmark models; 1st order and auto gained on all)
+# one (weighed, it lost quality per evaluation on one benchmark model; 1st order and auto gained on every one measured)
 WEIGHED_ORDERS = (1, AUTO)
 
 
