@@ -6,8 +6,8 @@ blocks (``BlockStack``), so the model's forward runs unchanged and only the modu
 
 Decision per branch: the relative L1 change of the modulated input since the previous call of that branch is mapped
 through the rescale polynomial and accumulated; while the sum stays below ``threshold`` the branch may reuse. Under
-the "auto" and 1st-order forecasts the sum is weighed by the forecast's record first (``ErrorPerMetric``, 1 to 2: above 1 where
-the forecast has recently erred more per unit of change than over the run).
+the "auto" and 1st-order forecasts the sum is weighed by the forecast's record first (``ErrorPerMetric``, 1 to 2:
+above 1 where the forecast has recently erred more per unit of change than over the run).
 """
 from __future__ import annotations
 

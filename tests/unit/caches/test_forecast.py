@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from omni_hooks.forecast import (AUTO, FORECAST, FORECAST_FALLBACK, MAX_ORDER, WEIGHT_RANGE, ErrorPerMetric, OrderScores,
-                                 ResidualHistory, history_limit,
-                                 lagrange_weights)
+from omni_hooks.forecast import (AUTO, FORECAST, FORECAST_FALLBACK, MAX_ORDER, WEIGHT_RANGE, ErrorPerMetric,
+                                 OrderScores, ResidualHistory, history_limit, lagrange_weights)
 from omni_hooks.magcache import MagCacheConfig, MagCacheStrategy, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
