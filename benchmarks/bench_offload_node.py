@@ -1,0 +1,602 @@
+"""The CPU Offload node inside ComfyUI on one CUDA GPU, side by side with full residency and ComfyUI's own partial
+load, in one process: seconds per step, VRAM, the run's start and end, the node's own numbers, the final latent.
+
+The model is Wan 2.1 T2V-shaped (``--shape 1.3b``: dim 1536, ffn 8960, 30 blocks; ``--shape 14b``: dim 5120, ffn
+13824, 40 blocks) with random bf16 weights drawn on the device (matrices N(0, 1/fan_in), so activations keep their
+scale at any width), loaded through ComfyUI's own ``comfy.sd.load_diffusion_model_state_dict`` (nothing is written to
+disk). Every row samples it with ComfyUI's KSampler path (``comfy.sample.sample``, euler, simple) from the same latent,
+noise (seed 0) and random text conditioning (512 tokens x 4096, Wan's text width). Rows:
+  1. fully resident: ComfyUI loads every weight (the reference latent);
+  2. ComfyUI's own partial load at a VRAM cap: the cap is set as ``--reserve-vram`` sets it
+     (``EXTRA_RESERVED_VRAM`` = the device's memory less the cap), ComfyUI decides its lowvram load itself;
+  3. the same with ``--async-offload`` (0.3.64: ``NUM_STREAMS`` = 2);
+  4. CPU Offload at the same cap, blocks_to_offload -1 (auto), prefetch 1;
+  5. CPU Offload, every block, prefetch 1, no cap; 6. the same at prefetch 2;
+  7. Apply TeaCache alone, no cap; 8. CPU Offload auto at the cap + Apply TeaCache (compared with row 7).
+TeaCache runs on an identity calibration at threshold 5 (random weights make published coefficients meaningless): it
+skips every step the few-step rule allows (steps 2 and 4 of 6), which is what rows 7-8 need to show the bytes moved on
+skipped steps (0 by design). Between rows every model is unloaded, memory freed, and the cap and streams reset.
+
+Per row: seconds per step (the median of the steps after the first, and the mean of all; a sampler callback ends each
+step, after a device synchronisation; the first step starts at the first model call), ComfyUI's loaded weights and the
+weights on the GPU during the steps (ComfyUI's count, which the node updates), peak allocated memory during the steps
+and over the whole sampling call, the start (sampling call to first model call: ComfyUI's load plus the node's
+placement) and the end (last step to the call's return: the node's restore), the max abs difference of the final
+latent to the reference row, and the node's summary (``OffloadSession.summary()``) with its placement and restore
+seconds.
+
+CPU mode (``--device cpu``, the default without CUDA; tiny shape): ComfyUI runs on the CPU, so rows 2-3 are n/a and the
+node's target is forced to the CPU (``offload_target`` monkeypatched, as tests/host/offload does) so its real path runs:
+master copies, slots, ComfyUI's cast layers reading slot views. The cap reaches the node as ``vram_budget_gb`` there
+(the CPU's free memory is the machine's RAM). Times on the CPU say nothing about a GPU.
+
+On any device it then checks that every offload row's latent is bit-identical to its reference row's, that the node
+offloaded, that no bytes moved on a skipped call and that every latent is finite, and exits with status 1 if not.
+
+Run: COMFYUI_PATH=/path/to/ComfyUI-0.3.64 .venv/bin/python benchmarks/bench_offload_node.py [--shape 14b]
+[--frames 33 --height 480 --width 832 --steps 6 --cfg 1.0 --cap-gb 12] [--out results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import logging
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "tests") not in sys.path:  # omnitest; ComfyUI's root goes first later (its nodes/ must win over ours)
+    sys.path.insert(0, str(ROOT / "tests"))
+
+import torch  # noqa: E402
+
+from omnitest.tiny_wan import TEXT_DIM, tiny_wan_shapes  # noqa: E402
+
+GIB, MIB = 1024 ** 3, 1024 ** 2
+CONTEXT_TOKENS = 512
+TEACACHE_CALIBRATION = "bench-offload-identity"
+TEACACHE_THRESHOLD = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    dim: int
+    ffn: int
+    blocks: int
+
+    @property
+    def heads(self) -> int:
+        return self.dim // 128  # ComfyUI's Wan detection
+
+
+SHAPES = {"tiny": Shape(128, 256, 8), "1.3b": Shape(1536, 8960, 30), "14b": Shape(5120, 13824, 40)}
+CUDA_DEFAULTS = {"shape": "1.3b", "frames": 33, "height": 480, "width": 832}
+CPU_DEFAULTS = {"shape": "tiny", "frames": 5, "height": 64, "width": 64}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    label: str
+    capped: bool = False
+    streams: int | None = None            # ComfyUI's NUM_STREAMS during the row (--async-offload: 2)
+    offload: tuple[int | str, int] | None = None  # CPU Offload's (blocks_to_offload, prefetch_blocks): -1 auto, ALL
+    teacache: bool = False
+    reference: int = 1                     # the row whose latent this one's is compared with
+
+    @property
+    def comfy_only(self) -> bool:
+        return self.capped and self.offload is None
+
+
+ALL = "all"  # blocks_to_offload: every block of the model
+ROWS = [
+    Row("fully resident"),
+    Row("ComfyUI partial load at the cap", capped=True),
+    Row("ComfyUI partial load at the cap, --async-offload", capped=True, streams=2),
+    Row("CPU Offload auto, prefetch 1, at the cap", capped=True, offload=(-1, 1)),
+    Row("CPU Offload all blocks, prefetch 1", offload=(ALL, 1)),
+    Row("CPU Offload all blocks, prefetch 2", offload=(ALL, 2)),
+    Row("Apply TeaCache alone", teacache=True),
+    Row("CPU Offload auto at the cap + Apply TeaCache", capped=True, offload=(-1, 1), teacache=True, reference=7),
+]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: 1.3b on CUDA, tiny on CPU")
+    parser.add_argument("--frames", type=int, default=None, help="video frames (latent frames: (frames - 1) / 4 + 1)")
+    parser.add_argument("--height", type=int, default=None)
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--cfg", type=float, default=1.0, help="above 1 ComfyUI computes cond and uncond")
+    parser.add_argument("--cap-gb", type=float, default=None,
+                        help="the VRAM cap in GiB (default: 40%% of the blocks' weights + the weights outside the "
+                             "blocks + ComfyUI's activation estimate)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here (after every row)")
+    opts = parser.parse_args(argv)
+    if opts.device is None:
+        opts.device = "cuda" if torch.cuda.is_available() else "cpu"
+    for key, value in (CUDA_DEFAULTS if opts.device == "cuda" else CPU_DEFAULTS).items():
+        if getattr(opts, key) is None:
+            setattr(opts, key, value)
+    if opts.height % 16 or opts.width % 16 or (opts.frames - 1) % 4 or opts.steps < 2:
+        parser.error("Wan needs --height and --width multiples of 16 and --frames 4k + 1; --steps at least 2")
+    return opts
+
+
+# -- the model and its inputs ------------------------------------------------------------------------------------------
+
+def random_state_dict(shape: Shape, device: torch.device) -> dict[str, torch.Tensor]:
+    """Wan 2.1 T2V weights for ``shape``, bf16, drawn on ``device``: matrices N(0, 1/fan_in), norm gains 1 + N(0,
+    0.02^2), biases and modulations N(0, 0.02^2)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    sd = {}
+    for key, dims in tiny_wan_shapes(shape.blocks, shape.dim, shape.ffn).items():
+        tensor = torch.empty(dims, dtype=torch.bfloat16, device=device)
+        if key.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
+            tensor.normal_(1.0, 0.02, generator=generator)
+        elif key.endswith("modulation") or len(dims) == 1:
+            tensor.normal_(0.0, 0.02, generator=generator)
+        else:
+            fan_in = 1
+            for d in dims[1:]:
+                fan_in *= d
+            tensor.normal_(0.0, fan_in ** -0.5, generator=generator)
+        sd[key] = tensor
+    return sd
+
+
+@dataclasses.dataclass
+class Inputs:
+    latent: torch.Tensor
+    noise: torch.Tensor
+    positive: list
+    negative: list
+
+
+def make_inputs(opts: argparse.Namespace) -> Inputs:
+    import comfy.sample
+
+    frames = (opts.frames - 1) // 4 + 1
+    latent = torch.zeros(1, 16, frames, opts.height // 8, opts.width // 8)
+    g = torch.Generator().manual_seed(1)
+    positive = [[torch.randn(1, CONTEXT_TOKENS, TEXT_DIM, generator=g), {}]]
+    negative = [[torch.randn(1, CONTEXT_TOKENS, TEXT_DIM, generator=g), {}]]
+    return Inputs(latent, comfy.sample.prepare_noise(latent, 0), positive, negative)
+
+
+def tokens(latent: torch.Tensor) -> int:
+    _, _, t, h, w = latent.shape
+    return t * (h // 2) * (w // 2)
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# -- measuring one sampling call ---------------------------------------------------------------------------------------
+
+class Clock:
+    """Marks one sampling call: its start, the first model call, the end of every step (sampler callback) and its
+    return, each after a device synchronisation on CUDA; the peaks of allocated memory before the first model call,
+    during the steps and to the return; ComfyUI's loaded-weight count at the first model call; the model calls."""
+
+    def __init__(self, device: torch.device, patcher):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.base_model = patcher.model
+        self.marks: dict[str, float] = {}
+        self.step_ends: list[float] = []
+        self.calls = 0
+        self.weights_in_steps = 0
+        self.peaks = {"before first call": 0, "steps": 0, "whole call": 0}
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.marks["start"] = self.now()
+
+    def model_call(self, module, args) -> None:
+        self.calls += 1
+        if "first call" in self.marks:
+            return
+        self.marks["first call"] = self.now()
+        self.weights_in_steps = self.base_model.model_loaded_weight_memory
+        if self.cuda:
+            self.peaks["before first call"] = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def step(self, step: int, x0, x, total_steps: int) -> None:
+        self.step_ends.append(self.now())
+        if self.cuda:
+            self.peaks["steps"] = torch.cuda.max_memory_allocated(self.device)
+
+    def finish(self) -> None:
+        self.marks["end"] = self.now()
+        if self.cuda:
+            self.peaks["whole call"] = max(self.peaks["before first call"],
+                                           torch.cuda.max_memory_allocated(self.device))
+
+    def step_seconds(self) -> list[float]:
+        starts = [self.marks["first call"], *self.step_ends[:-1]]
+        return [end - start for start, end in zip(starts, self.step_ends)]
+
+
+class NodeTimer:
+    """Wraps ``OffloadSession.after_load`` and ``close`` while active: their seconds (after a device synchronisation),
+    ComfyUI's loaded-weight count before the node changed it, and the run's session."""
+
+    def __init__(self, session_class, device: torch.device):
+        self.session_class = session_class
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.session = None
+        self.seconds = {"placement": 0.0, "restore": 0.0}
+        self.comfy_loaded = 0
+
+    def _timed(self, name: str, method):
+        def run(session, *args, **kwargs):
+            if name == "placement":
+                self.session = session
+                self.comfy_loaded = session.patcher.model.model_loaded_weight_memory
+            start = time.perf_counter()
+            try:
+                return method(session, *args, **kwargs)
+            finally:
+                if self.cuda:
+                    torch.cuda.synchronize(self.device)
+                self.seconds[name] += time.perf_counter() - start
+        return run
+
+    @contextlib.contextmanager
+    def active(self):
+        cls = self.session_class
+        originals = {"after_load": cls.after_load, "close": cls.close}
+        cls.after_load = self._timed("placement", originals["after_load"])
+        cls.close = self._timed("restore", originals["close"])
+        try:
+            yield self
+        finally:
+            cls.after_load, cls.close = originals["after_load"], originals["close"]
+
+
+@contextlib.contextmanager
+def comfy_settings(reserve: int | None, streams: int | None):
+    """ComfyUI's reserved VRAM (what ``--reserve-vram`` sets) and offload streams (``--async-offload``) for one row."""
+    import comfy.model_management as mm
+
+    saved = mm.EXTRA_RESERVED_VRAM, mm.NUM_STREAMS
+    try:
+        if reserve is not None:
+            mm.EXTRA_RESERVED_VRAM = reserve
+        if streams is not None:
+            mm.NUM_STREAMS = streams
+        yield
+    finally:
+        mm.EXTRA_RESERVED_VRAM, mm.NUM_STREAMS = saved
+
+
+def free_everything(cuda: bool) -> None:
+    import comfy.model_management as mm
+
+    mm.unload_all_models()
+    gc.collect()
+    mm.soft_empty_cache()
+    if cuda:
+        torch.cuda.synchronize()
+
+
+# -- the benchmark -----------------------------------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, opts: argparse.Namespace, device: torch.device):
+        import comfy.model_management as mm
+        import comfy.sd
+        from omnitest.pack import pack_module
+
+        self.opts, self.device = opts, device
+        self.cuda = device.type == "cuda"
+        self.node = pack_module("nodes.offload.node")
+        self.stats = pack_module("nodes.stats_store")
+        self.shape = SHAPES[opts.shape]
+        start = time.perf_counter()
+        sd = random_state_dict(self.shape, device)
+        self.patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": torch.bfloat16})
+        del sd  # ComfyUI popped every tensor: the device copies are gone
+        free_everything(self.cuda)
+        self.build_seconds = time.perf_counter() - start
+        dm = self.patcher.model.diffusion_model
+        self.block_bytes = nbytes([*dm.blocks[0].parameters(), *dm.blocks[0].buffers()])
+        self.weight_bytes = nbytes([*dm.parameters(), *dm.buffers()])
+        self.other_bytes = self.weight_bytes - self.shape.blocks * self.block_bytes
+        self.inputs = make_inputs(opts)
+        self.total = int(mm.get_total_memory(device))
+        self.activation_estimate = int(self.patcher.model.memory_required([2, *self.inputs.latent.shape[1:]]))
+        default_cap = self.other_bytes + 0.4 * self.shape.blocks * self.block_bytes + \
+            (self.activation_estimate if self.cuda else 0)
+        self.cap = int(opts.cap_gb * GIB) if opts.cap_gb is not None else int(default_cap)
+        if not 0 < self.cap < self.total:
+            raise SystemExit(f"the cap must be above 0 and below the device's {self.total / GIB:.2f} GiB")
+
+    # -- one row --------------------------------------------------------------------------------------------------
+
+    def model_for(self, row: Row):
+        from omnitest.cache_nodes import apply_teacache
+        from omnitest.pack import run_node
+
+        model = self.patcher
+        if row.offload is not None:
+            blocks, prefetch = row.offload
+            budget = self.cap / GIB if row.capped and not self.cuda else 0.0
+            model = run_node(self.node.CPUOffload, node_id="2", model=model,
+                             blocks_to_offload=self.shape.blocks if blocks == ALL else blocks,
+                             prefetch_blocks=prefetch, pin_memory="auto", vram_budget_gb=budget)[0]
+        if row.teacache:
+            model = apply_teacache(model, TEACACHE_CALIBRATION, TEACACHE_THRESHOLD, node_id="3")
+        return model
+
+    def sample(self, model, clock: Clock) -> torch.Tensor:
+        import comfy.sample
+
+        i = self.inputs
+        with torch.inference_mode():
+            clock.start()
+            out = comfy.sample.sample(model, i.noise, self.opts.steps, self.opts.cfg, "euler", "simple", i.positive,
+                                      i.negative, i.latent, disable_pbar=True, seed=0, callback=clock.step)
+            clock.finish()
+        return out
+
+    def run(self, row: Row) -> tuple[dict[str, Any], torch.Tensor | None]:
+        if row.comfy_only and not self.cuda:
+            return {"label": row.label, "na": "n/a on CPU: ComfyUI loads the whole model on the CPU"}, None
+        reserve = self.total - self.cap if row.capped and self.cuda else None
+        clock = Clock(self.device, self.patcher)
+        timer = NodeTimer(self.node.OffloadSession, self.device)
+        hook = self.patcher.model.diffusion_model.register_forward_pre_hook(clock.model_call)
+        try:
+            with comfy_settings(reserve, row.streams), timer.active():
+                out = self.sample(self.model_for(row), clock)
+        finally:
+            hook.remove()
+            free_everything(self.cuda)
+        steps = clock.step_seconds()
+        result: dict[str, Any] = {
+            "label": row.label,
+            "seconds_per_step_median": statistics.median(steps[1:] or steps),
+            "seconds_per_step_mean": statistics.fmean(steps),
+            "step_seconds": steps,
+            "start_seconds": clock.marks["first call"] - clock.marks["start"],
+            "end_seconds": clock.marks["end"] - clock.step_ends[-1],
+            "model_calls": clock.calls,
+            "comfy_loaded_bytes": timer.comfy_loaded if timer.session else clock.weights_in_steps,
+            "weights_in_steps_bytes": clock.weights_in_steps,
+            "peak_bytes": clock.peaks if self.cuda else None,
+            "finite": bool(torch.isfinite(out).all()),
+        }
+        if row.teacache:
+            result["cache"] = self.stats.recent_runs(1)[0]["summary"]
+        if timer.session is not None:
+            result["node"] = {**timer.session.summary(), "placement_seconds": timer.seconds["placement"],
+                              "restore_seconds": timer.seconds["restore"], "log_line": timer.session.log_line()}
+        return result, out
+
+
+# -- output ------------------------------------------------------------------------------------------------------------
+
+def device_line(device: torch.device) -> str:
+    from omnitest.comfy_path import comfyui_version
+
+    versions = f"torch {torch.__version__}, Python {platform.python_version()}, ComfyUI {comfyui_version()}"
+    if device.type != "cuda":
+        return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), {versions}"
+    props = torch.cuda.get_device_properties(device)
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i",
+                                 str(device.index or 0)], capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        driver = "?"
+    return f"{props.name} ({props.total_memory // MIB} MiB, driver {driver or '?'}), {versions}"
+
+
+class Report:
+    """Prints the header and one table line per row as it completes, the node's table at the end, and the JSON."""
+
+    MAIN = ("| # | configuration | s/step (median after the 1st) | s/step (mean) | vs resident | model calls "
+            "(reused) | ComfyUI loaded ({u}) | weights on the device in steps ({u}) | peak in steps ({u}) | peak, "
+            "whole call ({u}) | start (s) | end (s) | max abs diff (to row) |")
+    NODE = ("| # | configuration | blocks offloaded / kept / promoted | slots ({u}) | pinned ({u}) | moved before the "
+            "1st call ({u}) | moved per computed call ({u}) | sync loads | copy wait (s) | calls computed / skipped | "
+            "bytes moved on skipped calls | placement (s) | restore (s) |")
+
+    def __init__(self, bench: Bench, header: dict[str, Any], out: Path | None):
+        self.bench, self.header, self.out = bench, header, out
+        self.unit_bytes, self.unit = (GIB, "GiB") if bench.cuda else (MIB, "MiB")
+        self.results: list[dict[str, Any]] = []
+
+    def size(self, value: int | None) -> str:
+        return "-" if value is None else f"{value / self.unit_bytes:.2f}"
+
+    def start(self) -> None:
+        print(self.header["text"] + "\n")
+        print(self.MAIN.format(u=self.unit))
+        print("|" + "---|" * (self.MAIN.count("|") - 1))
+
+    def add(self, number: int, result: dict[str, Any]) -> None:
+        self.results.append(result)
+        print(self.main_line(number, result))
+        if self.out is not None:
+            self.out.write_text(json.dumps({"header": self.header, "rows": self.results}, indent=1))
+
+    def main_line(self, number: int, r: dict[str, Any]) -> str:
+        if "na" in r or "error" in r:
+            return f"| {number} | {r['label']} | {r.get('na') or 'failed: ' + r['error']} |" + " |" * (
+                self.MAIN.count("|") - 4)
+        base = self.results[0]
+        vs = (f"{(r['seconds_per_step_median'] / base['seconds_per_step_median'] - 1) * 100:+.1f}%"
+              if "seconds_per_step_median" in base else "-")
+        reused = r.get("cache", {}).get("reused", 0)
+        peaks = r["peak_bytes"] or {}
+        return (f"| {number} | {r['label']} | {r['seconds_per_step_median']:.3f} | {r['seconds_per_step_mean']:.3f} | "
+                f"{vs} | {r['model_calls']} ({reused}) | {self.size(r['comfy_loaded_bytes'])} | "
+                f"{self.size(r['weights_in_steps_bytes'])} | {self.size(peaks.get('steps'))} | "
+                f"{self.size(peaks.get('whole call'))} | {r['start_seconds']:.2f} | {r['end_seconds']:.2f} | "
+                f"{r['diff']} |")
+
+    def node_line(self, number: int, r: dict[str, Any]) -> str:
+        n = r["node"]
+        kept = n["blocks_total"] - n["blocks_offloaded"]
+        computed = [s for s in n["steps"] if s["skipped"] < s["calls"]]
+        calls = sum(s["calls"] - s["skipped"] for s in computed)
+        moved = sum(s["bytes_moved"] for s in computed) / calls if calls else 0
+        return (f"| {number} | {r['label']} | {n['blocks_offloaded']} / {kept} / {n['blocks_promoted']} | "
+                f"{n['slots']} ({self.size(n['device_bytes'])}) | {self.size(n['pinned_bytes'])} | "
+                f"{self.size(n['bytes_moved_before_sampling'])} | {self.size(int(moved))} | {n['sync_loads']} | "
+                f"{n['copy_wait_seconds']:.3f} | {n['calls_computed']} / {n['calls_skipped']} | "
+                f"{n['bytes_moved_on_skipped_calls']} | {n['placement_seconds']:.2f} | {n['restore_seconds']:.2f} |")
+
+    def finish(self) -> None:
+        print("\n" + self.header["text"] + "\n")
+        print(self.MAIN.format(u=self.unit))
+        print("|" + "---|" * (self.MAIN.count("|") - 1))
+        for number, r in enumerate(self.results, 1):
+            print(self.main_line(number, r))
+        print("\nstart: from the sampling call to its first model call (ComfyUI's load, the node's placement); end: "
+              "from the last step to the call's return (the node's restore); ComfyUI loaded: its loaded-weight count "
+              "after its load; weights on the device in steps: that count at the first model call (the node "
+              "updates it); peaks: torch.cuda.max_memory_allocated from the first model call to the last step, and "
+              "over the whole call.")
+        print("\nThe node's own numbers (OffloadSession.summary(); moved per computed call: bytes moved during the "
+              "steps' computed model calls, per call):\n")
+        print(self.NODE.format(u=self.unit))
+        print("|" + "---|" * (self.NODE.count("|") - 1))
+        for number, r in enumerate(self.results, 1):
+            if "node" in r:
+                print(self.node_line(number, r))
+        print("\nThe node's log lines:")
+        for number, r in enumerate(self.results, 1):
+            if "node" in r:
+                print(f"- row {number}: {r['node']['log_line']}")
+
+
+def diff_text(out: torch.Tensor, reference: torch.Tensor | None, number: int) -> str:
+    if reference is None:
+        return f"- (row {number} n/a)"
+    if torch.equal(out, reference):
+        return f"0 (row {number})"
+    return f"{(out.float() - reference.float()).abs().max().item():.3g} (row {number})"
+
+
+def check(results: list[dict[str, Any]]) -> list[str]:
+    """What must hold on any device: offload rows identical to their reference, the node active, no bytes moved on
+    a skipped call, every latent finite. The failures, in words."""
+    failures = []
+    for number, (row, r) in enumerate(zip(ROWS, results), 1):
+        if "error" in r:
+            failures.append(f"row {number} failed: {r['error']}")
+            continue
+        if "na" in r:
+            continue
+        if not r["finite"]:
+            failures.append(f"row {number}: the latent is not finite")
+        if row.offload is None:
+            continue
+        node = r["node"]
+        if not r["diff"].startswith("0 "):
+            failures.append(f"row {number}: max abs diff {r['diff']}, expected 0")
+        if not node["active"] or node["bytes_moved"] == 0:
+            failures.append(f"row {number}: the node offloaded nothing ({node['unchanged_reason']})")
+        if node["bytes_moved_on_skipped_calls"] != 0:
+            failures.append(f"row {number}: {node['bytes_moved_on_skipped_calls']} bytes moved on skipped calls")
+        if row.teacache and node["calls_skipped"] == 0:
+            failures.append(f"row {number}: TeaCache skipped no call")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs every row; returns ``{"header", "rows", "failures"}`` (``check``'s failures)."""
+    opts = parse_args(argv)
+    from omnitest.comfy_path import use_comfyui_in_process
+
+    cuda = opts.device == "cuda"
+    if use_comfyui_in_process(cpu=not cuda) is None:
+        raise SystemExit("no ComfyUI checkout (COMFYUI_PATH or ~/ComfyUI): nothing to measure")
+    import comfy.model_management as mm
+    import folder_paths
+    from omnitest.cache_nodes import save_identity_calibrations
+
+    device = mm.get_torch_device()
+    if cuda != (device.type == "cuda"):
+        raise SystemExit(f"--device {opts.device}, but ComfyUI picked {device}")
+    bench = Bench(opts, device)
+    shape, latent = bench.shape, bench.inputs.latent
+    unit, unit_name = (GIB, "GiB") if cuda else (MIB, "MiB")
+    cap_text = (f"VRAM cap {bench.cap / GIB:.2f} GiB (--reserve-vram {(bench.total - bench.cap) / GIB:.2f} of "
+                f"{bench.total / GIB:.2f})" if cuda else
+                f"cap {bench.cap / MIB:.2f} MiB, given to the node as vram_budget_gb (CPU mode: the node's target "
+                f"forced to the CPU)")
+    text = (f"{device_line(device)}. Model: Wan 2.1 T2V shape '{opts.shape}' (dim {shape.dim}, ffn {shape.ffn}, "
+            f"{shape.blocks} blocks, {shape.heads} heads), random weights, bf16, built and loaded in "
+            f"{bench.build_seconds:.1f} s: {bench.weight_bytes / unit:.2f} {unit_name} of weights, one block "
+            f"{bench.block_bytes / MIB:.1f} MiB, outside the blocks {bench.other_bytes / MIB:.1f} MiB. Latent "
+            f"{'x'.join(map(str, latent.shape[1:]))} ({opts.frames} frames {opts.height}x{opts.width}): "
+            f"{tokens(latent)} tokens; text {CONTEXT_TOKENS} x {TEXT_DIM}; euler/simple, {opts.steps} steps, cfg "
+            f"{opts.cfg:g}, seed 0; ComfyUI's activation estimate {bench.activation_estimate / unit:.2f} {unit_name}; "
+            f"{cap_text}. TeaCache: identity calibration, threshold {TEACACHE_THRESHOLD:g}.")
+    if not cuda:
+        text += " Times on the CPU say nothing about a GPU."
+    header = {"text": text, "device": device_line(device), "shape": dataclasses.asdict(shape), "args": {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(opts).items()}, "tokens": tokens(latent),
+        "weight_bytes": bench.weight_bytes, "block_bytes": bench.block_bytes, "cap_bytes": bench.cap,
+        "total_bytes": bench.total, "activation_estimate_bytes": bench.activation_estimate}
+    report = Report(bench, header, opts.out)
+    saved_user_dir = folder_paths.get_user_directory()
+    saved_target = bench.node.offload_target
+    with tempfile.TemporaryDirectory() as user_dir:
+        folder_paths.set_user_directory(user_dir)
+        save_identity_calibrations(TEACACHE_CALIBRATION, opts.steps)
+        if not cuda:  # the node's real path on the CPU, as tests/host/offload does
+            bench.node.offload_target = lambda patcher: torch.device("cpu")
+        try:
+            report.start()
+            latents: dict[int, torch.Tensor | None] = {}
+            for number, row in enumerate(ROWS, 1):
+                try:
+                    result, latents[number] = bench.run(row)
+                except Exception as e:  # one failing row (e.g. out of memory) must not lose the others
+                    logging.getLogger("bench").exception("row %d (%s) failed", number, row.label)
+                    free_everything(cuda)
+                    result, latents[number] = {"label": row.label, "error": f"{type(e).__name__}: {e}"}, None
+                if latents[number] is not None:
+                    result["diff"] = diff_text(latents[number], latents.get(row.reference), row.reference)
+                report.add(number, result)
+        finally:
+            bench.node.offload_target = saved_target
+            folder_paths.set_user_directory(saved_user_dir)
+    report.finish()
+    failures = check(report.results)
+    print("\nChecks (offload rows bit-identical to their reference, the node active, 0 bytes on skipped calls, finite "
+          "latents): " + ("all hold" if not failures else "FAILED:\n- " + "\n- ".join(failures)))
+    summary = {"header": header, "rows": report.results, "failures": failures}
+    if opts.out is not None:
+        opts.out.write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="  log: %(message)s", stream=sys.stdout)
+    sys.exit(1 if main()["failures"] else 0)
