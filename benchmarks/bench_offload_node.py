@@ -61,6 +61,7 @@ import torch  # noqa: E402
 
 from omnitest.tiny_wan import TEXT_DIM, tiny_wan_shapes  # noqa: E402
 
+log = logging.getLogger("bench_offload_node")
 GIB, MIB = 1024 ** 3, 1024 ** 2
 CONTEXT_TOKENS = 512
 TEACACHE_CALIBRATION = "bench-offload-identity"
@@ -403,7 +404,7 @@ def device_line(device: torch.device) -> str:
 
     versions = f"torch {torch.__version__}, Python {platform.python_version()}, ComfyUI {comfyui_version()}"
     if device.type != "cuda":
-        return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), {versions}"
+        return f"CPU ({platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}), {versions}"
     props = torch.cuda.get_device_properties(device)
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i",
@@ -423,9 +424,9 @@ class Report:
             "1st call ({u}) | moved per computed call ({u}) | sync loads | copy wait (s) | calls computed / skipped | "
             "bytes moved on skipped calls | placement (s) | restore (s) |")
 
-    def __init__(self, bench: Bench, header: dict[str, Any], out: Path | None):
-        self.bench, self.header, self.out = bench, header, out
-        self.unit_bytes, self.unit = (GIB, "GiB") if bench.cuda else (MIB, "MiB")
+    def __init__(self, header: dict[str, Any], out: Path | None, cuda: bool):
+        self.header, self.out = header, out
+        self.unit_bytes, self.unit = (GIB, "GiB") if cuda else (MIB, "MiB")
         self.results: list[dict[str, Any]] = []
 
     def size(self, value: int | None) -> str:
@@ -527,6 +528,59 @@ def check(results: list[dict[str, Any]]) -> list[str]:
     return failures
 
 
+def header_for(bench: Bench, opts: argparse.Namespace) -> dict[str, Any]:
+    shape, latent, cuda, device = bench.shape, bench.inputs.latent, bench.cuda, device_line(bench.device)
+    unit, unit_name = (GIB, "GiB") if cuda else (MIB, "MiB")
+    cap_text = (f"VRAM cap {bench.cap / GIB:.2f} GiB (--reserve-vram {(bench.total - bench.cap) / GIB:.2f} of "
+                f"{bench.total / GIB:.2f})" if cuda else
+                f"cap {bench.cap / MIB:.2f} MiB, given to the node as vram_budget_gb (CPU mode: the node's target "
+                f"forced to the CPU)")
+    text = (f"{device}. Model: Wan 2.1 T2V shape '{opts.shape}' (dim {shape.dim}, ffn {shape.ffn}, "
+            f"{shape.blocks} blocks, heads {shape.heads}), random weights, bf16, built and loaded in "
+            f"{bench.build_seconds:.1f} s: {bench.weight_bytes / unit:.2f} {unit_name} of weights, one block "
+            f"{bench.block_bytes / MIB:.1f} MiB, outside the blocks {bench.other_bytes / MIB:.1f} MiB. Latent "
+            f"{'x'.join(map(str, latent.shape[1:]))} ({opts.frames} frames {opts.height}x{opts.width}): "
+            f"{tokens(latent)} tokens; text {CONTEXT_TOKENS} x {TEXT_DIM}; euler/simple, {opts.steps} steps, cfg "
+            f"{opts.cfg:g}, seed 0; ComfyUI's activation estimate {bench.activation_estimate / unit:.2f} {unit_name}; "
+            f"{cap_text}. TeaCache: identity calibration, threshold {TEACACHE_THRESHOLD:g}.")
+    if not cuda:
+        text += " Times on the CPU say nothing about a GPU."
+    return {"text": text, "device": device, "shape": dataclasses.asdict(shape),
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(opts).items()},
+            "tokens": tokens(latent), "weight_bytes": bench.weight_bytes, "block_bytes": bench.block_bytes,
+            "cap_bytes": bench.cap, "total_bytes": bench.total, "activation_estimate_bytes": bench.activation_estimate}
+
+
+def run_rows(bench: Bench, report: Report) -> None:
+    """Every row in turn, each reported as it ends, with ComfyUI's user directory pointed at a temporary one (the
+    TeaCache calibration) and, on the CPU, the node's target forced to the CPU; both put back after."""
+    import folder_paths
+    from omnitest.cache_nodes import save_identity_calibrations
+
+    saved_user_dir, saved_target = folder_paths.get_user_directory(), bench.node.offload_target
+    with tempfile.TemporaryDirectory() as user_dir:
+        folder_paths.set_user_directory(user_dir)
+        save_identity_calibrations(TEACACHE_CALIBRATION, bench.opts.steps)
+        if not bench.cuda:  # the node's real path on the CPU, as tests/host/offload does
+            bench.node.offload_target = lambda patcher: torch.device("cpu")
+        try:
+            latents: dict[int, torch.Tensor | None] = {}
+            for number, row in enumerate(ROWS, 1):
+                log.info("row %d of %d: %s", number, len(ROWS), row.label)
+                try:
+                    result, latents[number] = bench.run(row)
+                except Exception as e:  # one failing row (e.g. out of memory) must not lose the others
+                    log.exception("row %d (%s) failed", number, row.label)
+                    free_everything(bench.cuda)
+                    result, latents[number] = {"label": row.label, "error": f"{type(e).__name__}: {e}"}, None
+                if latents[number] is not None:
+                    result["diff"] = diff_text(latents[number], latents.get(row.reference), row.reference)
+                report.add(number, result)
+        finally:
+            bench.node.offload_target = saved_target
+            folder_paths.set_user_directory(saved_user_dir)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs every row; returns ``{"header", "rows", "failures"}`` (``check``'s failures)."""
     opts = parse_args(argv)
@@ -536,57 +590,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if use_comfyui_in_process(cpu=not cuda) is None:
         raise SystemExit("no ComfyUI checkout (COMFYUI_PATH or ~/ComfyUI): nothing to measure")
     import comfy.model_management as mm
-    import folder_paths
-    from omnitest.cache_nodes import save_identity_calibrations
 
     device = mm.get_torch_device()
     if cuda != (device.type == "cuda"):
         raise SystemExit(f"--device {opts.device}, but ComfyUI picked {device}")
-    bench = Bench(opts, device)
-    shape, latent = bench.shape, bench.inputs.latent
-    unit, unit_name = (GIB, "GiB") if cuda else (MIB, "MiB")
-    cap_text = (f"VRAM cap {bench.cap / GIB:.2f} GiB (--reserve-vram {(bench.total - bench.cap) / GIB:.2f} of "
-                f"{bench.total / GIB:.2f})" if cuda else
-                f"cap {bench.cap / MIB:.2f} MiB, given to the node as vram_budget_gb (CPU mode: the node's target "
-                f"forced to the CPU)")
-    text = (f"{device_line(device)}. Model: Wan 2.1 T2V shape '{opts.shape}' (dim {shape.dim}, ffn {shape.ffn}, "
-            f"{shape.blocks} blocks, {shape.heads} heads), random weights, bf16, built and loaded in "
-            f"{bench.build_seconds:.1f} s: {bench.weight_bytes / unit:.2f} {unit_name} of weights, one block "
-            f"{bench.block_bytes / MIB:.1f} MiB, outside the blocks {bench.other_bytes / MIB:.1f} MiB. Latent "
-            f"{'x'.join(map(str, latent.shape[1:]))} ({opts.frames} frames {opts.height}x{opts.width}): "
-            f"{tokens(latent)} tokens; text {CONTEXT_TOKENS} x {TEXT_DIM}; euler/simple, {opts.steps} steps, cfg "
-            f"{opts.cfg:g}, seed 0; ComfyUI's activation estimate {bench.activation_estimate / unit:.2f} {unit_name}; "
-            f"{cap_text}. TeaCache: identity calibration, threshold {TEACACHE_THRESHOLD:g}.")
-    if not cuda:
-        text += " Times on the CPU say nothing about a GPU."
-    header = {"text": text, "device": device_line(device), "shape": dataclasses.asdict(shape), "args": {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(opts).items()}, "tokens": tokens(latent),
-        "weight_bytes": bench.weight_bytes, "block_bytes": bench.block_bytes, "cap_bytes": bench.cap,
-        "total_bytes": bench.total, "activation_estimate_bytes": bench.activation_estimate}
-    report = Report(bench, header, opts.out)
-    saved_user_dir = folder_paths.get_user_directory()
-    saved_target = bench.node.offload_target
-    with tempfile.TemporaryDirectory() as user_dir:
-        folder_paths.set_user_directory(user_dir)
-        save_identity_calibrations(TEACACHE_CALIBRATION, opts.steps)
-        if not cuda:  # the node's real path on the CPU, as tests/host/offload does
-            bench.node.offload_target = lambda patcher: torch.device("cpu")
-        try:
-            report.start()
-            latents: dict[int, torch.Tensor | None] = {}
-            for number, row in enumerate(ROWS, 1):
-                try:
-                    result, latents[number] = bench.run(row)
-                except Exception as e:  # one failing row (e.g. out of memory) must not lose the others
-                    logging.getLogger("bench").exception("row %d (%s) failed", number, row.label)
-                    free_everything(cuda)
-                    result, latents[number] = {"label": row.label, "error": f"{type(e).__name__}: {e}"}, None
-                if latents[number] is not None:
-                    result["diff"] = diff_text(latents[number], latents.get(row.reference), row.reference)
-                report.add(number, result)
-        finally:
-            bench.node.offload_target = saved_target
-            folder_paths.set_user_directory(saved_user_dir)
+    threads = torch.get_num_threads()
+    if not cuda:  # the tiny model gains nothing from more, and on a busy machine spinning threads slow it 100x
+        torch.set_num_threads(1)
+    try:
+        log.info("building Wan shape %s (random weights) on %s and loading it through ComfyUI", opts.shape, device)
+        bench = Bench(opts, device)
+        header = header_for(bench, opts)
+        report = Report(header, opts.out, cuda)
+        report.start()
+        run_rows(bench, report)
+    finally:
+        torch.set_num_threads(threads)
     report.finish()
     failures = check(report.results)
     print("\nChecks (offload rows bit-identical to their reference, the node active, 0 bytes on skipped calls, finite "

@@ -1,6 +1,6 @@
 """The CPU Offload node benchmark (``benchmarks/bench_offload_node.py``) in its CPU mode, on this ComfyUI: every row's
 plumbing runs (ComfyUI's partial-load rows say n/a), the offload rows are bit-identical to their reference rows, and the
-benchmark leaves the node, the cap and ComfyUI's user directory as it found them."""
+benchmark leaves the node, the cap, ComfyUI's user directory and torch's threads as it found them."""
 from __future__ import annotations
 
 import importlib.util
@@ -26,12 +26,14 @@ def load_benchmark(monkeypatch):
 def test_the_benchmark_runs_every_row_on_the_cpu_and_offload_rows_are_bit_identical(tmp_path, monkeypatch):
     import comfy.model_management as mm
     import folder_paths
+    import torch
 
     from omnitest.pack import pack_module
 
     bench = load_benchmark(monkeypatch)
     node = pack_module("nodes.offload.node")
     target, reserved, user_dir = node.offload_target, mm.EXTRA_RESERVED_VRAM, folder_paths.get_user_directory()
+    threads = torch.get_num_threads()
     out = tmp_path / "offload_node.json"
     summary = bench.main(["--device", "cpu", "--out", str(out)])
 
@@ -54,4 +56,4 @@ def test_the_benchmark_runs_every_row_on_the_cpu_and_offload_rows_are_bit_identi
     assert cached["node"]["bytes_moved_on_skipped_calls"] == 0
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
     assert node.offload_target is target and mm.EXTRA_RESERVED_VRAM == reserved
-    assert folder_paths.get_user_directory() == user_dir
+    assert folder_paths.get_user_directory() == user_dir and torch.get_num_threads() == threads
