@@ -233,14 +233,15 @@ class OffloadSession(FeatureSession):
         self.notes.extend(plan.notes)
         if not plan.offloaded and not plan.promoted:
             self.unchanged_reason = plan.notes[-1] if plan.notes else "the plan offloads no block"
-        try:
-            for index in plan.promoted:
-                self.promoted_bytes += self.promotion.promote(blocks[index], target)
+        try:  # the offloaded blocks leave the device before the kept ones are completed on it (and come back after
+            # those are undone, ``_undo``), so that the device never holds both
             if plan.offloaded:
                 self.run = LayerwiseOffloadRun([blocks[i] for i in plan.offloaded], target,
                                                self._config_for(target), keep_resident=_unmovable).apply()
                 self.freed_device_bytes = sum(footprints[i].device_bytes for i in plan.offloaded)
                 self._order_host_streams([blocks[i] for i in plan.offloaded], target)
+            for index in plan.promoted:
+                self.promoted_bytes += self.promotion.promote(blocks[index], target)
             self._account(patcher)
             if target.type == "cuda":  # promotions and the head's copies are done before any stream reads them
                 torch.cuda.synchronize(target)
@@ -411,7 +412,7 @@ class OffloadSession(FeatureSession):
     def _undo(self) -> None:
         """Undo everything ``after_load`` did, each part whatever the others did; re-raise the first failure."""
         failure: BaseException | None = None
-        for step in (self._unhook_host_streams, self._remove_run, self.promotion.undo, self._undo_account):
+        for step in (self._unhook_host_streams, self.promotion.undo, self._remove_run, self._undo_account):
             try:
                 step()
             except Exception as e:

@@ -120,10 +120,6 @@ class LayerwiseOffloadRun:
             raise RuntimeError("apply_layerwise_offload: this run is already applied")
         self._applied = True
         try:
-            with torch.inference_mode(False):
-                self._slots = [_Slot(torch.empty(self._stats.slot_bytes, dtype=torch.uint8, device=self.device))
-                               for _ in range(self._slot_count)]
-            self._copies = copies_for(self.device, self._slot_count, self.config.measure_waits)
             for layout, pin in zip(self.layouts, self._pin_plan):
                 master = HostBuffer(layout.nbytes, pin)
                 try:
@@ -133,6 +129,11 @@ class LayerwiseOffloadRun:
                     raise
                 self._masters.append(master)  # from here on, teardown restores this block from its master
                 layout.release(self._placeholders)
+            # the slots only once the blocks have left the device, so that it never holds both (as in teardown)
+            with torch.inference_mode(False):
+                self._slots = [_Slot(torch.empty(self._stats.slot_bytes, dtype=torch.uint8, device=self.device))
+                               for _ in range(self._slot_count)]
+            self._copies = copies_for(self.device, self._slot_count, self.config.measure_waits)
             for index, block in enumerate(self.blocks):
                 HookRegistry.get_or_create(block).register_hook(HOOK_NAME, LayerwiseOffloadHook(self, index))
                 self._hooked.append(block)

@@ -235,9 +235,17 @@ def test_kept_blocks_that_comfyui_left_off_the_device_are_completed_while_they_f
     baseline = env.tiny.sample(wan, steps=STEPS)
     own_count = wan.patcher.model.model_loaded_weight_memory
     before = weights_state(wan.diffusion_model)
+    events = []
+    for cls, name in ((env.node.LayerwiseOffloadRun, "apply"), (env.node.LayerwiseOffloadRun, "remove"),
+                      (env.placement.Promotion, "promote"), (env.placement.Promotion, "undo")):
+        monkeypatch.setattr(cls, name, lambda self, *a, _call=getattr(cls, name), _name=name:
+                            (events.append(_name), _call(self, *a))[1])
     probe = Probe(env, env.offload(wan.patcher, blocks=2, prefetch=1))
     out = env.tiny.sample(wan, model=probe.model, steps=STEPS)
     assert torch.equal(out, baseline)
+    # the offloaded blocks leave the device before the kept ones are completed there, and come back only after
+    # those are undone: the device never holds both
+    assert events.index("apply") < events.index("promote") and events.index("undo") < events.index("remove")
     summary = probe.session(env).summary()
     assert summary["blocks_offloaded"] == 2 and summary["freed_device_bytes"] == 0
     assert summary["blocks_promoted"] == room_for_kept and summary["promoted_bytes"] == room_for_kept * per_block

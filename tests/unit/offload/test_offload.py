@@ -277,6 +277,19 @@ def test_a_failed_apply_undoes_what_it_did():
 
 # -- memory -----------------------------------------------------------------------------------------------------------
 
+def test_the_slots_are_allocated_only_after_every_block_left_the_device(monkeypatch):
+    """So that apply, like remove, never holds a block's weights and the slots on the device at once."""
+    import omni_hooks.offload.hooks as offload_hooks
+
+    model = ToyStack(dim=32, depth=4)
+    resident_at_slot = []
+    slot = offload_hooks._Slot
+    monkeypatch.setattr(offload_hooks, "_Slot", lambda *a: (resident_at_slot.append(resident_count(model)), slot(*a))[1])
+    handle = apply_layerwise_offload(model.blocks, "cpu", prefetch_blocks=1)
+    handle.remove()
+    assert resident_at_slot == [0, 0]
+
+
 def test_repeated_runs_reuse_the_same_slots_and_do_not_grow_memory():
     model = ToyStack(dim=256, depth=6)
     x = toy_inputs(batch=1, tokens=4, dim=256)
