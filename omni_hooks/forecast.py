@@ -15,7 +15,9 @@ them (``ResidualHistory.prediction_errors``); ``OrderScores`` keeps a running re
 distance (in the coordinate) those predictions spanned. A skip uses the order whose error, carried to the skip's own
 distance from the last computed step, is smallest: an order-k extrapolation errs like the distance to the power
 k + 1, reuse like the distance, so a skip close to the last computed step favours the higher orders and one far
-from it favours reuse. Plain reuse unless an order beats it. An auto branch keeps ``MAX_ORDER + 2`` residuals (the
+from it favours reuse. An error also counts as it adds up in the latent over the coming gaps: each order's running
+correlation between its consecutive errors (``OrderScores.coherence``; reuse lagging a drift errs the same way at
+every gap) multiplies its error by ``accumulation``. Plain reuse unless an order beats it. An auto branch keeps ``MAX_ORDER + 2`` residuals (the
 newest is scored against the ``MAX_ORDER + 1`` before it). The scores are measured per rank shard and averaged over
 the ranks (like the caches' metrics), so every rank of a group chooses the same order.
 
@@ -43,6 +45,10 @@ FORECAST_FALLBACK = "forecast-fallback"  # ... whose forecast was not finite, so
 
 
 SCORE_MEMORY = 0.5  # the running scores: weight of the newest measurement
+# OrderScores.best charges an order for how its errors add up over the coming gaps (``accumulation``); errors that
+# alternate are not credited (crediting them made auto lose 1.8 dB to reuse at one MagCache threshold)
+ACCUMULATED_GAPS = 4
+COHERENCE_RANGE = (0.0, 0.9)
 WEIGHT_RANGE = (1.0, 2.0)  # ErrorPerMetric.weight: the record only ever brings a compute forward
 # the forecast values under which a cache that weighs its metric by the forecast's record does so: 2nd order is not
 # one (weighed, it lost quality per evaluation on one benchmark model; 1st order and auto gained on every one measured)
@@ -145,66 +151,103 @@ class ResidualHistory:
         return out
 
     def prediction_errors(self, coord: float | None, residual: torch.Tensor) -> list[torch.Tensor | None]:
-        """Before ``residual`` (at ``coord``) is added: per order of ``ORDERS``, the squared L2 error the forecast
-        of that order from the kept residuals would have made predicting it (None: not enough residuals of this
-        shape with distinct coordinates), then ``residual``'s squared L2 norm. 0-d float32 tensors, no host sync."""
-        errors: list[torch.Tensor | None] = [None] * len(ORDERS)
+        """Before ``residual`` (at ``coord``) is added, per order of ``ORDERS`` (None: not enough residuals of this
+        shape with distinct coordinates): the squared L2 error e the forecast of that order from the kept residuals
+        would have made predicting it; then the inner product of e with e', the error the same order made
+        predicting the newest kept residual from the ones before it, and the squared norm of e'; last,
+        ``residual``'s squared L2 norm. That is ``3 * len(ORDERS) + 1`` 0-d float32 tensors (``OrderScores.update``
+        reads them), with no host sync."""
+        count = len(ORDERS)
+        measured: list[torch.Tensor | None] = [None] * (3 * count)
         comparable = (self.residuals and coord is not None and None not in self.coords and coord not in self.coords
                       and self.residuals[-1].shape == residual.shape)
         target = residual.float()
         if comparable:
+            newest = self.residuals[-1].to(target.device).float()
             for order in ORDERS:
                 if order + 1 > len(self.residuals):
                     break
                 made = self._extrapolate(self.coords[-order - 1:], self.residuals[-order - 1:], float(coord))
-                errors[order] = (made.to(target.device) - target).square().sum()
-        return [*errors, target.square().sum()]
+                error = made.to(target.device) - target
+                measured[order] = error.square().sum()
+                if order + 2 <= len(self.residuals):
+                    before = self._extrapolate(self.coords[-order - 2:-1], self.residuals[-order - 2:-1],
+                                               float(self.coords[-1]))
+                    error_before = before.to(target.device) - newest
+                    measured[count + order] = (error * error_before).sum()
+                    measured[2 * count + order] = error_before.square().sum()
+        return [*measured, target.square().sum()]
+
+
+def accumulation(coherence: float) -> float:
+    """How much a run of ``ACCUMULATED_GAPS`` errors of equal size whose consecutive ones correlate by
+    ``coherence`` (bounded to ``COHERENCE_RANGE``) adds up to, relative to as many independent ones: the squared
+    norm of their sum over its expectation for uncorrelated errors, ``1 + 2 * sum((1 - l / n) * rho ** l)``."""
+    low, high = COHERENCE_RANGE
+    rho = min(high, max(low, coherence))
+    gaps = ACCUMULATED_GAPS
+    return 1 + 2 * sum((1 - lag / gaps) * rho ** lag for lag in range(1, gaps))
 
 
 @dataclass
 class OrderScores:
-    """A branch's running relative squared error of each order (``errors[order]``, None: not measured yet) and the
+    """A branch's running relative squared error of each order (``errors[order]``, None: not measured yet), the
+    running correlation of each order's consecutive errors (``coherence[order]``, None: not measured yet) and the
     running distance in the coordinate over which they were measured (``horizon``, None: not known).
 
     ``update`` takes one measurement (``ResidualHistory.prediction_errors`` as floats) and the distance from the
     newest kept residual to the predicted one: an order's score moves toward its error divided by the residual's
-    squared norm, by ``SCORE_MEMORY``, and so does ``horizon``.
+    squared norm, by ``SCORE_MEMORY``; so do its coherence, toward the cosine between its error and its error one
+    computed step before, and ``horizon``.
     """
 
     errors: list[float | None] = field(default_factory=lambda: [None] * len(ORDERS))
+    coherence: list[float | None] = field(default_factory=lambda: [None] * len(ORDERS))
     horizon: float | None = None
 
     def update(self, measured: list[float | None], horizon: float | None = None) -> None:
-        *errors, norm = measured
+        count = len(ORDERS)
+        norm = measured[-1]
         if norm is None:
             return
-        for order, error in enumerate(errors):
+        for order in ORDERS:
+            error, product, before = measured[order], measured[count + order], measured[2 * count + order]
             if error is None or not math.isfinite(error):
                 continue
-            relative = error / (norm + 1e-12)
-            old = self.errors[order]
-            self.errors[order] = relative if old is None else (1 - SCORE_MEMORY) * old + SCORE_MEMORY * relative
+            self.errors[order] = self._moved(self.errors[order], error / (norm + 1e-12))
+            if product is not None and error > 0 and before is not None and before > 0 and math.isfinite(product):
+                self.coherence[order] = self._moved(self.coherence[order], product / math.sqrt(error * before))
         if horizon:
-            self.horizon = horizon if self.horizon is None else (
-                (1 - SCORE_MEMORY) * self.horizon + SCORE_MEMORY * horizon)
+            self.horizon = self._moved(self.horizon, horizon)
+
+    @staticmethod
+    def _moved(old: float | None, new: float) -> float:
+        return new if old is None else (1 - SCORE_MEMORY) * old + SCORE_MEMORY * new
+
+    def expected(self, order: int) -> float | None:
+        """``order``'s running relative error as it adds up over the coming gaps (``accumulation`` of its
+        coherence; none while not measured)."""
+        error, coherence = self.errors[order], self.coherence[order]
+        return None if error is None else error * (1.0 if coherence is None else accumulation(coherence))
 
     def best(self, available: int = MAX_ORDER, horizon: float | None = None) -> int:
         """The order (at most ``available``) expected to err least at ``horizon``; 0 (reuse) unless another one
         beats it. Relative to reuse, an order's squared error scales by ``(horizon / self.horizon) ** (2 * order)``
-        (none when either distance is unknown)."""
-        reuse = self.errors[0]
+        (none when either distance is unknown), and each order's error counts as it adds up (``expected``)."""
+        reuse = self.expected(0)
         if reuse is None:
             return 0
         scale = horizon / self.horizon if horizon and self.horizon else 1.0
         best, best_error = 0, reuse
         for order in range(1, min(available, MAX_ORDER) + 1):
-            error = self.errors[order]
+            error = self.expected(order)
             if error is not None and error * scale ** (2 * order) < best_error:
                 best, best_error = order, error * scale ** (2 * order)
         return best
 
     def clear(self) -> None:
         self.errors = [None] * len(ORDERS)
+        self.coherence = [None] * len(ORDERS)
         self.horizon = None
 
 

@@ -9,7 +9,7 @@ Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_cal
     call's sigma (``omni_hooks.forecast``) instead of the last one; its reason becomes "forecast";
   * with ``forecast_order`` "auto" each computed call scores every order on predicting its residual from the older
     ones (means over the ranks under sequence parallelism) and a skip uses the order expected to err least at its
-    distance from the last computed step (0: reuse);
+    distance from the last computed step, counting how each order's errors add up over the coming gaps (0: reuse);
   * a cache whose ``weighs_metric_by_forecast`` is set weighs its metric, under "auto" and 1st order, by the
     forecast's record (``ErrorPerMetric``), so it computes sooner where the forecast did poorly.
 Every skipped branch's record says which order its residual came from (``BranchDecision.forecast_order``).
@@ -34,8 +34,8 @@ from .blockstack import BlockStack
 from .context import CallContext
 from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
-from .forecast import (AUTO, FORECAST, FORECAST_FALLBACK, MAX_ORDER, WEIGHED_ORDERS, ErrorPerMetric, OrderScores,
-                       ResidualHistory, history_limit)
+from .forecast import (AUTO, FORECAST, FORECAST_FALLBACK, MAX_ORDER, ORDERS, WEIGHED_ORDERS, ErrorPerMetric,
+                       OrderScores, ResidualHistory, history_limit)
 from .stats import BranchDecision, CacheRunStats, EvaluationRecord
 
 
@@ -339,14 +339,15 @@ class StackCacheRun:
         width = len(floats) // len(call.keys)
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
-            *errors, norm = floats[i * width:(i + 1) * width]
+            branch = floats[i * width:(i + 1) * width]
+            errors, norm = branch[:len(ORDERS)], branch[-1]
             if self.weighs_metric and norm is not None:
                 order = self.config.forecast_order
                 error = errors[st.scores.best(MAX_ORDER, distances[i]) if order == AUTO else order]
                 error = errors[0] if error is None else error
                 if error is not None:
                     st.error_per_metric.update(math.sqrt(error / (norm + 1e-12)), st.unweighted_metric)
-            st.scores.update([*errors, norm], distances[i])
+            st.scores.update(branch, distances[i])
 
     # -- hooks ----------------------------------------------------------------------------------------------------
 

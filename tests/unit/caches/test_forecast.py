@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from omni_hooks.forecast import (AUTO, FORECAST, FORECAST_FALLBACK, MAX_ORDER, WEIGHT_RANGE, ErrorPerMetric,
-                                 OrderScores, ResidualHistory, history_limit, lagrange_weights)
+from omni_hooks.forecast import (ACCUMULATED_GAPS, AUTO, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, MAX_ORDER,
+                                 WEIGHT_RANGE, ErrorPerMetric, OrderScores, ResidualHistory, accumulation,
+                                 history_limit, lagrange_weights)
 from omni_hooks.magcache import MagCacheConfig, MagCacheStrategy, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
@@ -283,7 +284,11 @@ def test_the_scores_need_order_plus_two_residuals_and_cache_bytes_count_them():
     for s in SIGMAS[:3]:
         h.add(s, quadratic(s, 0))
     measured = h.prediction_errors(SIGMAS[3], quadratic(SIGMAS[3], 0))
-    assert all(m is not None for m in measured) and float(measured[2]) < 1e-9 * float(measured[1])
+    assert all(m is not None for m in measured[:3]) and float(measured[2]) < 1e-9 * float(measured[1])
+    # how an order's error aligns with its error one step before needs one residual more: order 2 not yet
+    assert [m is not None for m in measured[3:]] == [True, True, False] * 2 + [True]
+    h.add(SIGMAS[3], quadratic(SIGMAS[3], 0))
+    assert all(m is not None for m in h.prediction_errors(SIGMAS[4], quadratic(SIGMAS[4], 0)))
     one = 4 * 3 * 8
     model = Model(quadratic)
     config = MagCacheConfig(threshold=0.0, mag_ratios=[1.0] * len(SIGMAS), forecast_order=AUTO)
@@ -292,16 +297,60 @@ def test_the_scores_need_order_plus_two_residuals_and_cache_bytes_count_them():
     assert run.cache_bytes() == run.stats.cache_bytes == 2 * (MAX_ORDER + 2) * one
 
 
+def measurement(errors: list, norm: float | None, products: list | None = None, before: list | None = None) -> list:
+    """``ResidualHistory.prediction_errors``' layout, as floats: errors, products with the errors one computed step
+    before and those errors, per order; then the residual's norm."""
+    return [*errors, *(products or [None] * 3), *(before or [None] * 3), norm]
+
+
 def test_order_scores_choose_the_smallest_running_error():
     scores = OrderScores()
     assert scores.best() == 0  # nothing measured: reuse
-    scores.update([4.0, 1.0, None, 4.0])  # relative errors 1, 0.25; order 2 not measurable yet
+    scores.update(measurement([4.0, 1.0, None], 4.0))  # relative errors 1, 0.25; order 2 not measurable yet
     assert scores.best() == 1 and scores.best(available=0) == 0
-    scores.update([4.0, 0.0, 0.0, 4.0])
+    scores.update(measurement([4.0, 0.0, 0.0], 4.0))
     assert scores.errors[1] == pytest.approx(0.125) and scores.errors[2] == 0.0
     assert scores.best() == 2 and scores.best(available=1) == 1
-    scores.update([1.0, float("nan"), 9.0, None])  # no norm: not a measurement
+    scores.update(measurement([1.0, float("nan"), 9.0], None))  # no norm: not a measurement
     assert scores.errors[1] == pytest.approx(0.125)
+
+
+def test_accumulation_is_the_power_of_a_sum_of_correlated_errors_over_independent_ones():
+    assert accumulation(0.0) == 1.0
+    rho = 0.5  # ACCUMULATED_GAPS errors e_i with <e_i, e_j> = rho ** |i - j|: |sum|^2 / (n |e|^2)
+    n = ACCUMULATED_GAPS
+    gram = sum(rho ** abs(i - j) for i in range(n) for j in range(n))
+    assert accumulation(rho) == pytest.approx(gram / n)
+    low, high = COHERENCE_RANGE
+    assert accumulation(0.99) == accumulation(high) > 1.0
+    assert accumulation(-1.0) == accumulation(low) == 1.0  # errors that alternate are not credited
+
+
+def test_an_order_whose_errors_add_up_loses_to_one_of_the_same_size_whose_errors_alternate():
+    scores = OrderScores()  # reuse and 1st order err alike, predicting each computed step
+    scores.update(measurement([1.0, 1.0, None], 1.0))
+    assert scores.best() == 0  # a tie: reuse
+    # reuse's consecutive errors point the same way (a drift it lags behind); 1st order's alternate
+    scores.update(measurement([1.0, 1.0, None], 1.0, products=[0.9, -0.5, None], before=[1.0, 1.0, None]))
+    assert scores.coherence[0] == pytest.approx(0.9) and scores.coherence[1] == pytest.approx(-0.5)
+    assert scores.best() == 1
+    assert scores.expected(1) == scores.errors[1] == scores.errors[0] < scores.expected(0)
+    scores.clear()
+    assert scores.coherence == [None] * 3
+
+
+def test_the_history_measures_how_consecutive_errors_of_an_order_align():
+    def coherence_after(residual) -> list[float | None]:
+        h, scores = ResidualHistory(limit=history_limit(AUTO)), OrderScores()
+        for s in SIGMAS[:5]:
+            scores.update([None if m is None else float(m) for m in h.prediction_errors(s, residual(s, 0))])
+            h.add(s, residual(s, 0))
+        return scores.coherence
+
+    drift = coherence_after(linear)  # reuse lags a straight drift the same way at every step: cosine 1
+    assert drift[0] == pytest.approx(1.0)
+    assert coherence_after(quadratic)[1] == pytest.approx(1.0)  # ... and 1st order lags a constant curvature
+    assert coherence_after(noisy)[0] < 0  # no trend: each reuse error undoes part of the one before
 
 
 def test_auto_with_threshold_zero_is_bit_identical_and_forecast_values_are_checked():
@@ -318,19 +367,19 @@ def test_auto_with_threshold_zero_is_bit_identical_and_forecast_values_are_check
 
 def test_order_scores_carry_their_errors_to_the_distance_of_the_skip():
     scores = OrderScores()
-    scores.update([1.0, 1.2, None, 1.0], horizon=0.2)  # 1st order erred 1.2x reuse over 0.2
+    scores.update(measurement([1.0, 1.2, None], 1.0), horizon=0.2)  # 1st order erred 1.2x reuse over 0.2
     assert scores.horizon == 0.2
     assert scores.best() == 0 and scores.best(horizon=0.2) == 0
     assert scores.best(horizon=0.1) == 1  # half the distance: 1.2 * 0.5 ** 2 < 1
     scores = OrderScores()
-    scores.update([1.0, 0.3, 0.2, 1.0], horizon=0.2)
+    scores.update(measurement([1.0, 0.3, 0.2], 1.0), horizon=0.2)
     assert scores.best() == 2 and scores.best(horizon=0.2) == 2
     assert scores.best(horizon=0.3) == 1  # 1.5x the distance: 0.3 * 1.5 ** 2 < 0.2 * 1.5 ** 4, both below 1
     assert scores.best(horizon=0.4) == 0  # twice: 0.3 * 4 and 0.2 * 16 both exceed reuse's 1
-    scores.update([1.0, 0.3, 0.2, 1.0], horizon=0.4)
+    scores.update(measurement([1.0, 0.3, 0.2], 1.0), horizon=0.4)
     assert scores.horizon == pytest.approx(0.3)  # a running distance, like the errors
     scores.clear()
-    assert scores.errors == [None] * 3 and scores.horizon is None
+    assert scores.errors == scores.coherence == [None] * 3 and scores.horizon is None
 
 
 def test_error_per_metric_weighs_the_recent_record_against_the_runs_mean():

@@ -404,6 +404,7 @@ def rank_teacache_auto_forecast(ulysses: int, ring: int):
     return dict(pattern=[e.computed for e in run.stats.evaluations],
                 orders=[[b.forecast_order for b in e.branches] for e in run.stats.evaluations],
                 scores=[st.scores.errors for st in states],
+                coherence=[st.scores.coherence for st in states],
                 horizons=[st.scores.horizon for st in states],
                 weights=[(st.error_per_metric.weight(), st.error_per_metric.count) for st in states],
                 metrics=[[b.metric for b in e.branches] for e in run.stats.evaluations],
@@ -415,12 +416,14 @@ def rank_teacache_auto_forecast(ulysses: int, ring: int):
 def test_auto_forecast_chooses_the_same_order_on_every_rank(rank_pool, world, ulysses, ring):
     results = rank_pool(world).run(rank_teacache_auto_forecast, ulysses, ring, timeout=TIMEOUT_S)
     assert all(r["pattern"] == results[0]["pattern"] and r["orders"] == results[0]["orders"] for r in results)
-    assert all(r["scores"] == results[0]["scores"] for r in results)  # the means over the ranks
+    assert all(r["scores"] == results[0]["scores"] and r["coherence"] == results[0]["coherence"]
+               for r in results)  # the means over the ranks
     # the forecast's record weighs TeaCache's metric alike on every rank (errors and metric are both rank means)
     assert all(r["weights"] == results[0]["weights"] and r["metrics"] == results[0]["metrics"]
                and r["horizons"] == results[0]["horizons"] for r in results)
     assert results[0]["horizons"][0] is not None and results[0]["weights"][0][1] > 0
     assert all(e is not None for e in results[0]["scores"][0])  # every order was scored
+    assert results[0]["coherence"][0][0] is not None
     skipped = [o for o, computed in zip(results[0]["orders"], results[0]["pattern"]) if not computed]
     assert skipped and all(order in (0, 1, 2) for branches in skipped for order in branches)
     assert all(r["finite"] and r["residual_tokens"] == 16 // world for r in results)
