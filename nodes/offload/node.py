@@ -138,16 +138,19 @@ def no_target_reason(patcher) -> str:
 
 
 def activation_reserve(patcher, request: LoadRequest | None) -> tuple[int, str]:
-    """The device bytes to leave free for the run's activations, as ComfyUI's loader reserves them, and how."""
+    """The device bytes to keep free for the run's activations, as ComfyUI's loader reserves them (its
+    ``--reserve-vram`` included), and how."""
     mm = comfy.model_management
     minimum = int(mm.minimum_inference_memory())
+    extra = int(mm.extra_reserved_memory())
+    reserved = f", with {gib(extra)} that ComfyUI keeps free (--reserve-vram)" if extra else ""
     if request is None or request.noise_shape is None:
-        return minimum, "ComfyUI's minimum inference memory"
+        return minimum, f"ComfyUI's minimum inference memory{reserved}"
     try:
         required, _ = comfy.sampler_helpers.estimate_memory(patcher, request.noise_shape, request.conds or {})
     except Exception as e:  # an estimate is advice; a model whose conds the estimate cannot read still runs
-        return minimum, f"ComfyUI's minimum inference memory (its estimate for this run failed: {e})"
-    return int(max(minimum, required + mm.extra_reserved_memory())), "ComfyUI's estimate for this run"
+        return minimum, f"ComfyUI's minimum inference memory{reserved} (its estimate for this run failed: {e})"
+    return int(max(minimum, required + extra)), f"ComfyUI's estimate for this run{reserved}"
 
 
 class HostStreamsHook(ModelHook):
@@ -358,7 +361,7 @@ class OffloadSession(FeatureSession):
         on_device = sum(f.device_bytes for f in footprints)
         available = free + on_device - reserve
         why = (f"{gib(free)} free after ComfyUI loaded the model, {gib(on_device)} held by its blocks, "
-               f"{gib(reserve)} left for activations ({how})")
+               f"{gib(reserve)} kept free for activations ({how})")
         budget = self.config.vram_budget_bytes
         if budget is not None:
             other = sum(t.numel() * t.element_size() for t in block_tensors(patcher.model.diffusion_model)

@@ -441,6 +441,25 @@ def test_auto_offloads_as_few_blocks_as_the_free_memory_needs(env, wan, forced, 
         assert any(n.startswith("VRAM for the blocks") for n in summary["notes"]), summary["notes"]
 
 
+def test_reserve_vram_is_kept_free_and_the_note_says_so(env, wan, forced, monkeypatch):
+    import comfy.model_management as mm
+
+    per_block = block_bytes(wan.diffusion_model.blocks[0])
+    free = int(mm.minimum_inference_memory())  # with the blocks' own bytes: room for all of them, whole
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (free, free)
+                        if torch_free_too else free)
+    probe = Probe(env, env.offload(wan.patcher, blocks=-1, prefetch=0))
+    env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    assert probe.session(env).summary()["blocks_offloaded"] == 0
+    monkeypatch.setattr(mm, "EXTRA_RESERVED_VRAM", mm.EXTRA_RESERVED_VRAM + int(2.5 * per_block))  # --reserve-vram
+    probe = Probe(env, env.offload(wan.patcher, blocks=-1, prefetch=0))
+    env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    summary = probe.session(env).summary()
+    # room for 1.5 blocks: one slot, no block whole (prefetch 0)
+    assert summary["blocks_offloaded"] == LAYERS, summary["notes"]
+    assert any("(--reserve-vram)" in n for n in summary["notes"]), summary["notes"]
+
+
 def test_vram_budget_caps_what_auto_keeps_resident(env, wan, forced):
     per_block = block_bytes(wan.diffusion_model.blocks[0])
     dm = wan.diffusion_model
