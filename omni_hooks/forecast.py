@@ -162,18 +162,17 @@ class ResidualHistory:
         comparable = (self.residuals and coord is not None and None not in self.coords and coord not in self.coords
                       and self.residuals[-1].shape == residual.shape)
         target = residual.float()
-        if comparable:
-            newest = self.residuals[-1].to(target.device).float()
+        if comparable:  # in place where the tensor is this method's own: at most two residual-sized errors at once
             for order in ORDERS:
                 if order + 1 > len(self.residuals):
                     break
                 made = self._extrapolate(self.coords[-order - 1:], self.residuals[-order - 1:], float(coord))
-                error = made.to(target.device) - target
+                error = made.to(target.device).sub_(target)
                 measured[order] = error.square().sum()
                 if order + 2 <= len(self.residuals):
                     before = self._extrapolate(self.coords[-order - 2:-1], self.residuals[-order - 2:-1],
                                                float(self.coords[-1]))
-                    error_before = before.to(target.device) - newest
+                    error_before = before.to(target.device).sub_(self.residuals[-1].to(target.device))
                     measured[count + order] = (error * error_before).sum()
                     measured[2 * count + order] = error_before.square().sum()
         return [*measured, target.square().sum()]
