@@ -17,9 +17,10 @@ distance from the last computed step, is smallest: an order-k extrapolation errs
 k + 1, reuse like the distance, so a skip close to the last computed step favours the higher orders and one far
 from it favours reuse. An error also counts as it adds up in the latent over the coming gaps: each order's running
 correlation between its consecutive errors (``OrderScores.coherence``; reuse lagging a drift errs the same way at
-every gap) multiplies its error by ``accumulation``. Plain reuse unless an order beats it. An auto branch keeps ``MAX_ORDER + 2`` residuals (the
-newest is scored against the ``MAX_ORDER + 1`` before it). The scores are measured per rank shard and averaged over
-the ranks (like the caches' metrics), so every rank of a group chooses the same order.
+every gap) multiplies its error by ``accumulation``. Plain reuse unless an order beats it. An auto branch keeps
+``MAX_ORDER + 2`` residuals (the newest is scored against the ``MAX_ORDER + 1`` before it). The scores are measured
+per rank shard and averaged over the ranks (like the caches' metrics), so every rank of a group chooses the same
+order.
 
 A policy that knows it forecasts (``ErrorPerMetric``, under ``WEIGHED_ORDERS``): at each computed step the cache also
 knows the metric that made it compute (TeaCache's accumulated change) and the error the forecast a skip would have

@@ -284,7 +284,8 @@ def test_the_slots_are_allocated_only_after_every_block_left_the_device(monkeypa
     model = ToyStack(dim=32, depth=4)
     resident_at_slot = []
     slot = offload_hooks._Slot
-    monkeypatch.setattr(offload_hooks, "_Slot", lambda *a: (resident_at_slot.append(resident_count(model)), slot(*a))[1])
+    monkeypatch.setattr(offload_hooks, "_Slot",
+                        lambda *a: (resident_at_slot.append(resident_count(model)), slot(*a))[1])
     handle = apply_layerwise_offload(model.blocks, "cpu", prefetch_blocks=1)
     handle.remove()
     assert resident_at_slot == [0, 0]
