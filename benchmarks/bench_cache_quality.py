@@ -21,6 +21,7 @@ import json
 import math
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,15 +84,45 @@ def best_per_budget(results: list[dict], steps: int) -> str:
     return "\n".join(lines)
 
 
-def sample_all(spec: cqm.QualityModel, case, model, counter: Evaluations,
-               steps: int) -> tuple[list[torch.Tensor], list[int]]:
+def sample_all(spec: cqm.QualityModel, case, model, counter: Evaluations, steps: int,
+               classes=range(cqm.CLASSES)) -> tuple[list[torch.Tensor], list[int]]:
+    """The final latents and model evaluations of one run per class in ``classes`` (seed = class)."""
     outs, evals = [], []
-    for k in range(cqm.CLASSES):
+    for k in classes:
         case.positive, case.negative = spec.conditioning(k), spec.conditioning(None)
         counter.count = 0
         outs.append(tiny_models.sample(case, model=model, steps=steps, cfg=CFG, seed=k))
         evals.append(counter.count)
     return outs, evals
+
+
+def calibrated_case(spec: cqm.QualityModel, steps: int):
+    """The model built, both caches calibrated on it (class 0, seed 100, ``steps``: the ``calibration: quality``
+    entries) and its evaluation counter: ``(case, counter)``."""
+    torch.set_num_threads(1)
+    folder_paths.set_user_directory(tempfile.mkdtemp(prefix="omnihooks-quality-"))
+    teacache, magcache = pack_module("nodes.caches.teacache"), pack_module("nodes.caches.magcache")
+    case = spec.build()
+    counter = Evaluations(case.patcher.model.diffusion_model)
+    for node in (teacache.TeaCacheCalibrate, magcache.MagCacheCalibrate):
+        run_node(node, model=case.patcher, seed=100, steps=steps, cfg=CFG, sampler_name="euler", scheduler="simple",
+                 positive=spec.conditioning(0), negative=spec.conditioning(None),
+                 latent_image={"samples": torch.zeros(spec.latent_shape)}, name="quality")
+    return case, counter
+
+
+def tea(case, t: float, forecast: str):
+    """The case's MODEL with Apply TeaCache at threshold ``t`` on its own calibration."""
+    return run_node(pack_module("nodes.caches.teacache").ApplyTeaCache, model=case.patcher, rel_l1_thresh=t,
+                    start_percent=0.0, end_percent=1.0, cache_device="compute device",
+                    model_variant="calibration: quality", forecast=forecast)[0]
+
+
+def mag(case, t: float, forecast: str):
+    """The case's MODEL with Apply MagCache (K ``MAG_K``, retention ``MAG_RETENTION``) at threshold ``t``."""
+    return run_node(pack_module("nodes.caches.magcache").ApplyMagCache, model=case.patcher, threshold=t,
+                    max_skip_steps=MAG_K, retention_ratio=MAG_RETENTION, start_percent=0.0, end_percent=1.0,
+                    cache_device="compute device", curve="calibration: quality", forecast=forecast)[0]
 
 
 def main() -> None:
@@ -106,29 +137,10 @@ def main() -> None:
     opts = parser.parse_args()
     spec, steps = cqm.MODELS[opts.model], opts.steps
     few = steps <= 10
-    torch.set_num_threads(1)
-    folder_paths.set_user_directory(tempfile.mkdtemp(prefix="omnihooks-quality-"))
-    teacache = pack_module("nodes.caches.teacache")
-    magcache = pack_module("nodes.caches.magcache")
     from comfy_extras.nodes_easycache import EasyCacheNode
 
-    case = spec.build()
-    counter = Evaluations(case.patcher.model.diffusion_model)
-    for node in (teacache.TeaCacheCalibrate, magcache.MagCacheCalibrate):
-        run_node(node, model=case.patcher, seed=100, steps=steps, cfg=CFG, sampler_name="euler", scheduler="simple",
-                 positive=spec.conditioning(0), negative=spec.conditioning(None),
-                 latent_image={"samples": torch.zeros(spec.latent_shape)}, name="quality")
+    case, counter = calibrated_case(spec, steps)
     reference, _ = sample_all(spec, case, None, counter, steps)
-
-    def tea(t, forecast):
-        return run_node(teacache.ApplyTeaCache, model=case.patcher, rel_l1_thresh=t, start_percent=0.0,
-                        end_percent=1.0, cache_device="compute device", model_variant="calibration: quality",
-                        forecast=forecast)[0]
-
-    def mag(t, forecast):
-        return run_node(magcache.ApplyMagCache, model=case.patcher, threshold=t, max_skip_steps=MAG_K,
-                        retention_ratio=MAG_RETENTION, start_percent=0.0, end_percent=1.0,
-                        cache_device="compute device", curve="calibration: quality", forecast=forecast)[0]
 
     def easy(t, _):
         return run_node(EasyCacheNode, model=case.patcher, reuse_threshold=t, start_percent=0.15, end_percent=0.95,
@@ -140,8 +152,8 @@ def main() -> None:
         FEW_MAG_THRESHOLDS if few else MAG_THRESHOLDS)
     easy_thresholds = opts.easy_thresholds if opts.easy_thresholds is not None else (
         FEW_EASY_THRESHOLDS if few else EASY_THRESHOLDS)
-    families = [(f"TeaCache, forecast {f}", tea, tea_thresholds, f) for f in opts.forecasts]
-    families += [(f"MagCache (K {MAG_K}), forecast {f}", mag, mag_thresholds, f) for f in opts.forecasts]
+    families = [(f"TeaCache, forecast {f}", partial(tea, case), tea_thresholds, f) for f in opts.forecasts]
+    families += [(f"MagCache (K {MAG_K}), forecast {f}", partial(mag, case), mag_thresholds, f) for f in opts.forecasts]
     families += [("core EasyCache (reference)", easy, easy_thresholds, None)]
     results = []
     for name, apply, thresholds, forecast in families:
