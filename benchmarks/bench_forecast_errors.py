@@ -19,8 +19,8 @@ import argparse
 import contextlib
 import json
 import sys
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
