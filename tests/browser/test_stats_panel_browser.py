@@ -29,6 +29,9 @@ OVERFLOW = "browser-overflow"
 STEPS = 40
 APPLY_ID = 10
 APPLY_TITLE = "TeaCache on the tiny Wan"
+# the tests that watch a run live make each model call this much longer: 40 steps then last over a second, many times
+# the panel's redraw interval, however fast the machine is
+LIVE_STEP_SECONDS = 0.03
 # newer frontends look each custom node up in the Comfy registry; the server's Content-Security-Policy blocks that
 # request (the frontend's own, naming the node type), which is no error of the pack
 REGISTRY_LOOKUP = "Connecting to 'https://api.comfy.org/"
@@ -88,11 +91,16 @@ def open_panel(page) -> None:
     page.wait_for_selector(".omni-hooks-panel", timeout=10000)
 
 
-def teacache_graph(threshold: float, calibration: str = IDENTITY, steps: int = STEPS):
+def teacache_graph(threshold: float, calibration: str = IDENTITY, steps: int = STEPS, step_seconds: float = 0.0):
+    """The tiny Wan workflow with Apply TeaCache (node ``APPLY_ID``); ``step_seconds`` > 0 makes every model call
+    that much longer (``OmniTest.SlowSteps`` after it), so that a test watching the live panel sees many steps."""
     from omnitest.graphs import tiny_wan_graph
-    graph = tiny_wan_graph([("OmniHooks.ApplyTeaCache", {
+    patches = [("OmniHooks.ApplyTeaCache", {
         "rel_l1_thresh": threshold, "start_percent": 0.0, "end_percent": 1.0, "cache_device": "compute device",
-        "model_variant": f"calibration: {calibration}"})], steps=steps, cfg=3.0, width=128, height=128, length=9)
+        "model_variant": f"calibration: {calibration}"})]
+    if step_seconds:
+        patches.append(("OmniTest.SlowSteps", {"seconds": step_seconds}))
+    graph = tiny_wan_graph(patches, steps=steps, cfg=3.0, width=128, height=128, length=9)
     graph.patches[0].title = APPLY_TITLE
     graph.set_nonce(time.monotonic_ns())
     return graph
@@ -203,7 +211,7 @@ def test_a_live_run_step_by_step_then_every_number_and_reason_and_after_reload(p
         });
         observer.observe(document.body, {subtree: true, childList: true, characterData: true});
     }""")
-    graph = teacache_graph(threshold=1.0)
+    graph = teacache_graph(threshold=1.0, step_seconds=LIVE_STEP_SECONDS)
     workflow_id = load_workflow(page, graph, "cache stats demo")
     prompt_id = queue_in_page(page)
     comfy.history(prompt_id, timeout=180)
@@ -290,7 +298,7 @@ def test_the_panel_fits_narrow_and_wide_sidebars(page, comfy):
 
 def test_badges_are_keyed_by_workflow_and_node_and_say_running_while_running(page, comfy):
     open_panel(page)
-    graph = teacache_graph(threshold=1.0)
+    graph = teacache_graph(threshold=1.0, step_seconds=LIVE_STEP_SECONDS)
     load_workflow(page, graph, "badge workflow")
     page.evaluate("""() => {
         window.__omniBadges = [];

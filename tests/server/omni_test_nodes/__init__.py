@@ -8,6 +8,8 @@ V1 style, no dependencies besides torch and ComfyUI core:
   makes the node and everything downstream (the sampler) execute again.
 * ``OmniTest.Wait`` (latent, seconds) -> LATENT unchanged, after sleeping ``seconds`` in small slices while honouring
   interrupts, so a test has time to interrupt a running prompt.
+* ``OmniTest.SlowSteps`` (model, seconds) -> a clone of MODEL whose every diffusion model call first sleeps
+  ``seconds`` (a keyed wrapper, as a pack would add one), so a tiny model's run lasts long enough to be watched live.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import time
 import torch
 
 import comfy.model_management
+import comfy.patcher_extension
 
 
 class ZeroConditioning:
@@ -56,20 +59,46 @@ class Wait:
         return float("nan")  # never cached: the wait must happen on every run
 
     def wait(self, latent, seconds):
-        end = time.monotonic() + seconds
-        while True:
-            comfy.model_management.throw_exception_if_processing_interrupted()
-            left = end - time.monotonic()
-            if left <= 0:
-                return (latent,)
-            time.sleep(min(left, 0.02))
+        sleep(seconds)
+        return (latent,)
+
+
+def sleep(seconds: float) -> None:
+    """Sleep ``seconds`` in slices of at most 20 ms, raising as soon as the prompt is interrupted."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        time.sleep(min(left, 0.02))
+    comfy.model_management.throw_exception_if_processing_interrupted()
+
+
+class SlowSteps:
+    CATEGORY = "_for_testing/omnitest"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    WRAPPER_KEY = "omnitest.slow_steps"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",),
+                             "seconds": ("FLOAT", {"default": 0.025, "min": 0.0, "max": 10.0, "step": 0.005})}}
+
+    def patch(self, model, seconds):
+        def slow(executor, *args, **kwargs):
+            sleep(seconds)
+            return executor(*args, **kwargs)
+        clone = model.clone()
+        clone.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, self.WRAPPER_KEY, slow)
+        return (clone,)
 
 
 NODE_CLASS_MAPPINGS = {
     "OmniTest.ZeroConditioning": ZeroConditioning,
     "OmniTest.Wait": Wait,
+    "OmniTest.SlowSteps": SlowSteps,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
     "OmniTest.ZeroConditioning": "Zero Conditioning (OmniHooks tests)",
     "OmniTest.Wait": "Wait (OmniHooks tests)",
+    "OmniTest.SlowSteps": "Slow Steps (OmniHooks tests)",
 }
