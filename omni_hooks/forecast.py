@@ -179,6 +179,11 @@ class ResidualHistory:
         return [*measured, target.square().sum()]
 
 
+def running(old: float | None, new: float) -> float:
+    """A running value moved toward ``new`` by ``SCORE_MEMORY`` (``new`` itself when there is none yet)."""
+    return new if old is None else (1 - SCORE_MEMORY) * old + SCORE_MEMORY * new
+
+
 def accumulation(coherence: float) -> float:
     """How much a run of ``ACCUMULATED_GAPS`` errors of equal size whose consecutive ones correlate by
     ``coherence`` (bounded to ``COHERENCE_RANGE``) adds up to, relative to as many independent ones: the squared
@@ -214,15 +219,11 @@ class OrderScores:
             error, product, before = measured[order], measured[count + order], measured[2 * count + order]
             if error is None or not math.isfinite(error):
                 continue
-            self.errors[order] = self._moved(self.errors[order], error / (norm + 1e-12))
+            self.errors[order] = running(self.errors[order], error / (norm + 1e-12))
             if product is not None and error > 0 and before is not None and before > 0 and math.isfinite(product):
-                self.coherence[order] = self._moved(self.coherence[order], product / math.sqrt(error * before))
+                self.coherence[order] = running(self.coherence[order], product / math.sqrt(error * before))
         if horizon:
-            self.horizon = self._moved(self.horizon, horizon)
-
-    @staticmethod
-    def _moved(old: float | None, new: float) -> float:
-        return new if old is None else (1 - SCORE_MEMORY) * old + SCORE_MEMORY * new
+            self.horizon = running(self.horizon, horizon)
 
     def expected(self, order: int) -> float | None:
         """``order``'s running relative error as it adds up over the coming gaps (``accumulation`` of its
@@ -269,7 +270,7 @@ class ErrorPerMetric:
         if metric is None or not metric > 0 or not math.isfinite(error):
             return
         quotient = error / metric
-        self.recent = quotient if self.recent is None else (1 - SCORE_MEMORY) * self.recent + SCORE_MEMORY * quotient
+        self.recent = running(self.recent, quotient)
         self.total += quotient
         self.count += 1
 
