@@ -1,9 +1,10 @@
 """Cache quality on trained models: PSNR of the final latent against the uncached run, against model evaluations.
 
 The models are ``cache_quality_model.MODELS`` (ComfyUI's WanModel, trained on synthetic class-conditional
-distributions by ``train_cache_quality_model.py``: ``small``, ``wide`` and ``deep``, of different size and data), sampled
-in-process through ComfyUI's KSampler path: ``--steps`` euler steps (30; 8 or 4 for a few-step run), scheduler
-simple, cfg 3 (cond and uncond batched, so one model evaluation per step), 4 prompts (one per class, seed = class).
+distributions by ``train_cache_quality_model.py``: ``small``, ``wide``, ``deep`` and ``long``, of different size and
+data), sampled in-process through ComfyUI's KSampler path: ``--steps`` euler steps (30; 8 or 4 for a few-step run),
+scheduler simple, cfg 3 (cond and uncond batched, so one model evaluation per step), 4 prompts (one per class, seed =
+class).
 TeaCache and MagCache run on the model's own calibration (TeaCache Calibrate / MagCache Calibrate on class 0, seed
 100, at the same step count, like a user calibrating a new model), each swept over thresholds with forecast off /
 1st / 2nd order / auto; core EasyCache (``comfy_extras/nodes_easycache.py``, its default window 0.15-0.95) is the
@@ -12,7 +13,7 @@ EasyCache skips the whole model).
 
 Writes a markdown table to stdout, ``docs/cache_quality[_<model>][_<steps>steps].json`` and the plot of the same name
 (``.png``; the small model at 30 steps is ``docs/cache_quality.json``).
-Run: COMFYUI_PATH=... .venv/bin/python benchmarks/bench_cache_quality.py [--model small|wide|deep] [--steps 30]
+Run: COMFYUI_PATH=... .venv/bin/python benchmarks/bench_cache_quality.py [--model small|wide|deep|long] [--steps 30]
 """
 from __future__ import annotations
 

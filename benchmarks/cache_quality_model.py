@@ -1,6 +1,6 @@
 """The small Wan models the cache quality benchmark samples: ComfyUI's own ``WanModel`` (Wan 2.1 T2V architecture),
 trained by ``train_cache_quality_model.py`` on synthetic class-conditional distributions, so that their sampling
-trajectories are those of trained flow models (a random-weight model's are not). Two models of different size and
+trajectories are those of trained flow models (a random-weight model's are not). Four models of different size and
 data, so that a claim about the caches holds on more than one (``MODELS``):
 
 * ``small``: dim 64, 4 blocks, latent [16, 1, 8, 8]. Class k is a plane wave of class frequency ``FREQ[k]`` along a
@@ -13,6 +13,10 @@ data, so that a claim about the caches holds on more than one (``MODELS``):
   cross) moving at the class's velocity from frame to frame, at a random start, size and brightness, in the class's
   colour over noise-free black. Added after the forecast policy was chosen, as a check on a model it was not
   developed on.
+* ``long``: dim 192, 8 blocks, a 2-frame latent [16, 2, 16, 16] (128 tokens, the longest sequence). Class k is a
+  ring of k + 2 dots in the class's colour, at a random centre, radius and angle, turning at the class's speed from
+  frame to frame, over a smooth random background (three low-frequency waves) in a second colour. Added after every
+  forecast setting was chosen, as a second check on a model none of it was developed on.
 
 The "prompt" of class k is a fixed random text conditioning (``tokens`` x ``text_dim``); the negative prompt is all
 zeros (trained as the unconditional input with probability ``DROPOUT``).
@@ -155,6 +159,39 @@ def moving_shapes(labels: torch.Tensor, g: torch.Generator, frames: int = 3, siz
     return torch.stack(out, dim=2) * 0.6
 
 
+RING_TURN = [0.25, -0.35, 0.2, -0.15]  # radians per frame
+
+
+def dot_rings(labels: torch.Tensor, g: torch.Generator, frames: int = 2, size: int = 16) -> torch.Tensor:
+    """The ``long`` model's data: one clean latent [16, frames, size, size] per label."""
+    n = labels.shape[0]
+    hh, ww = _grid(size)
+    dots, ground = (d[labels] for d in class_directions(seed=1357, count=2))  # [n, 16] each
+    centre = torch.rand(n, 2, generator=g) * 0.3 + 0.35
+    radius = torch.rand(n, generator=g) * 0.12 + 0.16
+    angle = torch.rand(n, generator=g) * 2 * math.pi
+    amp = torch.rand(n, generator=g) * 0.6 + 0.7
+    waves = torch.randint(1, 3, (n, 3, 2), generator=g).float() * torch.sign(torch.rand(n, 3, 2, generator=g) - 0.5)
+    wave_phase = torch.rand(n, 3, generator=g) * 2 * math.pi
+    wave_amp = torch.rand(n, 3, generator=g) * 0.3
+    background = sum(wave_amp[:, j, None, None] * torch.sin(2 * math.pi * (waves[:, j, 0, None, None] * hh
+                                                                          + waves[:, j, 1, None, None] * ww)
+                                                            + wave_phase[:, j, None, None]) for j in range(3))
+    count = labels + 2
+    out = []
+    for f in range(frames):
+        ring = torch.zeros(n, size, size)
+        for j in range(5):
+            theta = angle + f * torch.tensor(RING_TURN)[labels] + 2 * math.pi * j / count
+            cy = centre[:, 0] + radius * torch.sin(theta)
+            cx = centre[:, 1] + radius * torch.cos(theta)
+            dot = torch.exp(-((hh - cy[:, None, None]) ** 2 + (ww - cx[:, None, None]) ** 2) / (2 * 0.05 ** 2))
+            ring = ring + (j < count).float()[:, None, None] * dot
+        out.append(amp[:, None, None, None] * dots[:, :, None, None] * ring[:, None]
+                   + ground[:, :, None, None] * background[:, None])
+    return torch.stack(out, dim=2) * 0.6
+
+
 SMALL = QualityModel("small", {"dim": 64, "ffn_dim": 256, "num_heads": 2, "num_layers": 4, "text_dim": 32},
                      (1, 16, 1, 8, 8), 4, waves_and_blobs, DATA / "cache_quality_wan.safetensors",
                      "dim 64, 4 blocks, an 8x8 latent (16 tokens), waves and blobs")
@@ -164,4 +201,7 @@ WIDE = QualityModel("wide", {"dim": 256, "ffn_dim": 512, "num_heads": 4, "num_la
 DEEP = QualityModel("deep", {"dim": 128, "ffn_dim": 384, "num_heads": 4, "num_layers": 10, "text_dim": 48},
                     (1, 16, 3, 12, 12), 5, moving_shapes, DATA / "cache_quality_wan_deep.safetensors",
                     "dim 128, 10 blocks, a 3-frame 12x12 latent (108 tokens), moving shapes")
-MODELS = {m.name: m for m in (SMALL, WIDE, DEEP)}
+LONG = QualityModel("long", {"dim": 192, "ffn_dim": 576, "num_heads": 4, "num_layers": 8, "text_dim": 40},
+                    (1, 16, 2, 16, 16), 6, dot_rings, DATA / "cache_quality_wan_long.safetensors",
+                    "dim 192, 8 blocks, a 2-frame 16x16 latent (128 tokens), turning rings of dots")
+MODELS = {m.name: m for m in (SMALL, WIDE, DEEP, LONG)}
