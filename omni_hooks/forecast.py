@@ -46,10 +46,13 @@ FORECAST_FALLBACK = "forecast-fallback"  # ... whose forecast was not finite, so
 
 
 SCORE_MEMORY = 0.5  # the running scores: weight of the newest measurement
-# OrderScores.best charges an order for how its errors add up over the coming gaps (``accumulation``); errors that
-# alternate are not credited (crediting them made auto lose 1.8 dB to reuse at one MagCache threshold)
+# OrderScores.best charges an order for how its errors add up over the coming gaps (``accumulation``). Errors that
+# alternate are credited as cancelling only by a cache whose skips its metric does not choose by reuse's own error
+# (TeaCache, ALTERNATING_COHERENCE); MagCache's skips are where its curve expects reuse to err little, and crediting
+# them there made auto lose 1.8 dB to reuse at one MagCache threshold
 ACCUMULATED_GAPS = 4
 COHERENCE_RANGE = (0.0, 0.9)
+ALTERNATING_COHERENCE = -0.5  # the lower bound in place of COHERENCE_RANGE's for a cache that credits alternation
 WEIGHT_RANGE = (1.0, 2.0)  # ErrorPerMetric.weight: the record only ever brings a compute forward
 # the forecast values under which a cache that weighs its metric by the forecast's record does so: 2nd order is not
 # one (weighed, it lost quality per evaluation on one benchmark model; 1st order and auto gained on every one measured)
@@ -184,11 +187,12 @@ def running(old: float | None, new: float) -> float:
     return new if old is None else (1 - SCORE_MEMORY) * old + SCORE_MEMORY * new
 
 
-def accumulation(coherence: float) -> float:
+def accumulation(coherence: float, low: float = COHERENCE_RANGE[0]) -> float:
     """How much a run of ``ACCUMULATED_GAPS`` errors of equal size whose consecutive ones correlate by
-    ``coherence`` (bounded to ``COHERENCE_RANGE``) adds up to, relative to as many independent ones: the squared
-    norm of their sum over its expectation for uncorrelated errors, ``1 + 2 * sum((1 - l / n) * rho ** l)``."""
-    low, high = COHERENCE_RANGE
+    ``coherence`` (bounded to ``low`` and ``COHERENCE_RANGE``'s upper bound) adds up to, relative to as many
+    independent ones: the squared norm of their sum over its expectation for uncorrelated errors,
+    ``1 + 2 * sum((1 - l / n) * rho ** l)`` (below 1 for errors that alternate)."""
+    high = COHERENCE_RANGE[1]
     rho = min(high, max(low, coherence))
     gaps = ACCUMULATED_GAPS
     return 1 + 2 * sum((1 - lag / gaps) * rho ** lag for lag in range(1, gaps))
@@ -225,23 +229,25 @@ class OrderScores:
         if horizon:
             self.horizon = running(self.horizon, horizon)
 
-    def expected(self, order: int) -> float | None:
+    def expected(self, order: int, low: float = COHERENCE_RANGE[0]) -> float | None:
         """``order``'s running relative error as it adds up over the coming gaps (``accumulation`` of its
-        coherence; none while not measured)."""
+        coherence, bounded below by ``low``; none while not measured)."""
         error, coherence = self.errors[order], self.coherence[order]
-        return None if error is None else error * (1.0 if coherence is None else accumulation(coherence))
+        return None if error is None else error * (1.0 if coherence is None else accumulation(coherence, low))
 
-    def best(self, available: int = MAX_ORDER, horizon: float | None = None) -> int:
+    def best(self, available: int = MAX_ORDER, horizon: float | None = None,
+             low: float = COHERENCE_RANGE[0]) -> int:
         """The order (at most ``available``) expected to err least at ``horizon``; 0 (reuse) unless another one
         beats it. Relative to reuse, an order's squared error scales by ``(horizon / self.horizon) ** (2 * order)``
-        (none when either distance is unknown), and each order's error counts as it adds up (``expected``)."""
-        reuse = self.expected(0)
+        (none when either distance is unknown), and each order's error counts as it adds up (``expected``, its
+        coherence bounded below by ``low``)."""
+        reuse = self.expected(0, low)
         if reuse is None:
             return 0
         scale = horizon / self.horizon if horizon and self.horizon else 1.0
         best, best_error = 0, reuse
         for order in range(1, min(available, MAX_ORDER) + 1):
-            error = self.expected(order)
+            error = self.expected(order, low)
             if error is not None and error * scale ** (2 * order) < best_error:
                 best, best_error = order, error * scale ** (2 * order)
         return best

@@ -9,7 +9,8 @@ Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_cal
     call's sigma (``omni_hooks.forecast``) instead of the last one; its reason becomes "forecast";
   * with ``forecast_order`` "auto" each computed call scores every order on predicting its residual from the older
     ones (means over the ranks under sequence parallelism) and a skip uses the order expected to err least at its
-    distance from the last computed step, counting how each order's errors add up over the coming gaps (0: reuse);
+    distance from the last computed step, counting how each order's errors add up over the coming gaps (0: reuse;
+    a cache whose ``coherence_floor`` is below 0 counts errors that alternate as partly cancelling);
   * a cache whose ``weighs_metric_by_forecast`` is set weighs its metric, under "auto" and 1st order, by the
     forecast's record (``ErrorPerMetric``), so it computes sooner where the forecast did poorly.
 Every skipped branch's record says which order its residual came from (``BranchDecision.forecast_order``).
@@ -34,8 +35,8 @@ from .blockstack import BlockStack
 from .context import CallContext
 from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
-from .forecast import (AUTO, FORECAST, FORECAST_FALLBACK, MAX_ORDER, ORDERS, WEIGHED_ORDERS, ErrorPerMetric,
-                       OrderScores, ResidualHistory, history_limit)
+from .forecast import (AUTO, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, MAX_ORDER, ORDERS, WEIGHED_ORDERS,
+                       ErrorPerMetric, OrderScores, ResidualHistory, history_limit)
 from .stats import BranchDecision, CacheRunStats, EvaluationRecord
 
 
@@ -110,6 +111,8 @@ class StackCacheRun:
     tail_hook_cls: type["StackTailHook"] | None = None  # None: StackTailHook
     # under a forecast of ``WEIGHED_ORDERS``, the policy multiplies its metric by ``metric_weight`` (ErrorPerMetric)
     weighs_metric_by_forecast: bool = False
+    # under "auto": the lowest coherence an order's errors are credited with (below 0: errors that alternate cancel)
+    coherence_floor: float = COHERENCE_RANGE[0]
 
     def __init__(self, stack: BlockStack, state_cls: type[CachedResidualState], config: StackCacheConfig,
                  stats: CacheRunStats, capture_module: torch.nn.Module | None = None):
@@ -279,7 +282,7 @@ class StackCacheRun:
         coord = self.coordinate(call.context)
         residuals = []
         for i, st in enumerate(states):
-            order = (st.scores.best(len(st.history.residuals) - 1, self.distance(st, coord))
+            order = (st.scores.best(len(st.history.residuals) - 1, self.distance(st, coord), self.coherence_floor)
                      if self.config.forecast_order == AUTO else None)
             made = st.history.forecast(coord, order=order)
             residuals.append(made.residual if made.residual is not None else st.previous_residual)
@@ -343,7 +346,8 @@ class StackCacheRun:
             errors, norm = branch[:len(ORDERS)], branch[-1]
             if self.weighs_metric and norm is not None:
                 order = self.config.forecast_order
-                error = errors[st.scores.best(MAX_ORDER, distances[i]) if order == AUTO else order]
+                error = errors[st.scores.best(MAX_ORDER, distances[i], self.coherence_floor)
+                               if order == AUTO else order]
                 error = errors[0] if error is None else error
                 if error is not None:
                     st.error_per_metric.update(math.sqrt(error / (norm + 1e-12)), st.unweighted_metric)

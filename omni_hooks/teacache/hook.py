@@ -19,6 +19,7 @@ import torch
 
 from ..blockstack import BlockStack
 from ..context import CallContext
+from ..forecast import ALTERNATING_COHERENCE
 from ..stack_cache import ActiveCall, Decision, StackBlockHook, StackCacheRun, StackHeadHook
 from ..stats import CacheRunStats
 from .config import TeaCacheConfig
@@ -62,6 +63,7 @@ class TeaCacheRun(StackCacheRun):
     head_hook_cls = TeaCacheHook
     block_hook_cls = TeaCacheBlockHook
     weighs_metric_by_forecast = True
+    coherence_floor = ALTERNATING_COHERENCE  # its change metric does not choose skips by reuse's error
 
     def __init__(self, config: TeaCacheConfig, stack: BlockStack, modulated_input: ModulatedInput,
                  stats: CacheRunStats | None = None):

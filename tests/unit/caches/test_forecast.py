@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from omni_hooks.forecast import (ACCUMULATED_GAPS, AUTO, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, MAX_ORDER,
-                                 WEIGHT_RANGE, ErrorPerMetric, OrderScores, ResidualHistory, accumulation,
-                                 history_limit, lagrange_weights)
+from omni_hooks.forecast import (ACCUMULATED_GAPS, ALTERNATING_COHERENCE, AUTO, COHERENCE_RANGE, FORECAST,
+                                 FORECAST_FALLBACK, MAX_ORDER, WEIGHT_RANGE, ErrorPerMetric, OrderScores,
+                                 ResidualHistory, accumulation, history_limit, lagrange_weights)
 from omni_hooks.magcache import MagCacheConfig, MagCacheStrategy, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
@@ -337,6 +337,26 @@ def test_an_order_whose_errors_add_up_loses_to_one_of_the_same_size_whose_errors
     assert scores.expected(1) == scores.errors[1] == scores.errors[0] < scores.expected(0)
     scores.clear()
     assert scores.coherence == [None] * 3
+
+
+def test_a_cache_that_credits_alternating_errors_picks_an_order_reuse_beats_on_size_alone():
+    assert accumulation(-0.5, low=ALTERNATING_COHERENCE) < 1.0 == accumulation(-0.5)
+    floor = ALTERNATING_COHERENCE
+    assert accumulation(-1.0, low=floor) == accumulation(floor, low=floor)  # bounded below
+    scores = OrderScores()  # 1st order errs 1.5x as much as reuse per step, but its errors alternate
+    scores.update(measurement([1.0, 1.5, None], 1.0, products=[0.0, -0.5 * 1.5, None], before=[1.0, 1.5, None]))
+    assert scores.coherence[1] == pytest.approx(-0.5)
+    assert scores.best() == 0  # not credited: 1.5 > 1
+    assert scores.best(low=ALTERNATING_COHERENCE) == 1  # credited: 1.5 * accumulation(-0.5) < 1
+    assert scores.expected(1, low=ALTERNATING_COHERENCE) < scores.expected(0, low=ALTERNATING_COHERENCE)
+
+
+def test_teacache_credits_alternating_errors_and_magcache_does_not():
+    from omni_hooks.magcache.hook import MagCacheRun
+    from omni_hooks.teacache.hook import TeaCacheRun
+
+    assert TeaCacheRun.coherence_floor == ALTERNATING_COHERENCE < 0
+    assert MagCacheRun.coherence_floor == COHERENCE_RANGE[0] == 0
 
 
 def test_the_history_measures_how_consecutive_errors_of_an_order_align():
