@@ -17,7 +17,8 @@ distance from the last computed step, is smallest: an order-k extrapolation errs
 k + 1, reuse like the distance, so a skip close to the last computed step favours the higher orders and one far
 from it favours reuse. An error also counts as it adds up in the latent over the coming gaps: each order's running
 correlation between its consecutive errors (``OrderScores.coherence``; reuse lagging a drift errs the same way at
-every gap) multiplies its error by ``accumulation``. Plain reuse unless an order beats it. An auto branch keeps
+every gap) multiplies its error by ``accumulation`` (below 1 for errors that alternate, where the cache credits that:
+``StackCacheRun.coherence_floor``). Plain reuse unless an order beats it. An auto branch keeps
 ``MAX_ORDER + 2`` residuals (the newest is scored against the ``MAX_ORDER + 1`` before it). The scores are measured
 per rank shard and averaged over the ranks (like the caches' metrics), so every rank of a group chooses the same
 order.
@@ -47,9 +48,9 @@ FORECAST_FALLBACK = "forecast-fallback"  # ... whose forecast was not finite, so
 
 SCORE_MEMORY = 0.5  # the running scores: weight of the newest measurement
 # OrderScores.best charges an order for how its errors add up over the coming gaps (``accumulation``). Errors that
-# alternate are credited as cancelling only by a cache whose skips its metric does not choose by reuse's own error
-# (TeaCache, ALTERNATING_COHERENCE); MagCache's skips are where its curve expects reuse to err little, and crediting
-# them there made auto lose 1.8 dB to reuse at one MagCache threshold
+# alternate are credited as cancelling (ALTERNATING_COHERENCE) only by a cache whose metric does not estimate reuse's
+# own error: TeaCache's input change does not; MagCache skips where its curve expects reuse to err little, and
+# crediting alternation there made auto lose 1.8 dB to reuse at one MagCache threshold
 ACCUMULATED_GAPS = 4
 COHERENCE_RANGE = (0.0, 0.9)
 ALTERNATING_COHERENCE = -0.5  # the lower bound in place of COHERENCE_RANGE's for a cache that credits alternation
