@@ -15,8 +15,8 @@ data, so that a claim about the caches holds on more than one (``MODELS``):
   developed on.
 * ``long``: dim 192, 8 blocks, a 2-frame latent [16, 2, 16, 16] (128 tokens, the longest sequence). Class k is a
   ring of k + 2 dots in the class's colour, at a random centre, radius and angle, turning at the class's speed from
-  frame to frame, over a smooth random background (three low-frequency waves) in a second colour. Added after every
-  forecast setting was chosen, as a second check on a model none of it was developed on.
+  frame to frame, over a smooth random background (three low-frequency waves) in a second colour. Added after the
+  forecast settings were developed on the other three, as a second check on a model none of them was developed on.
 
 The "prompt" of class k is a fixed random text conditioning (``tokens`` x ``text_dim``); the negative prompt is all
 zeros (trained as the unconditional input with probability ``DROPOUT``).
@@ -177,12 +177,12 @@ def dot_rings(labels: torch.Tensor, g: torch.Generator, frames: int = 2, size: i
     background = sum(wave_amp[:, j, None, None] * torch.sin(2 * math.pi * (waves[:, j, 0, None, None] * hh
                                                                           + waves[:, j, 1, None, None] * ww)
                                                             + wave_phase[:, j, None, None]) for j in range(3))
-    count = labels + 2
+    count, turn = labels + 2, torch.tensor(RING_TURN)[labels]
     out = []
     for f in range(frames):
         ring = torch.zeros(n, size, size)
         for j in range(5):
-            theta = angle + f * torch.tensor(RING_TURN)[labels] + 2 * math.pi * j / count
+            theta = angle + f * turn + 2 * math.pi * j / count
             cy = centre[:, 0] + radius * torch.sin(theta)
             cx = centre[:, 1] + radius * torch.cos(theta)
             dot = torch.exp(-((hh - cy[:, None, None]) ** 2 + (ww - cx[:, None, None]) ** 2) / (2 * 0.05 ** 2))
