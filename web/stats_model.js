@@ -542,6 +542,8 @@ function hostStreamingView(s, t, headline) {
         help: `this model's weights ComfyUI's dynamic VRAM held on the GPU at the last call, of ${formatBytes(model)}` },
       { value: formatBytes(streamed), label: "streamed per computed step",
         help: "the weights not resident when a computed step began: ComfyUI copies them to the GPU during the step" },
+      { value: formatBytes(finiteOr(h.free_bytes_first_call, 0)), label: "VRAM free to ComfyUI",
+        help: "what ComfyUI could still give this model at the first call, beyond what it held resident" },
     ],
     strip: stepStrip(s, "not_resident_bytes", (x, skip) => (skip ? "skipped by the cache: no block ran"
       : `${formatBytes(finiteOr(x.not_resident_bytes, 0))} not resident, streamed by ComfyUI`)),

@@ -149,21 +149,29 @@ class ComfyPins:
 
 class HostStreaming:
     """What ComfyUI's dynamic VRAM keeps of a model on the GPU while CPU Offload stands aside, so its card still
-    answers "did it help": the model's weight bytes, those resident (``loaded_size()``) when each call began, and
-    per computed call the bytes that were not, which ComfyUI streams during the call."""
+    answers "did it help": the model's weight bytes, those resident (``loaded_size()``) when each call began, the
+    device memory ComfyUI could still give it at the first call (its budget beyond what is resident), and per
+    computed call the bytes that were not resident, which ComfyUI streams during the call."""
 
     def __init__(self, patcher) -> None:
         self.patcher = patcher
         self.model_bytes = int(patcher.model_size())
         self.resident: list[int] = []
+        self.free_bytes_first_call = 0
 
     def at_call_start(self) -> int:
         """ComfyUI's resident bytes of this model now (recorded); the bytes not resident."""
         resident = int(self.patcher.loaded_size())
+        if not self.resident:
+            free = getattr(self.patcher, "get_free_memory", None)  # ComfyUI 0.33: torch's free and comfy-aimdo's
+            device = self.patcher.load_device
+            self.free_bytes_first_call = int(free(device) if free is not None
+                                             else comfy.model_management.get_free_memory(device))
         self.resident.append(resident)
         return max(0, self.model_bytes - resident)
 
     def summary(self) -> dict[str, int]:
         return {"model_bytes": self.model_bytes,
                 "resident_bytes_first_call": self.resident[0] if self.resident else 0,
-                "resident_bytes_last_call": self.resident[-1] if self.resident else 0}
+                "resident_bytes_last_call": self.resident[-1] if self.resident else 0,
+                "free_bytes_first_call": self.free_bytes_first_call}

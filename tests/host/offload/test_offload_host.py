@@ -690,8 +690,10 @@ def test_on_dynamic_vram_the_card_shows_what_comfyui_kept_resident_and_streamed(
     env.tiny.sample(wan, model=probe.model, steps=STEPS, cfg=1.0)
     summary = probe.session(env).summary()
     assert not summary["active"] and "dynamic VRAM" in summary["unchanged_reason"]
-    assert summary["host_streaming"] == {"model_bytes": model_bytes, "resident_bytes_first_call": resident,
-                                         "resident_bytes_last_call": resident}
+    host = summary.pop("host_streaming")
+    assert host.pop("free_bytes_first_call") > 0  # ComfyUI's own number, whatever it is on this machine
+    assert host == {"model_bytes": model_bytes, "resident_bytes_first_call": resident,
+                    "resident_bytes_last_call": resident}
     steps = summary["steps"]
     assert [s["first_step"] for s in steps] == list(range(STEPS))
     skipped = [s for s in steps if s["skipped"]]
