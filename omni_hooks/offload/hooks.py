@@ -127,12 +127,13 @@ class LayerwiseOffloadRun:
                 master = HostBuffer(layout.nbytes, pin)
                 try:
                     layout.pack_into(master.tensor)
+                    locked = layout.page_locked_data()
                 except BaseException:
                     master.release()
                     raise
                 self._count_pinning(index, master)
                 self._masters.append(master)  # from here on, teardown restores this block from its master
-                self._locked_data.append(layout.page_locked_data())
+                self._locked_data.append(locked)
                 layout.release(self._placeholders)
             self._note_pinning()
             # the slots only once the blocks have left the device, so that it never holds both (as in teardown)
