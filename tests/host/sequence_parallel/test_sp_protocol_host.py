@@ -75,7 +75,7 @@ def control():
     import socket
 
     from omnitest.pack import pack_module
-    from omnitest.sp_control import join_client
+    from omnitest.sp_group import join_client
 
     module = pack_module("nodes.sequence_parallel.control")
     listener = socket.create_server(("127.0.0.1", 0))
