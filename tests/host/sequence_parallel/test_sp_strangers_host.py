@@ -25,6 +25,7 @@ import pytest
 from omnitest.processes import LOOPBACK, deadline, free_port
 from omnitest.quality import psnr_db
 from omnitest.sp_group import join_client, with_sequence_parallel
+from omnitest.sp_stranger import Stranger
 
 pytestmark = pytest.mark.host
 
@@ -50,12 +51,6 @@ def sp():
         mods["group"].close_group()
 
 
-def _stranger(*argv):
-    from omnitest.sp_stranger import Stranger
-
-    return Stranger(*argv)
-
-
 # -- on a live group ------------------------------------------------------------------------------------------------
 
 def test_a_garbage_flood_and_deleted_keys_do_not_end_a_group_whose_worker_is_busy_for_10_s(
@@ -72,7 +67,7 @@ def test_a_garbage_flood_and_deleted_keys_do_not_end_a_group_whose_worker_is_bus
     with deadline(TEST_DEADLINE_S, "a garbage flood on a busy worker's group"):
         sample(case, model)
         first = group.active_group()
-        stranger = _stranger("flood", first.port)
+        stranger = Stranger("flood", first.port)
         try:
             flag.touch()  # the worker checks the next call for BUSY_S seconds, beating all along
             started = time.monotonic()
@@ -155,7 +150,7 @@ def test_fifty_slow_connections_during_the_start_neither_delay_it_nor_add_thread
 
     def accept_with_slow_strangers(self):
         if not strangers:
-            strangers.append(_stranger("slow", self.port, 50))
+            strangers.append(Stranger("slow", self.port, 50))
             end = time.monotonic() + 60
             while len(self._handshakes) < 50 and time.monotonic() < end:  # each one challenged as it connects
                 accept(self)
