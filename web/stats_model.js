@@ -566,7 +566,8 @@ function sequenceParallelView(s) {
   if (decided) parts.push(`every rank agreed on ${plural(decided, "cache decision")}, ${skipped} skipped`);
   if (finiteOr(s.calls_unsplit, 0) > 0) parts.push(`${plural(s.calls_unsplit, "call")} not split by CFG: ${s.unsplit_reason}`);
   const tiles = [
-    { value: String(s.world_size), label: "ranks", help: `${degrees}${devices ? ` on ${devices}` : ""}, ${s.backend ?? ""}`.trim() },
+    { value: String(s.world_size), label: "ranks",
+      help: `${degrees}${devices ? ` on ${devices}` : ""}, ${s.backend ?? ""}${s.interface ? ` over ${s.interface}` : ""}`.trim() },
   ];
   if (perStep != null) {
     tiles.push({ value: formatSeconds(perStep), label: "per step",

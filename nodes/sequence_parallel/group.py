@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 
 from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequenceParallelMesh
+from . import network
 from .control import ControlError, ControlServer
 from .protocol import (
     ANSWER_STALL_S,
     Command,
     CommandRefused,
     GroupInfo,
-    HeartbeatWatch,
     SequenceParallelError,
     Timeouts,
     broadcast_tensors,
@@ -56,6 +56,8 @@ log = logging.getLogger("OmniHooks")
 WORKER_SCRIPT = Path(__file__).with_name("worker.py")
 #: how long idle workers get to leave after the "exit" command before they are killed
 EXIT_GRACE_S = 5.0
+#: while rank 0 waits for its ranks it writes the group to the store again this often (anyone may overwrite it)
+REPUBLISH_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,7 @@ class SequenceParallelGroup:
         self.weights_key: tuple | None = None
         self.serial_of_weights: int | None = None  # the "load" command whose weights the workers hold
         self._meshes: dict[tuple[int, int, int], SequenceParallelMesh] = {}  # (ulysses, ring, cfg)
+        self.interface: network.Interface | None = None  # the process group's network interface, once it is made
         self._start(comfyui_root)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
@@ -184,13 +187,21 @@ class SequenceParallelGroup:
                                         "by something else; run ComfyUI without it")
         check_platform(s.backend)
         # the group's key: from a fresh secret when every rank is here, else from the one the user set everywhere
-        secret = user_secret() if s.remote_ranks else new_secret()
+        try:
+            secret = user_secret() if s.remote_ranks else new_secret()
+        except trust.TrustError as exc:
+            raise SequenceParallelError(str(exc)) from None
         if secret is None:
             raise SequenceParallelError(
                 f"Sequence Parallel: {s.remote_ranks} rank(s) join from other machines, and they must prove they "
                 f"belong to this group: set the same secret on this machine and theirs, in the environment variable "
-                f"{trust.SECRET_ENV} (at least {trust.MIN_SECRET_CHARS} characters) or in a file named by "
-                f"{trust.SECRET_FILE_ENV} (README, 'Sequence Parallel on several machines'), then restart ComfyUI")
+                f"{trust.SECRET_ENV} or in a file named by {trust.SECRET_FILE_ENV} readable by its owner only (at "
+                f"least {trust.MIN_SECRET_BITS} bits of entropy: generate it with {trust.NEW_SECRET_COMMAND}; README, "
+                "'Sequence Parallel on several machines'), then restart ComfyUI")
+        try:  # the interface the process group will use: no worker starts for an address no interface holds
+            self.interface = network.interface_of(s.host)
+        except ValueError as exc:
+            raise SequenceParallelError(str(exc)) from None
         group_id = uuid.uuid4().hex
         self.key = group_key(secret, group_id)
         # rank 0 hosts the store and the control connections; their ports must be known before the workers start
@@ -207,6 +218,7 @@ class SequenceParallelGroup:
         self.commands = command_store(self._store)
         info = GroupInfo(s.world_size, s.backend, self.timeouts, group_id, self.control.port)
         publish_group(self.commands, info, self.key)
+        self._info = info
         environment = {k: v for k, v in os.environ.items() if k not in (trust.SECRET_ENV, trust.SECRET_FILE_ENV)}
         for rank in range(1, len(s.devices)):
             command = [sys.executable, str(WORKER_SCRIPT), "--join", f"{s.host}:{self.port}", "--rank", str(rank),
@@ -221,21 +233,28 @@ class SequenceParallelGroup:
                 pass
         try:
             self._wait_for_ranks(comfyui_root)
-            init_group(self._store, 0, info)
+            try:
+                self.interface = init_group(self._store, 0, info, s.host)
+            except ValueError as exc:  # no interface holds the address (network.bind)
+                raise SequenceParallelError(str(exc)) from None
         except BaseException:
             self.close(broken=True)
             raise
 
     def _wait_for_ranks(self, comfyui_root: Path) -> None:
         """Until every worker rank claimed its rank and connected: a local worker that exits first, or the join timeout,
-        fails."""
+        fails. The group is written to the store again every ``REPUBLISH_S`` (a stranger may have overwritten it)."""
         s = self.settings
         if s.remote_ranks:
             log.warning("OmniHooks Sequence Parallel: waiting %.0f s for %d remote rank(s) at %s:%d; start them with\n"
                         "  %s", self.timeouts.join_s, s.remote_ranks, s.host, self.port,
                         remote_worker_command(s, self.port, str(comfyui_root)))
         deadline = time.monotonic() + self.timeouts.join_s
+        published = time.monotonic()
         while True:
+            if time.monotonic() - published >= REPUBLISH_S:
+                publish_group(self.commands, self._info, self.key)
+                published = time.monotonic()
             self.control.accept_waiting()
             missing = self.control.missing(s.world_size)
             if not missing:
@@ -282,6 +301,7 @@ class SequenceParallelGroup:
                     pass
         self.processes = []
         _destroy_process_group(self.settings.backend, broken, self.timeouts.collective_s)
+        network.unbind()
         self._meshes.clear()
         self._unanswered = None
         self.control = None
@@ -304,8 +324,7 @@ class SequenceParallelGroup:
         """A clear error for a model call that failed in a collective or on a control connection: which ranks broke it
         and how (waits ``STALL_S`` to tell hung ranks from busy ones)."""
         try:
-            found = (diagnose(self.commands, self.settings.world_size, self.exit_codes, self.key)
-                     if self.commands else {})
+            found = diagnose(self.control, self.settings.world_size, self.exit_codes) if self.control else {}
         except Exception as exc:  # the diagnosis is a courtesy; the original error stays the cause
             found = {}
             log.warning("OmniHooks Sequence Parallel: could not tell which rank failed: %r", exc)
@@ -379,13 +398,13 @@ class SequenceParallelGroup:
         if self._unanswered is None or self._unanswered.args[0] != serial:
             return
         self._unanswered = None
-        watch = HeartbeatWatch(self.commands, self.key, ANSWER_STALL_S)
+        since = time.monotonic()
 
         def unresponsive(rank: int) -> str | None:
             code = self.exit_codes().get(rank)
             if code is not None:
                 return f"exited before answering ({describe_exit(code)})"
-            if watch.stalled(rank):
+            if self.control.stalled(rank, since, ANSWER_STALL_S):
                 return f"stopped responding before answering (no heartbeat for {ANSWER_STALL_S:.1f} s)"
             return None
 

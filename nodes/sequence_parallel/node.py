@@ -213,6 +213,7 @@ class SequenceParallelSession(ShardSession):
         self.calls_unsplit: list[str] = []  # why a call with cfg_degree > 1 ran its batch whole (one per call)
         self._call_start: tuple[float, int] | None = None
         self.in_call = False  # a call was sent to the workers and has not returned on this rank
+        self.interface: str | None = None  # the process group's network interface ("lo (127.0.0.1)")
 
     def after_load(self, patcher) -> None:
         self._join(patcher)
@@ -224,6 +225,7 @@ class SequenceParallelSession(ShardSession):
                              f"{_refusal(self.family)}; supported: {supported_families()}")
         if self.group is None:
             self.group = sp_group.current_group(self.config.group, _comfyui_root())
+            self.interface = str(self.group.interface)  # the card names where the ranks exchange
         self.group.sync_weights(patcher, self.family.name)
 
     def install(self, diffusion_model: torch.nn.Module) -> None:
@@ -315,7 +317,7 @@ class SequenceParallelSession(ShardSession):
         ulysses, ring, cfg = self.degrees
         group = self.config.group
         return {"world_size": group.world_size, "ulysses_degree": ulysses, "ring_degree": ring, "cfg_degree": cfg,
-                "backend": group.backend, "local_devices": list(group.devices),
+                "backend": group.backend, "local_devices": list(group.devices), "interface": self.interface,
                 "calls": self.calls, "bytes_sent": self.run.stats.bytes_sent if self.run else 0,
                 **self._activity()}
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import json
+import re
 import sys
 import uuid
 from typing import Any, Callable
@@ -34,6 +36,47 @@ _TAG = "$"
 
 class PlainDataError(ValueError):
     """A value that cannot travel as plain data, or data that does not describe one."""
+
+
+#: a JSON string (skipped whole: brackets inside it do not nest), a quote that opens no string (malformed: the scan
+#: stops), or a bracket; the alternatives exclude each other, so a scan is linear in the text
+_JSON_STRUCTURE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|"|[\[\]{}]', re.S)
+
+
+def json_depth(text: str, limit: int) -> int:
+    """How deeply ``text`` (JSON) nests arrays and objects, counted up to ``limit + 1`` (the scan stops there, and
+    at a string that does not end)."""
+    depth = deepest = 0
+    for match in _JSON_STRUCTURE.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                break
+        elif token in "]}":
+            depth -= 1
+        elif token == '"':
+            break
+    return deepest
+
+
+def bounded_json(data: bytes | bytearray | memoryview, max_bytes: int, max_depth: int, what: str) -> Any:
+    """``data`` (UTF-8 JSON) as Python values, read only when it holds at most ``max_bytes`` bytes nested at most
+    ``max_depth`` deep (so no decoder recurses without bound). PlainDataError naming ``what`` otherwise, or when it is
+    not JSON."""
+    if len(data) > max_bytes:
+        raise PlainDataError(f"{what}: {len(data)} bytes, more than {max_bytes}")
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError:
+        raise PlainDataError(f"{what}: not UTF-8 text") from None
+    if json_depth(text, max_depth) > max_depth:
+        raise PlainDataError(f"{what}: nested more than {max_depth} deep")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise PlainDataError(f"{what}: not JSON ({exc})") from None
 
 
 def dtype_named(name: Any) -> torch.dtype:

@@ -9,12 +9,14 @@ timeout bounds every wait; a model call's small tensors travel in its command, a
 
 How a rank joins: rank 0 publishes the group (``GroupInfo``: world size, backend, timeouts, the port of its control
 connections), signed with the group's key, in the rendezvous ``TCPStore`` under ``group`` before any worker starts;
-a worker reads it and checks the signature and the world size it was told, claims its rank on its control connection
-(a rank claimed twice is refused there), starts its heartbeat (``beat/<rank>``, a signed count); rank 0 waits until every
-rank has connected (failing fast when a local worker exits, and after the join timeout naming the ranks missing) and
-only then does everyone call ``init_process_group``. A worker whose command fails mid-collective leaves its traceback,
-signed, under ``error/<rank>``. With the heartbeats and those errors rank 0 says which rank broke a call
-(``diagnose``); an error whose signature fails is ignored (and logged).
+a worker reads it and checks the signature and the world size it was told (what it cannot read or verify it logs and
+ignores, and goes on waiting), claims its rank on its control connection (a rank claimed twice is refused there);
+rank 0 waits until every rank has connected (failing fast when a local worker exits, and after the join timeout
+naming the ranks missing) and only then does everyone call ``init_process_group``, bound to the network interface of
+the group's address (``network``). From then on a worker beats on its control connection (``control``: a signed,
+rising count) and a worker whose command fails mid-collective sends its traceback there: with those, rank 0 says
+which rank broke a call (``diagnose``). The store holds nothing else of this pack: anyone who reaches it can read,
+write and delete its keys.
 
 Nothing here imports ComfyUI.
 """
@@ -25,7 +27,6 @@ import json
 import logging
 import math
 import os
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -33,18 +34,18 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .plain import PlainDataError, dtype_name, dtype_named, from_plain, to_plain
-from .trust import TrustError, group_key, mac, opened, proves, seal, unseal
+from . import network
+from .plain import PlainDataError, bounded_json, dtype_name, dtype_named, from_plain, json_depth, to_plain
+from .trust import TrustError, group_key, opened, seal, unseal
 
 log = logging.getLogger("OmniHooks")
 
 STORE_PREFIX = "omnihooks_sp/"
-#: a worker raises its count in ``beat/<rank>`` this often, from a thread of its own (a stopped or dead process stops beating)
-BEAT_S = 0.25
-#: ``diagnose`` calls a rank not responding when its heartbeat did not move for this long
+#: ``diagnose`` calls a rank not responding when no fresh heartbeat came from it for this long
 STALL_S = 1.5
-#: rank 0, waiting for a command's answers, gives up on a worker whose heartbeat did not move for this long (longer
-#: than ``STALL_S``: this verdict ends the run, so a thread scheduled late on a busy machine must not trigger it)
+#: rank 0, waiting for a command's answers, gives up on a worker from which no fresh heartbeat came for this long
+#: (longer than ``STALL_S``: this verdict ends the run, so a thread scheduled late on a busy machine must not trigger
+#: it)
 ANSWER_STALL_S = 3.0
 
 
@@ -100,6 +101,11 @@ class GroupInfo:
 OPTIONS_SLOT = "<omnihooks transformer_options>"
 
 
+class UnjoinableGroup(ValueError):
+    """What the store holds under ``group`` is not a group this worker can join (not this pack's record, malformed, or
+    signed with another key)."""
+
+
 class SequenceParallelError(Exception):
     """A sequence-parallel group failed (a rank died, hung, refused a command, raised or never joined).
 
@@ -136,6 +142,9 @@ BROADCAST_BYTES = 256 * 1024
 
 
 _LENGTH = 8
+#: the largest JSON document of a command (its tensors' bytes come after it) and how deeply it may nest
+DOCUMENT_BYTES = 64 << 20
+DOCUMENT_DEPTH = 256
 
 
 def encode(command: Command) -> tuple[bytes, list[torch.Tensor]]:
@@ -158,6 +167,9 @@ def encode(command: Command) -> tuple[bytes, list[torch.Tensor]]:
     document = {"op": command.op, "serial": command.serial, "header": to_plain(command.header, slot),
                 "payload": to_plain(command.payload, slot)}
     body = json.dumps(document, separators=(",", ":")).encode()
+    if len(body) > DOCUMENT_BYTES or json_depth(body.decode(), DOCUMENT_DEPTH) > DOCUMENT_DEPTH:
+        raise PlainDataError(f"the command's data is larger than {DOCUMENT_BYTES} bytes or nested more than "
+                             f"{DOCUMENT_DEPTH} deep")
     parts = [len(body).to_bytes(_LENGTH, "little"), body]
     for tensor in inline:
         parts += [bytes(-sum(map(len, parts)) % _ALIGN), tensor.reshape(-1).view(torch.uint8).numpy().tobytes()]
@@ -167,15 +179,17 @@ def encode(command: Command) -> tuple[bytes, list[torch.Tensor]]:
 def decode(data: bytes | bytearray, device: torch.device | str = "cpu") -> Command:
     """``encode``'s command; its tensors share ``data`` when it is a bytearray (else a copy of it). The tensors rank
     0 broadcasts after it are made empty on ``device`` (the command's ``broadcast``), to be received in place.
-    PlainDataError when ``data`` is not such a command (a length, a dtype, a shape or a place that does not fit)."""
+    PlainDataError when ``data`` is not such a command (a length, a dtype, a shape or a place that does not fit, a
+    document over ``DOCUMENT_BYTES`` or nested more than ``DOCUMENT_DEPTH`` deep)."""
     if len(data) < _LENGTH:
         raise PlainDataError("malformed command: shorter than its length field")
     size = int.from_bytes(bytes(data[:_LENGTH]), "little")
     if size > len(data) - _LENGTH:
         raise PlainDataError(f"malformed command: a document of {size} bytes in {len(data)}")
     try:
-        document = json.loads(bytes(data[_LENGTH:_LENGTH + size]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+        document = bounded_json(memoryview(data)[_LENGTH:_LENGTH + size], DOCUMENT_BYTES, DOCUMENT_DEPTH,
+                                "its document")
+    except PlainDataError as exc:
         raise PlainDataError(f"malformed command: {exc}") from None
     if not isinstance(document, dict) or set(document) != {"op", "serial", "header", "payload"} \
             or not isinstance(document["op"], str) or type(document["serial"]) is not int:
@@ -249,7 +263,9 @@ def check_sendable(options: dict, where: str) -> None:
     """ValueError naming each transformer option that cannot be sent to the other ranks as plain data."""
     for key, value in options.items():
         try:
-            to_plain(value, lambda tensor: {})
+            text = json.dumps(to_plain(value, lambda tensor: {}))
+            if json_depth(text, DOCUMENT_DEPTH - 8) > DOCUMENT_DEPTH - 8:
+                raise PlainDataError("it is nested too deeply")
         except PlainDataError as exc:
             raise ValueError(
                 f"{where}: transformer option {key!r} ({type(value).__name__}) cannot be sent to the other ranks "
@@ -261,33 +277,58 @@ _GROUP = "group"
 
 
 def publish_group(commands: dist.Store, info: GroupInfo, key: bytes) -> None:
-    """Rank 0, before any worker starts: what joining ranks read (``commands``: the prefixed store), signed with the
-    group's ``key``."""
+    """Rank 0, before any worker starts (and again while it waits for them: anyone may overwrite it): what joining
+    ranks read (``commands``: the prefixed store), signed with the group's ``key``."""
     body = {"world_size": info.world_size, "backend": info.backend, "timeouts": asdict(info.timeouts),
             "control_port": info.control_port}
     commands.set(_GROUP, seal(key, _GROUP, body, group_id=info.group_id))
 
 
+def group_record(commands: dist.Store) -> bytes:
+    """What the store holds under ``group`` (waits up to the store's timeout for rank 0 to publish it)."""
+    return bytes(commands.get(_GROUP))
+
+
 def read_group(commands: dist.Store, secret: bytes) -> tuple[GroupInfo, bytes]:
-    """A worker: rank 0's ``GroupInfo`` and the group's key (waits up to the store's timeout for rank 0 to publish
-    it). ValueError when what is there is not a group signed with a key from ``secret``."""
-    data = commands.get(_GROUP)
+    """A worker: rank 0's ``GroupInfo`` and the group's key (``group_record``, ``open_group``)."""
+    return open_group(group_record(commands), secret)
+
+
+def open_group(data: bytes, secret: bytes) -> tuple[GroupInfo, bytes]:
+    """The ``GroupInfo`` in a ``group`` record and the group's key. UnjoinableGroup when ``data`` is not a group
+    signed with a key from ``secret`` (not this pack's record, malformed, too large or nested, another secret)."""
     try:
         group_id = opened(data).get("group_id")
-        if not isinstance(group_id, str):
+        if not isinstance(group_id, str) or len(group_id) != 32 or not all(c in "0123456789abcdef" for c in group_id):
             raise TrustError("no group id")
         key = group_key(secret, group_id)
         body = unseal(key, _GROUP, data)
-        timeouts = Timeouts(**{name: float(body["timeouts"][name]) for name in Timeouts.ENV})
-        info = GroupInfo(int(body["world_size"]), str(body["backend"]), timeouts, group_id, int(body["control_port"]))
+        timeouts = body["timeouts"]
+        if not isinstance(timeouts, dict):
+            raise TypeError("timeouts")
+        timeouts = Timeouts(**{name: _seconds(timeouts[name]) for name in Timeouts.ENV})
+        info = GroupInfo(_count(body["world_size"], 2, 1 << 16), body["backend"], timeouts, group_id,
+                         _count(body["control_port"], 1, 65535))
     except (TrustError, KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"Sequence Parallel worker: the group in rank 0's store is not one this worker can join "
-                         f"({exc}); rank 0 and this worker must hold the same secret (OMNIHOOKS_SP_SECRET or "
-                         "OMNIHOOKS_SP_SECRET_FILE on both machines; the pack's own workers get it from their "
-                         "parent)") from None
+        raise UnjoinableGroup(f"Sequence Parallel worker: the group in rank 0's store is not one this worker can join "
+                              f"({exc}); rank 0 and this worker must hold the same secret (OMNIHOOKS_SP_SECRET or "
+                              "OMNIHOOKS_SP_SECRET_FILE on both machines; the pack's own workers get it from their "
+                              "parent)") from None
     if info.backend not in ("gloo", "nccl"):
-        raise ValueError(f"Sequence Parallel worker: rank 0's group has backend {info.backend!r}")
+        raise UnjoinableGroup(f"Sequence Parallel worker: rank 0's group has backend {info.backend!r}")
     return info, key
+
+
+def _seconds(value: Any) -> float:
+    if type(value) not in (int, float) or not 0 < value < math.inf:
+        raise ValueError(f"a timeout of {value!r}")
+    return float(value)
+
+
+def _count(value: Any, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{value!r} is not a number from {low} to {high}")
+    return value
 
 
 def check_rank(rank: int, world_size: int | None, info: GroupInfo) -> None:
@@ -301,14 +342,18 @@ def check_rank(rank: int, world_size: int | None, info: GroupInfo) -> None:
                          f"ComfyUI process; world_size {info.world_size})")
 
 
-def init_group(store: dist.Store, rank: int, info: GroupInfo) -> None:
-    """Join the default process group through ``store`` (every rank has connected; rank 0 hosts the store)."""
+def init_group(store: dist.Store, rank: int, info: GroupInfo, address: str) -> network.Interface:
+    """Join the default process group through ``store`` (every rank has connected; rank 0 hosts the store), bound to
+    the network interface that holds ``address`` (rank 0: the group's address; a worker: its end of its control
+    connection): ``network.bind``. Returns that interface."""
+    interface = network.bind(address, info.backend)
     dist.init_process_group(info.backend, store=store, rank=rank, world_size=info.world_size,
                             timeout=datetime.timedelta(seconds=info.timeouts.collective_s))
+    return interface
 
 
 def command_store(store: dist.Store) -> dist.PrefixStore:
-    """The store of this protocol's keys (the group, heartbeats, errors) inside the rendezvous store."""
+    """The store of this protocol's keys (the group) inside the rendezvous store."""
     return dist.PrefixStore(STORE_PREFIX, store)
 
 
@@ -317,119 +362,27 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _beat(key: bytes, rank: int, count: int) -> bytes:
-    return f"{count}:{mac(key, f'beat/{rank}', str(count).encode()).hex()}".encode()
-
-
-def read_beat(commands: dist.Store, rank: int, key: bytes) -> int | None:
-    """Worker ``rank``'s heartbeat count, None when it has none or what is there fails the group's signature.
-    Read with ``get``, never ``add``: a value that is not a number makes the store drop the connection that adds."""
-    name = f"beat/{rank}"
-    if not commands.check([name]):
-        return None
-    count, _, proof = bytes(commands.get(name)).partition(b":")
-    try:
-        if proves(key, name, bytes.fromhex(proof.decode("ascii")), count):
-            return int(count)
-    except ValueError:
-        pass
-    return None
-
-
-class Heartbeat:
-    """A worker's heartbeat: a daemon thread writes a rising count, signed, to ``beat/<rank>`` every ``BEAT_S`` over
-    its own store connection, until ``stop``. A process that is killed, stopped (SIGSTOP) or cut off stops beating:
-    rank 0 reads a stalled count as "not responding"."""
-
-    def __init__(self, host: str, port: int, rank: int, timeout_s: float, key: bytes):
-        self._store = command_store(connect_store(host, port, timeout_s))
-        self._name, self._key, self._rank, self._count = f"beat/{rank}", key, rank, 1
-        self._stopped = threading.Event()
-        self._store.set(self._name, _beat(key, rank, self._count))
-        self._thread = threading.Thread(target=self._beat, name=f"omnihooks-sp-heartbeat-{rank}", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        while not self._stopped.wait(BEAT_S):
-            self._count += 1
-            try:
-                self._store.set(self._name, _beat(self._key, self._rank, self._count))
-            except Exception:  # rank 0's store is gone: the group is over, the main thread notices on its own
-                return
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join(timeout=5)
-
-
-class HeartbeatWatch:
-    """Which workers stopped beating: a rank whose ``beat/<rank>`` count did not move for ``stall_s`` since this
-    watch first read it, or since it last moved (a rank whose count cannot be read, or fails the group's signature,
-    counts as not moving)."""
-
-    def __init__(self, commands: dist.Store, key: bytes, stall_s: float = STALL_S):
-        self.commands, self.key = commands, key
-        self.stall_s = stall_s
-        self._seen: dict[int, tuple[int | None, float]] = {}  # rank: (count, when it was first read at that count)
-
-    def stalled(self, rank: int) -> bool:
-        try:
-            count = read_beat(self.commands, rank, self.key)
-        except Exception:
-            count = None
-        now = time.monotonic()
-        seen = self._seen.get(rank)
-        if seen is None or count is not None and seen[0] != count:
-            self._seen[rank] = (count, now)
-            return False
-        return now - seen[1] >= self.stall_s
-
-
-def diagnose(commands: dist.Store, world_size: int, exit_codes: Callable[[], dict[int, int | None]],
-             key: bytes) -> dict[int, str]:
+def diagnose(control, world_size: int, exit_codes: Callable[[], dict[int, int | None]]) -> dict[int, str]:
     """Why a call failed, per worker rank that is not healthy: exited (``exit_codes()``: the local workers' rank and
-    exit code, None while running; read last, as a killed process may take a moment to end), not responding (heartbeat
-    stalled for ``STALL_S``: hung, stopped or gone) or raised (its ``error/<rank>``, last line). Waits ``STALL_S``.
-    Ranks not listed look healthy."""
-    ranks = range(1, world_size)
-    watch = HeartbeatWatch(commands, key)
-    for rank in ranks:
-        watch.stalled(rank)  # the counts to compare with
+    exit code, None while running; read last, as a killed process may take a moment to end), closed its control
+    connection, not responding (no fresh heartbeat on ``control``, the ``ControlServer``, for ``STALL_S``: hung,
+    stopped or cut off) or raised (the last line of the traceback it sent). Waits ``STALL_S``. Ranks not listed look
+    healthy."""
+    since = time.monotonic()
     time.sleep(STALL_S)
     found: dict[int, str] = {}
     codes = exit_codes()
-    for rank in ranks:
-        code = codes.get(rank)
-        error = reported_error(commands, rank, key)
+    for rank in range(1, world_size):
+        code, error = codes.get(rank), control.reported_error(rank)
         if code is not None:
             found[rank] = f"its process exited ({describe_exit(code)})"
-        elif watch.stalled(rank):
+        elif control.ended(rank) is not None:
+            found[rank] = f"it closed its control connection ({control.ended(rank)})"
+        elif control.stalled(rank, since, STALL_S):
             found[rank] = f"it stopped responding (no heartbeat for {STALL_S:.1f} s: hung, stopped or disconnected)"
         if error is not None:
             found[rank] = f"{found[rank]}; it raised: {error}" if rank in found else f"it raised: {error}"
     return found
-
-
-def report_error(commands: dist.Store, rank: int, key: bytes, text: str) -> None:
-    """A worker: its traceback, signed, for rank 0's ``diagnose``."""
-    commands.set(f"error/{rank}", seal(key, f"error/{rank}", {"text": text}))
-
-
-def reported_error(commands: dist.Store, rank: int, key: bytes) -> str | None:
-    """The last line of the error worker ``rank`` reported, None when it reported none. What fails the group's
-    signature is ignored (and logged): anyone who reaches the store can write there."""
-    name = f"error/{rank}"
-    if not commands.check([name]):
-        return None
-    try:
-        text = unseal(key, name, commands.get(name))["text"]
-        if not isinstance(text, str):
-            raise TrustError("no text")
-    except (TrustError, KeyError, ValueError) as exc:
-        log.warning("OmniHooks Sequence Parallel: ignored %s in the group's store: %s", name, exc)
-        return None
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "(no message)"
 
 
 def describe_exit(code: int) -> str:

@@ -15,11 +15,14 @@ at ``--join``. One rank without torchrun::
     python <pack>/nodes/sequence_parallel/worker.py --join <ComfyUI host>:<port> --rank R --world-size N --comfyui <ComfyUI folder>
 
 Every rank proves it holds the group's secret (README, 'Sequence Parallel on several machines'): a rank started by
-hand reads it from ``OMNIHOOKS_SP_SECRET`` or the file ``OMNIHOOKS_SP_SECRET_FILE`` names, set to the same value as
-for ComfyUI; the pack's own workers get a fresh one per group from their parent, through their stdin.
+hand reads it from ``OMNIHOOKS_SP_SECRET`` or the file ``OMNIHOOKS_SP_SECRET_FILE`` names (readable by its owner only),
+set to the same value as for ComfyUI, with at least 128 bits of entropy; ``python <pack>/nodes/sequence_parallel/
+worker.py --new-secret`` prints a new one. The pack's own workers get a fresh one per group from their parent, through
+their stdin.
 
-The backend and the timeouts come from rank 0. When rank 0 closes its group (a failure, another setting of the node)
-the worker joins the next group at the same address by itself, and exits when none starts within the join timeout
+The backend and the timeouts come from rank 0. A worker waiting for a group logs and ignores a record at ``--join``
+it cannot read or verify, and waits on. When rank 0 closes its group (a failure, another setting of the node) the
+worker joins the next group at the same address by itself, and exits when none starts within the join timeout
 (``OMNIHOOKS_SP_JOIN_TIMEOUT_S`` of the worker's environment, default 120 s) or with ``--once``. The worker needs
 ComfyUI's code, never the checkpoint file.
 """
@@ -34,6 +37,8 @@ from pathlib import Path
 
 PACKAGE = "omnihooks_sp_worker_pack"
 AUTO = "auto"
+#: the option that prints a new secret for groups with remote ranks, and nothing else
+NEW_SECRET = "--new-secret"
 
 
 def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> argparse.Namespace:
@@ -119,9 +124,12 @@ def _secret(args: argparse.Namespace) -> bytes:
     parent = getattr(args, "parent", None)
     if parent is not None:
         return parent.secret
-    from .trust import SECRET_ENV, SECRET_FILE_ENV, user_secret
+    from .trust import SECRET_ENV, SECRET_FILE_ENV, TrustError, user_secret
 
-    secret = user_secret()
+    try:
+        secret = user_secret()
+    except TrustError as exc:
+        raise SystemExit(str(exc)) from None
     if secret is None:
         raise SystemExit(f"Sequence Parallel worker: set the group's secret in {SECRET_ENV} (or a file named by "
                          f"{SECRET_FILE_ENV}), the same as for ComfyUI on rank 0's machine "
@@ -136,42 +144,69 @@ def _parent_gone(args: argparse.Namespace) -> bool:
 
 def serve(args: argparse.Namespace) -> int:
     """Serve one group: join it and run commands until "exit" (0), rank 0's or its store's end (1), or a failed
-    command (2)."""
-    from .protocol import Timeouts, connect_store
+    command (2); 1 when no group this worker can join is published at ``--join`` within the join timeout."""
+    from .protocol import Timeouts
 
-    store = connect_store(*_address(args), Timeouts.from_env().join_s)
-    return _serve_group(args, store)[0]
+    joined = _await_group(args, None, Timeouts.from_env().join_s)
+    return 1 if joined is None else _serve_group(args, *joined)[0]
 
 
 def serve_groups(args: argparse.Namespace) -> int:
     """A rank started by hand: serve rank 0's groups one after another (rank 0 closes a group on a failure, another
     setting or its exit) until no new group starts at ``--join`` within the join timeout (this process's
     ``OMNIHOOKS_SP_JOIN_TIMEOUT_S``); then 0."""
+    from .protocol import Timeouts
+
+    served: str | None = None
+    join_s = Timeouts.from_env().join_s
+    while True:
+        joined = _await_group(args, served, join_s)
+        if joined is None:
+            return 0
+        code, served = _serve_group(args, *joined)
+        print(f"Sequence Parallel worker rank {args.rank}: group {served} ended ({code}); waiting up to {join_s:.0f} s "
+              "for rank 0's next group", file=sys.stderr)
+
+
+#: how often a worker waiting for a group looks at ``--join`` again
+RETRY_S = 0.5
+
+
+def _await_group(args: argparse.Namespace, served: str | None, join_s: float):
+    """The store, group and key of the first group other than ``served`` that rank 0 publishes at ``--join`` and this
+    worker can join, waiting up to ``join_s``; None when none came. A record it cannot read or verify (a stranger's,
+    another secret's) is logged once and ignored: the worker goes on waiting."""
     import time
 
     import torch.distributed as dist
 
-    from .protocol import Timeouts, command_store, connect_store, read_group
+    from .protocol import UnjoinableGroup, command_store, connect_store, group_record, open_group
 
-    served: str | None = None
-    join_s = Timeouts.from_env().join_s
     deadline = time.monotonic() + join_s
-    while time.monotonic() < deadline:
+    secret, seen, ignored = _secret(args), None, None
+    while time.monotonic() < deadline and not _parent_gone(args):
         try:
             store = connect_store(*_address(args), max(1.0, deadline - time.monotonic()))
-            info, _ = read_group(command_store(store), _secret(args))
+            data = group_record(command_store(store))
         except dist.DistError:  # no rank 0 there (yet, or any more)
-            time.sleep(0.5)
+            time.sleep(RETRY_S)
             continue
-        if info.group_id == served:  # the closed group's store, until rank 0 lets it go
-            del store
-            time.sleep(0.5)
-            continue
-        code, served = _serve_group(args, store)
-        print(f"Sequence Parallel worker rank {args.rank}: group {served} ended ({code}); waiting up to {join_s:.0f} s "
-              "for rank 0's next group", file=sys.stderr)
-        deadline = time.monotonic() + join_s
-    return 0
+        if data != seen:  # else: the record of the group served (until rank 0 lets its store go), or one ignored
+            seen = data
+            try:
+                info, key = open_group(data, secret)
+            except UnjoinableGroup as exc:
+                ignored = str(exc)
+                print(f"Sequence Parallel worker rank {args.rank}: ignored the group record at {args.join}: {exc}; "
+                      "waiting for one it can join", file=sys.stderr)
+            else:
+                if info.group_id != served:
+                    return store, info, key
+        del store
+        time.sleep(RETRY_S)
+    print(f"Sequence Parallel worker rank {args.rank}: no group to join at {args.join} within {join_s:.0f} s"
+          + (f" (the last record there: {ignored})" if ignored else ""), file=sys.stderr)
+    return None
 
 
 def _address(args: argparse.Namespace) -> tuple[str, int]:
@@ -179,18 +214,34 @@ def _address(args: argparse.Namespace) -> tuple[str, int]:
     return host.strip("[]"), int(port)  # [::1]:port
 
 
-def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
-    """Serve the group whose rendezvous ``store`` is: its exit code (as ``serve``) and its id."""
+def _connect(args: argparse.Namespace, info, key):
+    """This rank's control connection to rank 0, tried again while rank 0 closes it before its challenge (too many
+    handshakes at once) until the join timeout. RefusedRank when rank 0 refuses the rank."""
+    import time
+
+    from .control import ControlClient, RefusedRank
+
+    deadline = time.monotonic() + info.timeouts.join_s
+    while True:
+        try:
+            return ControlClient(_address(args)[0], info.control_port, args.rank, info.timeouts.join_s, key)
+        except RefusedRank:
+            raise
+        except (ConnectionError, OSError):
+            if time.monotonic() + RETRY_S >= deadline:
+                raise
+            time.sleep(RETRY_S)
+
+
+def _serve_group(args: argparse.Namespace, store, info, key) -> tuple[int, str]:
+    """Serve ``info``'s group (``key`` its key), whose rendezvous ``store`` is: its exit code (as ``serve``) and its
+    id."""
     import torch
     import torch.distributed as dist
 
-    from .control import ControlClient
-    from .protocol import Heartbeat, check_rank, command_store, init_group, is_collective_failure, read_group, \
-        report_error
+    from .protocol import check_rank, init_group, is_collective_failure
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    commands = command_store(store)
-    info, key = read_group(commands, _secret(args))
     args.backend = info.backend
     if info.backend == "nccl" and not args.device.startswith("cuda"):
         raise SystemExit(f"Sequence Parallel worker rank {args.rank}: rank 0 uses NCCL, which needs a CUDA device; "
@@ -201,10 +252,10 @@ def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
         torch.cuda.set_device(torch.device(args.device))
     worker = WorkerRank(args.device)
     check_rank(args.rank, args.world_size, info)
-    control = ControlClient(_address(args)[0], info.control_port, args.rank, info.timeouts.join_s, key)
-    heartbeat = Heartbeat(*_address(args), args.rank, info.timeouts.join_s, key)
+    control = _connect(args, info, key)
+    control.start_heartbeat()
     try:
-        init_group(store, args.rank, info)
+        init_group(store, args.rank, info, control.local_address)
         inbox = _Inbox(args, control)
         while True:
             command = inbox.next()
@@ -217,7 +268,10 @@ def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
             try:
                 worker.execute(command)
             except Exception:
-                report_error(commands, args.rank, key, traceback.format_exc())
+                try:
+                    control.report(traceback.format_exc())
+                except OSError:  # rank 0 closed the connection already
+                    pass
                 traceback.print_exc()
                 return 2, info.group_id  # a collective failed: the group is broken, rank 0 closes it
     except (ConnectionError, EOFError) as exc:
@@ -231,7 +285,6 @@ def _serve_group(args: argparse.Namespace, store) -> tuple[int, str]:
         return 1, info.group_id
     finally:
         control.close()
-        heartbeat.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -265,6 +318,11 @@ class _Inbox:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) == [NEW_SECRET]:
+        import secrets
+
+        print(secrets.token_hex(32))  # 256 bits (trust.check_secret asks for 128), without importing ComfyUI
+        return 0
     args = parse_args(argv)
     root = str(Path(args.comfyui).resolve())
     if root in sys.path:

@@ -367,7 +367,7 @@ test("a CPU Offload run that stood aside for ComfyUI's dynamic VRAM shows what C
 
 test("the Sequence Parallel card: ranks, degrees, time and bytes per step, agreed cache decisions, unsplit calls", () => {
   const summary = { world_size: 2, ulysses_degree: 2, ring_degree: 1, cfg_degree: 1, backend: "gloo", local_devices: ["cpu", "cpu"],
-    calls: 4, bytes_sent: 3 * MB, bytes_sent_by_exchange: { ulysses_all_to_all: 3 * MB - 64, cache_agreement: 64 },
+    interface: "lo (127.0.0.1)", calls: 4, bytes_sent: 3 * MB, bytes_sent_by_exchange: { ulysses_all_to_all: 3 * MB - 64, cache_agreement: 64 },
     calls_unsplit: 0, unsplit_reason: null, steps: [0, 1, 2, 3].map((i) => ({ first_step: i, last_step: i, calls: 1,
       seconds: i === 1 ? 0.1 : 0.5, bytes_sent: i === 1 ? 16 : MB - 5, decided: 1, skipped: i === 1 ? 1 : 0 })) };
   const [card] = featureCards({ features: [{ kind: "sequence_parallel", node_title: "Sequence Parallel", node_id: "30", summary }] });
@@ -377,6 +377,8 @@ test("the Sequence Parallel card: ranks, degrees, time and bytes per step, agree
   assert.deepEqual(card.tiles.map((t) => [t.label, t.value]), [["ranks", "2"], ["per step", "0.40 s"],
     ["sent per step", "768.0 KB"], ["agreed skips", "1/4"]]);
   assert.deepEqual(card.strip.cells.map((c) => c.skipped), [false, true, false, false]);
+  assert.equal(card.tiles[0].help, "ulysses 2 × ring 1 on cpu, cpu, gloo over lo (127.0.0.1)");  // where the ranks exchange
+  assert.equal(Object.fromEntries(card.rows).interface, "lo (127.0.0.1)");
   assert.equal(Object.fromEntries(card.rows)["bytes sent by exchange"], "ulysses_all_to_all 3.0 MB, cache_agreement 64 B");
   const cfg = featureCards({ features: [{ kind: "sequence_parallel", summary: { ...summary, cfg_degree: 2, world_size: 4, local_devices: [],
     calls_unsplit: 2, unsplit_reason: "a batch of 1 does not split into cfg_degree 2 equal parts" } }] })[0];

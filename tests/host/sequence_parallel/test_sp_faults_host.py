@@ -9,8 +9,10 @@ joins fails the start within the join timeout. Every test runs under a deadline 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -18,8 +20,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from omnitest.processes import LOOPBACK, Snapshot, assert_nothing_left, deadline, free_port, listening_ports
+from omnitest.processes import LOOPBACK, deadline, free_port, listening_ports
 from omnitest.quality import psnr_db
+from omnitest.sp_group import with_sequence_parallel
 
 pytestmark = pytest.mark.host
 
@@ -45,36 +48,6 @@ def sp():
         protocol = pack_module("nodes.sequence_parallel.protocol")
         yield node, group, protocol
         group.close_group()
-
-
-@pytest.fixture(scope="module")
-def wan():
-    from omnitest.tiny_models import build_case, sample
-
-    case = build_case("wan21_t2v")
-    return case, sample(case)
-
-
-@pytest.fixture
-def ports_before(sp):
-    """The ports this process listened on before the test, with no group running; checked after the test (with the
-    child processes: those of a session-wide rank pool are not the test's)."""
-    _, group, _ = sp
-    group.close_group()
-    before = Snapshot.now()
-    yield before.ports
-    group.close_group()
-    assert_nothing_left(before)
-
-
-def _with_sp(node, case, devices=("cpu", "cpu"), port=0):
-    from omnitest.pack import pack_module
-
-    group = pack_module("nodes.sequence_parallel.group").GroupSettings(2, "gloo", devices, LOOPBACK, port)
-    config = node.config_for(case.patcher, node.SequenceParallelRequest(group, ulysses_degree=None, ring_degree=None))
-    features = pack_module("nodes.features")
-    feature = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "1", config)
-    return features.attach_feature(case.patcher, feature)
 
 
 @contextmanager
@@ -104,7 +77,7 @@ def test_a_worker_killed_or_hung_mid_call_gives_a_clear_error_in_bounded_time_an
 
     node, group, protocol = sp
     case, reference = wan
-    model = _with_sp(node, case)
+    model = with_sequence_parallel(case)
     with deadline(TEST_DEADLINE_S, f"worker {fault} mid-call"):
         sample(case, model)  # the group is up and the weights sent
         first = group.active_group()
@@ -128,19 +101,31 @@ def test_a_worker_killed_or_hung_mid_call_gives_a_clear_error_in_bounded_time_an
         assert group.active_group() is not first
 
 
-def test_a_worker_stopped_before_it_answers_a_call_is_named_in_seconds_not_after_the_answer_timeout(
-        sp, wan, ports_before, monkeypatch):
+def test_a_worker_stopped_before_it_answers_a_call_is_named_within_the_stall_time_while_a_stranger_replays_its_beats(
+        sp, wan, ports_before, monkeypatch, tmp_path):
     """Rank 0 computes while the workers check a call; a worker stopped (SIGSTOP) before it answers is found by its
-    stalled heartbeat while rank 0 waits at its first exchange, not after ``OMNIHOOKS_SP_ACK_TIMEOUT_S``."""
+    stalled heartbeat while rank 0 waits at its first exchange, not after ``OMNIHOOKS_SP_ACK_TIMEOUT_S``. Meanwhile a
+    stranger in another process replays heartbeats signed with the group's key (as if captured): in the store where
+    heartbeats once were, and as frames on fresh connections to the control port. None counts."""
+    from omnitest.pack import pack_module
+    from omnitest.sp_stranger import Stranger
     from omnitest.tiny_models import sample
 
-    node, group, protocol = sp
+    _, group, protocol = sp
+    control, trust = pack_module("nodes.sequence_parallel.control"), pack_module("nodes.sequence_parallel.trust")
     case, reference = wan
-    model = _with_sp(node, case)
+    model = with_sequence_parallel(case)
     with deadline(TEST_DEADLINE_S, "worker stopped before answering"):
         sample(case, model)
         first = group.active_group()
         worker = first.processes[0]
+        captured = tmp_path / "captured.json"
+        captured.write_text(json.dumps({
+            "store": {"omnihooks_sp/beat/1": f"399:{trust.mac(first.key, 'beat/1', b'399').hex()}".encode().hex(),
+                      "omnihooks_sp//beat/1": control.beat_frame(first.key, 1, 399).hex()},
+            "frames": [(struct.pack("<qq", control.BEAT, 40) + control.beat_frame(first.key, 1, count)).hex()
+                       for count in (397, 398, 399)]}))
+        stranger = Stranger("replay", first.port, first.control.port, captured)
         send, calls, fired_at = group.SequenceParallelGroup.send_command, [0], []
 
         def stopping_the_worker_first(self, op, header, payload=None):
@@ -150,14 +135,19 @@ def test_a_worker_stopped_before_it_answers_a_call_is_named_in_seconds_not_after
                 fired_at.append(time.monotonic())
             return send(self, op, header, payload)
 
-        monkeypatch.setattr(group.SequenceParallelGroup, "send_command", stopping_the_worker_first)
-        with pytest.raises(protocol.SequenceParallelError) as failure:
-            sample(case, model)
-        waited = time.monotonic() - fired_at[0]
-        monkeypatch.undo()
+        try:
+            monkeypatch.setattr(group.SequenceParallelGroup, "send_command", stopping_the_worker_first)
+            with pytest.raises(protocol.SequenceParallelError) as failure:
+                sample(case, model)
+            waited = time.monotonic() - fired_at[0]
+            monkeypatch.undo()
+        finally:
+            replayed = stranger.stop()
         message = str(failure.value)
         assert "rank 1:" in message and "stopped responding" in message, message
-        assert waited < float(TIMEOUTS["OMNIHOOKS_SP_ACK_TIMEOUT_S"]) / 2, waited  # the heartbeat, not the timeout
+        # the stall time, with room for a loaded machine; not the answer timeout
+        assert waited < protocol.ANSWER_STALL_S + 7 < float(TIMEOUTS["OMNIHOOKS_SP_ACK_TIMEOUT_S"]), waited
+        assert replayed["writes"] > 10 and replayed["connections_refused"] == replayed["connections_tried"] > 0
         assert worker.poll() is not None and group.active_group() is None
         del failure
         gc.collect()
@@ -173,7 +163,7 @@ def test_a_header_a_worker_refuses_on_its_control_connection_is_an_error_on_rank
 
     node, group, protocol = sp
     case, reference = wan
-    model = _with_sp(node, case)
+    model = with_sequence_parallel(case)
     real_signature, calls = node.tensor_signature, [0]
 
     def announcing_one_tensor_more(value):
@@ -210,7 +200,7 @@ def test_workers_idle_between_prompts_longer_than_every_timeout_and_serve_the_ne
     node, group, _ = sp
     case, reference = wan
     monkeypatch.setenv("OMNIHOOKS_SP_ACK_TIMEOUT_S", "2")
-    model = _with_sp(node, case)
+    model = with_sequence_parallel(case)
     with deadline(TEST_DEADLINE_S, "idle between prompts"):
         sample(case, model)
         first = group.active_group()
@@ -226,7 +216,7 @@ def test_an_interrupt_between_steps_leaves_the_workers_idle_and_the_group_servin
 
     node, group, _ = sp
     case, reference = wan
-    model = _with_sp(node, case)
+    model = with_sequence_parallel(case)
 
     def progress(step, x0, x, total_steps):  # what ComfyUI's progress hook does after each step
         if step == 0:
@@ -249,7 +239,7 @@ def test_an_interrupt_inside_a_model_call_unblocks_the_workers_at_once(sp, wan, 
 
     node, group, _ = sp
     case, reference = wan
-    model = _with_sp(node, case)
+    model = with_sequence_parallel(case)
 
     def interrupt():  # as ComfyUI's own loops check for it (comfy/sd.py): inside the work
         mm.interrupt_current_processing(True)
@@ -278,7 +268,7 @@ def test_a_remote_rank_started_by_torchrun_joins_equals_one_process_and_rejoins_
     case, reference = wan
     monkeypatch.setenv("OMNIHOOKS_SP_SECRET", REMOTE_SECRET["OMNIHOOKS_SP_SECRET"])
     port = free_port()
-    model = _with_sp(node, case, devices=("cpu",), port=port)  # rank 1 is remote
+    model = with_sequence_parallel(case, devices=("cpu",), port=port)  # rank 1 is remote
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                str(group.WORKER_SCRIPT), "--join", f"{LOOPBACK}:{port}", "--first-rank", "1", "--world-size", "2",
                "--comfyui", str(comfyui_path())]
@@ -310,7 +300,7 @@ def test_a_remote_rank_that_never_joins_fails_the_start_within_the_join_timeout(
     monkeypatch.setenv("OMNIHOOKS_SP_JOIN_TIMEOUT_S", "3")
     monkeypatch.setenv("OMNIHOOKS_SP_SECRET", REMOTE_SECRET["OMNIHOOKS_SP_SECRET"])
     port = free_port()
-    model = _with_sp(node, case, devices=("cpu",), port=port)
+    model = with_sequence_parallel(case, devices=("cpu",), port=port)
     with deadline(60, "a start without the remote rank"):
         started = time.monotonic()
         with pytest.raises(protocol.SequenceParallelError) as failure:

@@ -69,42 +69,20 @@ def test_a_tensor_too_large_for_the_command_is_left_to_the_broadcast_and_receive
 KEY = b"k" * 32
 
 
-def _connect(module, server, rank, key):
-    """A client of ``server`` (its handshake served by ``accept_waiting`` while it connects)."""
-    import threading
-
-    made, failed = [], []
-
-    def connect():
-        try:
-            made.append(module.ControlClient("127.0.0.1", server.port, rank, timeout_s=5, key=key))
-        except BaseException as exc:
-            failed.append(exc)
-
-    thread = threading.Thread(target=connect)
-    thread.start()
-    deadline = __import__("time").monotonic() + 10
-    while thread.is_alive() and __import__("time").monotonic() < deadline:
-        server.accept_waiting()
-        thread.join(0.01)
-    thread.join(5)
-    if failed:
-        raise failed[0]
-    return made[0]
-
 @pytest.fixture
 def control():
     """Rank 0's control server with workers 1 and 2 connected (clients in this process); closed after the test."""
     import socket
 
     from omnitest.pack import pack_module
+    from omnitest.sp_group import join_client
 
     module = pack_module("nodes.sequence_parallel.control")
     listener = socket.create_server(("127.0.0.1", 0))
     server = module.ControlServer(listener, KEY, 3)
     clients = {}
     for rank in (1, 2):
-        clients[rank] = _connect(module, server, rank, KEY)
+        clients[rank] = join_client(module, server, rank, KEY)
     server.stop_listening()
     yield module, server, clients
     for client in clients.values():

@@ -63,42 +63,46 @@ def store():
     del master
 
 
-def test_a_pickle_planted_under_every_key_the_pack_reads_from_the_store_never_runs(sp, store, tmp_path):
+def test_what_a_stranger_plants_in_the_store_never_runs_and_no_decoder_recurses_without_bound(sp, store, tmp_path):
+    """The one key the pack reads from the store (``group``) holding a pickle, garbage, JSON nested 100000 deep or a
+    record of a megabyte: each is refused with the pack's own error (never a RecursionError), and nothing runs."""
     protocol, trust = sp["protocol"], sp["trust"]
     commands = protocol.command_store(store)
     target = tmp_path / "ran"
-    for key in ("group", "error/1", "beat/1"):
-        commands.set(key, planted(target))
-    # a worker reading the group: a clear error, not the planted code
-    with pytest.raises(ValueError, match="not one this worker can join .*same secret"):
-        protocol.read_group(commands, b"s" * 32)
-    # rank 0 reading a worker's error: ignored; its heartbeat: unreadable, so "stalled"
-    assert protocol.reported_error(commands, 1, KEY) is None
-    watch = protocol.HeartbeatWatch(commands, KEY, stall_s=0.0)
-    assert protocol.read_beat(commands, 1, KEY) is None
-    watch.stalled(1)
-    assert watch.stalled(1)  # what is there is no count: it does not move
-    found = protocol.diagnose(commands, 2, lambda: {1: None}, KEY)
-    assert "it raised" not in found.get(1, ""), found
+    import json
+
+    secret, group_id = b"s" * 32, "0" * 32
+    nested = "[" * 100000  # signed with the group's key: its body is read after the signature holds
+    signed_nested = json.dumps({"group_id": group_id, "body": nested,
+                                "mac": trust.mac(trust.group_key(secret, group_id), "group", nested.encode()).hex()})
+    for planted_value in (planted(target), b"\xff\xfe garbage", b"[" * 100000, b'{"a":' * 100000,
+                          signed_nested.encode(), b" " * (2 << 20) + trust.seal(KEY, "group", {}, group_id=group_id)):
+        commands.set("group", planted_value)
+        with pytest.raises(protocol.UnjoinableGroup, match="not one this worker can join"):
+            protocol.read_group(commands, secret)
+    for bad in (b"[" * 100000, b"x" * (trust.RECORD_BYTES + 1)):
+        with pytest.raises(trust.TrustError):
+            trust.opened(bad)
     assert not target.exists()
 
 
-def test_what_a_rank_signs_is_read_back_and_what_another_key_signed_is_not(sp, store):
+def test_the_group_rank_0_signs_is_read_back_and_one_another_key_signed_is_not(sp, store):
     protocol, trust = sp["protocol"], sp["trust"]
     commands = protocol.command_store(store)
-    secret = b"s" * 32
-    info = protocol.GroupInfo(3, "gloo", protocol.Timeouts(7.0, 8.0, 9.0), "g1", 1234)
-    key = trust.group_key(secret, "g1")
+    secret, group_id = b"s" * 32, "0123456789abcdef" * 2
+    info = protocol.GroupInfo(3, "gloo", protocol.Timeouts(7.0, 8.0, 9.0), group_id, 1234)
+    key = trust.group_key(secret, group_id)
     protocol.publish_group(commands, info, key)
     assert protocol.read_group(commands, secret) == (info, key)
-    with pytest.raises(ValueError, match="same secret"):
+    with pytest.raises(protocol.UnjoinableGroup, match="same secret"):
         protocol.read_group(commands, b"t" * 32)
-    protocol.report_error(commands, 2, key, "Traceback ...\nRuntimeError: boom\n")
-    assert protocol.reported_error(commands, 2, key) == "RuntimeError: boom"
-    assert protocol.reported_error(commands, 2, trust.group_key(secret, "g2")) is None  # another group's key
-    assert protocol.reported_error(commands, 1, key) is None  # signed for rank 2, not rank 1
-    commands.set("error/1", commands.get("error/2"))
-    assert protocol.reported_error(commands, 1, key) is None
+    # signed with the group's key, but a field out of range: refused all the same
+    for field, value in (("world_size", 1), ("control_port", 70000), ("backend", "mpi"), ("timeouts", {"join_s": -1})):
+        body = {"world_size": 3, "backend": "gloo", "timeouts": {"join_s": 7.0, "collective_s": 8.0, "ack_s": 9.0},
+                "control_port": 1234, field: value}
+        commands.set("group", trust.seal(key, "group", body, group_id=group_id))
+        with pytest.raises(protocol.UnjoinableGroup):
+            protocol.read_group(commands, secret)
 
 
 def test_a_command_holds_plain_data_only_and_a_malformed_one_is_refused(sp):
@@ -130,6 +134,16 @@ def test_a_command_holds_plain_data_only_and_a_malformed_one_is_refused(sp):
             protocol.decode(len(document).to_bytes(8, "little") + document)
     with pytest.raises(plain.PlainDataError, match="malformed command"):
         protocol.decode((1 << 62).to_bytes(8, "little") + b"{}")
+    deep = b'{"op":"call","serial":1,"header":' + b"[" * 100000  # never a RecursionError
+    with pytest.raises(plain.PlainDataError, match=f"nested more than {protocol.DOCUMENT_DEPTH} deep"):
+        protocol.decode(len(deep).to_bytes(8, "little") + deep)
+    nested: list = []
+    for _ in range(protocol.DOCUMENT_DEPTH):
+        nested = [nested]
+    with pytest.raises(plain.PlainDataError, match="nested more than"):  # refused before anything is sent
+        protocol.encode(protocol.Command("call", 1, {}, nested))
+    with pytest.raises(ValueError, match="option 'deep'.*nested too deeply"):
+        protocol.check_sendable({"deep": nested}, "Sequence Parallel")
 
 
 # -- control connections ------------------------------------------------------------------------------------------
@@ -301,21 +315,60 @@ def test_a_platform_without_torch_distributed_or_the_backend_is_refused_at_the_n
     assert group.active_group() is None
 
 
-def test_ranks_on_other_machines_need_the_secret_set_by_the_user(sp, monkeypatch, tmp_path):
+def test_ranks_on_other_machines_need_a_strong_secret_set_by_the_user_in_a_file_only_they_read(
+        sp, monkeypatch, tmp_path):
+    import secrets
+
     trust = sp["trust"]
+    strong = secrets.token_hex(16)  # 32 hexadecimal characters: 128 bits
     assert trust.user_secret({}) is None
-    assert trust.user_secret({trust.SECRET_ENV: "  a-secret-of-20-chars \n"}) == b"a-secret-of-20-chars"
+    assert trust.user_secret({trust.SECRET_ENV: f"  {strong} \n"}) == strong.encode()
     path = tmp_path / "secret"
-    path.write_text("0123456789abcdef0123\n")
-    assert trust.user_secret({trust.SECRET_FILE_ENV: str(path)}) == b"0123456789abcdef0123"
-    with pytest.raises(trust.TrustError, match="at least 16"):
-        trust.user_secret({trust.SECRET_ENV: "short"})
+    path.write_text(strong + "\n")
+    path.chmod(0o600)
+    assert trust.user_secret({trust.SECRET_FILE_ENV: str(path)}) == strong.encode()
+    # 16 characters, or any length of repeats, runs and sequences: refused, naming the rule
+    for weak in ("aaaaaaaaaaaaaaaa", "password12345678", "0123456789abcdef" * 4, "ab" * 40, "a" * 64):
+        with pytest.raises(trust.TrustError, match=f"rule is at least {trust.MIN_SECRET_BITS} bits"):
+            trust.user_secret({trust.SECRET_ENV: weak})
+    assert trust.secret_bits(strong) >= trust.MIN_SECRET_BITS > trust.secret_bits("aaaaaaaaaaaaaaaa")
+    # a secret file others can read (0666) or write: refused, naming the rule and the fix
+    for mode in (0o666, 0o640, 0o602):
+        path.chmod(mode)
+        with pytest.raises(trust.TrustError, match=f"mode {mode:04o}.*readable by its owner only.*chmod 600"):
+            trust.user_secret({trust.SECRET_FILE_ENV: str(path)})
     with pytest.raises(trust.TrustError, match="cannot read"):
         trust.user_secret({trust.SECRET_FILE_ENV: str(tmp_path / "missing")})
     assert trust.group_key(b"s" * 20, "a") != trust.group_key(b"s" * 20, "b")  # each group its own key
-    # rank 0 with remote ranks and no secret: a clear error before it listens
+    # rank 0 with remote ranks: a clear error before it listens, without a secret and with a weak one
     group = sp["group"]
     monkeypatch.delenv(trust.SECRET_ENV, raising=False)
     monkeypatch.delenv(trust.SECRET_FILE_ENV, raising=False)
-    with pytest.raises(sp["protocol"].SequenceParallelError, match=f"{trust.SECRET_ENV}"):
-        group.SequenceParallelGroup(group.GroupSettings(2, "gloo", ("cpu",), LOOPBACK, 0), tmp_path)
+    settings = group.GroupSettings(2, "gloo", ("cpu",), LOOPBACK, 0)
+    with pytest.raises(sp["protocol"].SequenceParallelError, match=f"{trust.SECRET_ENV}.*--new-secret"):
+        group.SequenceParallelGroup(settings, tmp_path)
+    monkeypatch.setenv(trust.SECRET_ENV, "aaaaaaaaaaaaaaaa")
+    with pytest.raises(sp["protocol"].SequenceParallelError, match="rule is at least 128 bits"):
+        group.SequenceParallelGroup(settings, tmp_path)
+    monkeypatch.delenv(trust.SECRET_ENV)
+    path.chmod(0o666)
+    monkeypatch.setenv(trust.SECRET_FILE_ENV, str(path))
+    with pytest.raises(sp["protocol"].SequenceParallelError, match="readable by its owner only"):
+        group.SequenceParallelGroup(settings, tmp_path)
+    assert group.active_group() is None
+
+
+def test_a_worker_prints_a_new_secret_that_passes_the_rule_and_refuses_a_weak_one_naming_it(sp, monkeypatch):
+    import subprocess
+    import sys
+
+    trust, worker = sp["trust"], __import__("omnitest.pack").pack.pack_module("nodes.sequence_parallel.worker")
+    printed = subprocess.run([sys.executable, str(sp["group"].WORKER_SCRIPT), "--new-secret"], capture_output=True,
+                             text=True, timeout=60, check=True).stdout.strip()
+    assert len(printed) == 64 and trust.secret_bits(printed) >= trust.MIN_SECRET_BITS
+    assert printed != subprocess.run([sys.executable, str(sp["group"].WORKER_SCRIPT), "--new-secret"],
+                                     capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    monkeypatch.setenv(trust.SECRET_ENV, "password12345678")
+    args = worker.parse_args(["--join", "127.0.0.1:1", "--rank", "1", "--world-size", "2", "--device", "cpu"], {})
+    with pytest.raises(SystemExit, match="rule is at least 128 bits"):
+        worker._secret(args)
