@@ -37,7 +37,8 @@ from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
 from .forecast import (AUTO, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, MAX_ORDER, ORDERS, WEIGHED_ORDERS,
                        ErrorPerMetric, OrderScores, ResidualHistory, history_limit)
-from .stats import BranchDecision, CacheRunStats, EvaluationRecord
+from .stats import (FIRST, OTHER_BRANCH, OTHER_RANK, REUSE, SHAPE, BranchDecision, CacheRunStats,
+                    EvaluationRecord)
 
 
 @dataclass
@@ -91,7 +92,8 @@ class ActiveCall:
 
 @dataclass
 class Decision:
-    """One branch's verdict from a policy: ``reason`` "reuse" means it may skip; anything else means compute."""
+    """One branch's verdict from a policy: ``reason`` (one of ``stats.REASONS``) ``REUSE`` means it may skip;
+    anything else means compute."""
 
     reason: str
     metric: float | None = None
@@ -198,30 +200,30 @@ class StackCacheRun:
         step, total = call.context.step, call.context.total_steps
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
-            if decisions[i].reason == "reuse" and (
+            if decisions[i].reason == REUSE and (
                     st.previous_residual is None or st.residual_input_shape != hidden[i * size:(i + 1) * size].shape):
-                decisions[i] = Decision("shape" if st.previous_residual is not None else "first", decisions[i].metric)
+                decisions[i] = Decision(SHAPE if st.previous_residual is not None else FIRST, decisions[i].metric)
         few_step = self.config.active_few_step
         if few_step is not None and few_step.applies(total):
             if self.stats.few_step_note is None:  # once per run: the run's step count does not change
                 self.stats.few_step_note = few_step.describe(total)
             if few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
-                decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == "reuse" else d for d in decisions]
+                decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == REUSE else d for d in decisions]
         must = self.stack.must_compute(args, kwargs) if self.stack.must_compute is not None else None
         if must is not None:
-            decisions = [Decision(must, d.metric) if d.reason == "reuse" else d for d in decisions]
-        local_compute = any(d.reason != "reuse" for d in decisions)
+            decisions = [Decision(must, d.metric) if d.reason == REUSE else d for d in decisions]
+        local_compute = any(d.reason != REUSE for d in decisions)
         agreement = call.context.rank.agreement
         # under sequence parallelism every rank must take the same path, or one waits in a collective forever
         compute = agreement.any(local_compute) if agreement is not None else local_compute
         self.after_decision(call, compute)
         if not compute and step is not None:
             self._skipped_steps.add(step)
-        reuse_reason = "other-branch" if local_compute else "other-rank"
+        reuse_reason = OTHER_BRANCH if local_compute else OTHER_RANK
         call.record = EvaluationRecord(
             step=call.context.step, total_steps=call.context.total_steps, computed=compute,
             branches=[BranchDecision(branch=call.labels[i], computed=compute,
-                                     reason=reuse_reason if compute and d.reason == "reuse" else d.reason,
+                                     reason=reuse_reason if compute and d.reason == REUSE else d.reason,
                                      metric=d.metric, threshold=self.config.threshold)
                       for i, d in enumerate(decisions)])
         call.context.blocks_run = compute

@@ -25,7 +25,7 @@ from ...omni_hooks.context import CallContext
 from ...omni_hooks.cache_config import StackCacheConfig
 from ...omni_hooks.few_step import FewStepRule
 from ...omni_hooks.stack_cache import StackCacheRun
-from ...omni_hooks.stats import BranchDecision, CacheRunStats, EvaluationRecord
+from ...omni_hooks.stats import DISABLED, BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
 from .. import families
 from .. import stats_store
@@ -240,10 +240,10 @@ class CacheSession(FeatureSession):
 
 
 def computed_record(context: CallContext, threshold: float, seconds: float) -> EvaluationRecord:
-    """The record of a call computed because caching is disabled for the run (every branch: reason "disabled")."""
+    """The record of a call computed because caching is disabled for the run (every branch: reason ``DISABLED``)."""
     labels = list(context.labels) or ["all"]
     return EvaluationRecord(step=context.step, total_steps=context.total_steps, computed=True, seconds=seconds,
-                            branches=[BranchDecision(branch=label, computed=True, reason="disabled", metric=None,
+                            branches=[BranchDecision(branch=label, computed=True, reason=DISABLED, metric=None,
                                                      threshold=threshold) for label in labels])
 
 

@@ -37,7 +37,7 @@ from ..stack_cache import (
     StackHeadHook,
     StackTailHook,
 )
-from ..stats import CacheRunStats
+from ..stats import CALIBRATE, MAX_SKIPS, RETENTION, REUSE, THRESHOLD, WINDOW, CacheRunStats
 from .config import MagCacheConfig
 from .state import MagCacheState
 from .strategy import MagCacheStrategy, get_strategy
@@ -166,16 +166,16 @@ class MagCacheRun(StackCacheRun):
             st.step_index = step
             if cfg.calibrate:
                 call.head_measures[key] = st.previous_residual  # the tail compares the new residual with it
-                decisions.append(Decision("calibrate"))
+                decisions.append(Decision(CALIBRATE))
                 continue
             n = total or step + 1
             if not cfg.in_window(step, n):
                 st.reset_accumulators()
-                decisions.append(Decision("window"))
+                decisions.append(Decision(WINDOW))
                 continue
             if step < int(cfg.retention_ratio * n + 0.5):
                 st.reset_accumulators()
-                decisions.append(Decision("retention"))
+                decisions.append(Decision(RETENTION))
                 continue
             ratios = cfg.ratio_table.for_branch(label, n)
             gamma = ratios[step] if step < len(ratios) else 1.0
@@ -183,11 +183,11 @@ class MagCacheRun(StackCacheRun):
             st.accumulated_steps += 1
             st.accumulated_err += abs(1.0 - st.accumulated_ratio)
             if cfg.threshold <= 0 or st.accumulated_err > cfg.threshold:
-                reason = "threshold"
+                reason = THRESHOLD
             elif st.accumulated_steps > cfg.max_skip_steps:
-                reason = "max-skips"
+                reason = MAX_SKIPS
             else:
-                reason = "reuse"
+                reason = REUSE
             decisions.append(Decision(reason, st.accumulated_err))
         return decisions
 

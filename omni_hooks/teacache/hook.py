@@ -21,7 +21,7 @@ from ..blockstack import BlockStack
 from ..context import CallContext
 from ..forecast import ALTERNATING_COHERENCE
 from ..stack_cache import ActiveCall, Decision, StackBlockHook, StackCacheRun, StackHeadHook
-from ..stats import CacheRunStats
+from ..stats import CALIBRATE, FIRST, FORCED, MEASURE, REUSE, SHAPE, THRESHOLD, WINDOW, CacheRunStats
 from .config import TeaCacheConfig
 from .state import TeaCacheState
 
@@ -83,9 +83,9 @@ class TeaCacheRun(StackCacheRun):
             return None
         cfg = self.config
         if info.step < cfg.ret_steps or (cfg.force_last_step and info.step >= info.total_steps - 1):
-            return "forced"
+            return FORCED
         if not cfg.in_window(info.step, info.total_steps):
-            return "window"
+            return WINDOW
         return None
 
     def decide_branches(self, call: ActiveCall, head: torch.nn.Module, args: tuple, kwargs: dict,
@@ -104,17 +104,17 @@ class TeaCacheRun(StackCacheRun):
             signals.append(m)
             prev = st.previous_modulated_input
             if cfg.calibrate:
-                reasons.append("calibrate")
+                reasons.append(CALIBRATE)
                 if prev is not None and prev.shape == m.shape:
                     measured[i] = relative_l1(m, prev)
             elif st.cnt == 0 or prev is None:
-                reasons.append("first")
+                reasons.append(FIRST)
             elif prev.shape != m.shape or st.residual_input_shape != hidden[i * size:(i + 1) * size].shape:
-                reasons.append("shape")
+                reasons.append(SHAPE)
             elif forced:
                 reasons.append(forced)
             else:
-                reasons.append("measure")
+                reasons.append(MEASURE)
                 measured[i] = relative_l1(m, prev)
         rels = self.measured_floats(call, measured)  # one host sync (and, under SP, the mean over ranks)
         metrics: list[float | None] = [None] * len(states)
@@ -128,8 +128,8 @@ class TeaCacheRun(StackCacheRun):
             states[i].unweighted_metric = states[i].accumulated_rel_l1_distance
             weight = self.metric_weight(states[i])
             metrics[i] = states[i].accumulated_rel_l1_distance * weight
-            reasons[i] = "reuse" if metrics[i] < cfg.threshold else "threshold"
-            if reasons[i] == "threshold" and states[i].unweighted_metric < cfg.threshold:
+            reasons[i] = REUSE if metrics[i] < cfg.threshold else THRESHOLD
+            if reasons[i] == THRESHOLD and states[i].unweighted_metric < cfg.threshold:
                 self.stats.computed_sooner(weight)
         for st, m in zip(states, signals):
             st.previous_modulated_input = m.detach()
