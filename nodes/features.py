@@ -295,9 +295,6 @@ class SamplingRun:
             session.load_request = request
             session.after_load(patcher)
 
-    def session_of(self, category: Category) -> FeatureSession | None:
-        return next((s for s in self.sessions if s.feature.category == category), None)
-
     def label_of(self, uuid: str, cond_or_uncond: int) -> str:
         """"cond"/"uncond", with ".1", ".2" for further cond entries of the same kind (areas, multiple conds)."""
         label = self.labels.get(uuid)

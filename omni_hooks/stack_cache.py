@@ -73,8 +73,6 @@ class ActiveCall:
     record: EvaluationRecord | None = None
     head_input: torch.Tensor | None = None
     captured: torch.Tensor | None = None
-    # begun by the head hook itself because the module was called without a host bracket (MagCache's library use)
-    implicit: bool = False
     # per branch key: what the policy measured at the head and compares at the tail (TeaCache: the input change;
     # MagCache: the residual the new one is compared with)
     head_measures: dict[str, float | torch.Tensor] = field(default_factory=dict)
@@ -103,14 +101,12 @@ class StackCacheRun:
     """Shared state of one cache's hooks on one model for one sampling run. Subclasses implement ``decide_branches``.
 
     ``config`` is the cache's frozen ``StackCacheConfig`` (its subclass), read unchanged; everything a run changes
-    lives here and in the branch states. ``hook_names`` = (head, block, tail, capture) registry names; the capture hook is only installed when
-    ``capture_module`` is given (its first positional input is stored as ``ActiveCall.captured``).
+    lives here and in the branch states. ``hook_names`` = (head, block, tail, capture) registry names; the capture
+    hook is only installed when ``capture_module`` is given (its first positional input is stored as
+    ``ActiveCall.captured``).
     """
 
     hook_names: tuple[str, str, str, str]
-    head_hook_cls: type["StackHeadHook"]
-    block_hook_cls: type["StackBlockHook"]
-    tail_hook_cls: type["StackTailHook"] | None = None  # None: StackTailHook
     # under a forecast of ``WEIGHED_ORDERS``, the policy multiplies its metric by ``metric_weight`` (ErrorPerMetric)
     weighs_metric_by_forecast: bool = False
     # under "auto": the lowest coherence an order's errors are credited with (below 0: errors that alternate cancel)
@@ -360,11 +356,10 @@ class StackCacheRun:
     def install(self) -> None:
         """Register the hooks on the stack's modules. Raises RuntimeError (changing nothing) on a conflict."""
         head, block, tail, capture = self.hook_names
-        plan: list[tuple[torch.nn.Module, str, ModelHook]] = [(self.stack.blocks[0], head, self.head_hook_cls(self))]
-        plan += [(b, block, self.block_hook_cls(self)) for b in self.stack.blocks[1:]]
+        plan: list[tuple[torch.nn.Module, str, ModelHook]] = [(self.stack.blocks[0], head, StackHeadHook(self))]
+        plan += [(b, block, StackBlockHook(self)) for b in self.stack.blocks[1:]]
         tails = self.stack.tails()
-        plan += [(module, tail, (self.tail_hook_cls or StackTailHook)(self, part, len(tails)))
-                 for part, (module, _where) in enumerate(tails)]
+        plan += [(module, tail, StackTailHook(self, part, len(tails))) for part, (module, _where) in enumerate(tails)]
         if self.capture_module is not None:
             plan.append((self.capture_module, capture, StackCaptureHook(self)))
         try:

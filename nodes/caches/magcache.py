@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
-from ...omni_hooks.magcache import MagCacheConfig, MagCacheRun, MagCacheStrategy, apply_mag_cache_hook, interleave
+from ...omni_hooks.magcache import MagCacheConfig, MagCacheRun, apply_mag_cache_hook, interleave
 from ...omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_interleaved
 from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
@@ -178,9 +178,7 @@ class MagCache(BlockStackCache):
             **{**shared, "notes": shared["notes"] + ((found.note,) if found is not None and found.note else ())})
 
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> MagCacheRun:
-        detected = session.detected
-        strategy = MagCacheStrategy(name=detected.family, build_stack=detected.build_stack)
-        return apply_mag_cache_hook(diffusion_model, session.config, strategy, session.stats, implicit_calls=False)
+        return apply_mag_cache_hook(session.detected.build_stack(diffusion_model), session.config, session.stats)
 
 
 MAGCACHE = register_cache(MagCache())

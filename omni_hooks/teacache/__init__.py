@@ -3,8 +3,6 @@ from ..context import CallContext
 from .config import TeaCacheConfig
 from .hook import (
     ModulatedInput,
-    TeaCacheBlockHook,
-    TeaCacheHook,
     TeaCacheRun,
     apply_teacache_hook,
     fit_coefficients,
@@ -15,9 +13,7 @@ from .state import TeaCacheState
 __all__ = [
     "CallContext",
     "ModulatedInput",
-    "TeaCacheBlockHook",
     "TeaCacheConfig",
-    "TeaCacheHook",
     "TeaCacheRun",
     "TeaCacheState",
     "apply_teacache_hook",

@@ -20,7 +20,7 @@ import torch
 from ..blockstack import BlockStack
 from ..context import CallContext
 from ..forecast import ALTERNATING_COHERENCE
-from ..stack_cache import ActiveCall, Decision, StackBlockHook, StackCacheRun, StackHeadHook
+from ..stack_cache import ActiveCall, Decision, StackCacheRun
 from ..stats import CALIBRATE, FIRST, FORCED, MEASURE, REUSE, SHAPE, THRESHOLD, WINDOW, CacheRunStats
 from .config import TeaCacheConfig
 from .state import TeaCacheState
@@ -48,20 +48,11 @@ def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     return (current - previous).abs().mean() / (previous.abs().mean() + 1e-8)
 
 
-class TeaCacheHook(StackHeadHook):
-    """TeaCache's head-block hook (registered as "teacache"): measures, decides, runs or skips the block."""
-
-
-class TeaCacheBlockHook(StackBlockHook):
-    """TeaCache's hook on every other block: passes inputs through on a skipped call."""
-
-
 class TeaCacheRun(StackCacheRun):
-    """TeaCache's hooks on one model for one sampling run (``begin_call``/``end_call``/``remove``)."""
+    """TeaCache's hooks on one model for one sampling run: the host brackets each model call with
+    ``begin_call(CallContext)`` / ``end_call()``; ``remove()`` takes the hooks off."""
 
     hook_names = HOOK_NAMES
-    head_hook_cls = TeaCacheHook
-    block_hook_cls = TeaCacheBlockHook
     weighs_metric_by_forecast = True
     coherence_floor = ALTERNATING_COHERENCE  # its change metric does not choose skips by reuse's error
 
