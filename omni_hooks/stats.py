@@ -11,6 +11,7 @@ import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
 from .forecast import FORECAST, FORECAST_FALLBACK
 
@@ -88,15 +89,16 @@ class EvaluationRecord:
 
 @dataclass
 class CacheRunStats:
-    """Everything one sampling run's cache did. Cheap to update; ``summary()`` is for logs and the stats panel."""
+    """Everything one sampling run's cache did. Cheap to update; ``summary()`` is for logs and the stats panel.
+
+    ``config`` is the run's cache config, read as it is: the model's label, the threshold and the notes (facts about
+    the setup worth showing, e.g. what 'auto' chose) come from it."""
 
     kind: str                       # "teacache" / "magcache"
-    model: str                      # a human-readable model family/variant
-    threshold: float
+    config: StackCacheConfig
     evaluations: list[EvaluationRecord] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     cache_bytes: int = 0
-    notes: list[str] = field(default_factory=list)  # facts about the setup worth showing (e.g. what 'auto' chose)
     # set when the block stack's output had another shape than its input, so no residual could be kept
     stack_shape_mismatch: bool = False
     disabled: str | None = None  # why caching was disabled for the whole run (every step computed), if it was
@@ -106,6 +108,15 @@ class CacheRunStats:
     # the largest weight that did so
     sooner_by_forecast: int = 0
     largest_forecast_weight: float = 1.0
+
+    @property
+    def model(self) -> str:
+        """What the statistics call the model (``config.model_label``)."""
+        return self.config.model_label
+
+    @property
+    def threshold(self) -> float:
+        return self.config.threshold
 
     def computed_sooner(self, weight: float) -> None:
         """Count a branch evaluation that the forecast's record (``weight`` > 1) made compute."""
@@ -220,7 +231,7 @@ class CacheRunStats:
             "estimated_speedup": (model_seconds + saved) / model_seconds if model_seconds > 0 else 1.0,
             "cache_bytes": self.cache_bytes,
             "warnings": warnings,
-            "notes": list(self.notes) + [n for n in (self.forecast_note(), self.few_step_note) if n],
+            "notes": list(self.config.notes) + [n for n in (self.forecast_note(), self.few_step_note) if n],
             "forecast_orders": self.forecast_orders(),
         }
 

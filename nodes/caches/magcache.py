@@ -36,7 +36,7 @@ from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
-                     forecast_input, window_inputs)
+                     config_default, forecast_input, window_inputs)
 from ..features import CATEGORY, display_name
 from ..families import DetectedModel
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
@@ -125,7 +125,7 @@ class MagCacheCalibration(CacheCalibration):
 
     def from_file(self, detected: DetectedModel, value: str, name: str, data: dict) -> ResolvedCurve:
         curves = _curves_from_file(name, data)
-        return ResolvedCurve(key=value, family=data.get("family", detected.family),
+        return ResolvedCurve(key=value, family=data.get("family", detected.family.name),
                              curves=tuple((branch, tuple(values)) for branch, values in curves.items()))
 
     def collect(self, run: MagCacheRun) -> dict[str, dict[str, list[float]]]:
@@ -135,7 +135,7 @@ class MagCacheCalibration(CacheCalibration):
         result: dict[str, dict[str, list[float]]] = {}
         for part in parts:
             result.update(part)
-        return {"family": detected.family, "variant": detected.variant, **calibration_data(result)}
+        return {"family": detected.family.name, "variant": detected.variant, **calibration_data(result)}
 
     def describe(self, data: dict) -> str:
         return ", ".join(f"{label} {len(values)}" for label, values in data["mag_ratios"].items()) + " ratios"
@@ -161,19 +161,17 @@ class MagCache(BlockStackCache):
 
     def no_auto_fit(self, detected: DetectedModel) -> str:
         notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in detected.auto_choice(KIND).notes)
-        if not for_family(detected.family):
+        if not for_family(detected.family.name):
             return (f"no MagCache curve is published for {detected.describe()} models. {notes}To use MagCache, "
                     f"{CALIBRATE_HINT}.")
-        return (f"no published MagCache curve fits {detected.describe()}. {notes}Choose a {detected.family} curve, or "
+        return (f"no published MagCache curve fits {detected.describe()}. {notes}Choose a {detected.family.name} curve, or "
                 f"{CALIBRATE_HINT}.")
 
     def make_config(self, detected: DetectedModel, found: MagCacheCurve | ResolvedCurve | None,
                     tuning: dict[str, Any], shared: dict[str, Any]) -> MagCacheConfig:
         calibrate = found is None
         return MagCacheConfig(
-            threshold=float(tuning["threshold"]), max_skip_steps=int(tuning["max_skip_steps"]),
-            retention_ratio=float(tuning["retention_ratio"]),
-            mag_ratios=None if calibrate else {name: tuple(values) for name, values in found.curves},
+            **tuning, mag_ratios=None if calibrate else {name: tuple(values) for name, values in found.curves},
             model_label=f"{detected.variant}, {'calibrate' if calibrate else found.key}",
             **{**shared, "notes": shared["notes"] + ((found.note,) if found is not None and found.note else ())})
 
@@ -197,15 +195,18 @@ class ApplyMagCache(ApplyCacheNode):
                         "curve's '(high noise)' / '(low noise)' part; each uses its own sampler's steps.",
             inputs=[
                 cache_model_input(),
-                io.Float.Input("threshold", default=0.06, min=0.0, max=1.0, step=0.01,
+                io.Float.Input("threshold", default=config_default(MagCacheConfig, "threshold"), min=0.0, max=1.0,
+                               step=0.01,
                                tooltip="How much accumulated error to tolerate before computing again (the sum of "
                                "|1 - product of ratios| since the last computed step). 0 = never skip (output "
                                "identical to no node). 0.06 is the safe default; 0.12-0.24 is faster and less "
                                "faithful."),
-                io.Int.Input("max_skip_steps", display_name="K (max consecutive skips)", default=2, min=0, max=20,
+                io.Int.Input("max_skip_steps", display_name="K (max consecutive skips)",
+                             default=config_default(MagCacheConfig, "max_skip_steps"), min=0, max=20,
                              tooltip="K: at most this many steps in a row reuse the residual before one is computed. "
                              "0 = never skip. 2-4 is typical (the MagCache scripts use 2-6)."),
-                io.Float.Input("retention_ratio", default=0.2, min=0.0, max=1.0, step=0.01,
+                io.Float.Input("retention_ratio", default=config_default(MagCacheConfig, "retention_ratio"), min=0.0,
+                               max=1.0, step=0.01,
                                tooltip="This fraction of the first steps is always computed (they set the "
                                "composition). Counted on this sampler's own steps, so for a Wan 2.2 expert it "
                                "is per phase."),

@@ -28,7 +28,7 @@ import torch
 
 from ...omni_hooks.sequence_parallel.plan import (ModuleForwardMetadata, ReplicatedTokens, resolve_submodules,
                                                  unwrap_module, validate_sp_plan)
-from . import ModelFamily, detect, pass_through
+from . import ModelFamily, pass_through
 from .base import ForwardParameters, dotted_attribute
 
 TESTED = "0.3.64 to 0.33.0"     # the ComfyUI versions every test passes on (docs/compatibility.md)
@@ -75,11 +75,6 @@ def comfyui_version() -> str:
     except Exception:
         return "this ComfyUI (version unknown)"
     return f"ComfyUI {__version__}"
-
-
-def check_patcher(patcher, sequence_parallel: bool) -> DriftReport:
-    """``check_model`` for a ComfyUI MODEL (ModelPatcher): its detected family against its diffusion model."""
-    return check_model(detect(patcher).model_family, patcher.model.diffusion_model, sequence_parallel)
 
 
 def check_model(family: ModelFamily, dm: torch.nn.Module, sequence_parallel: bool = False) -> DriftReport:

@@ -189,8 +189,8 @@ def _unmovable(name: str, tensor: torch.Tensor) -> bool:
 class OffloadSession(FeatureSession):
     """One sampling run of CPU Offload on one MODEL. Everything ``after_load`` does, ``close`` undoes."""
 
-    def __init__(self, patcher, feature: AppliedFeature):
-        super().__init__(patcher, feature)
+    def __init__(self, patcher, feature: AppliedFeature, detected: families.DetectedModel):
+        super().__init__(patcher, feature, detected)
         self.config: OffloadConfig = feature.config  # the node's own object: the run reads it unchanged
         self.notes: list[str] = []
         self.status: str | None = None
@@ -228,7 +228,7 @@ class OffloadSession(FeatureSession):
         self.target = target
         if target.type != "cuda":
             self.notes.append(f"copies to {target} are synchronous: look-ahead copies need CUDA streams")
-        blocks = list(families.detect(patcher).build_stack(patcher.model.diffusion_model).blocks)
+        blocks = list(self.detected.build_stack(patcher.model.diffusion_model).blocks)
         footprints = [BlockFootprint.of(block, target) for block in blocks]
         available = self._available_for_blocks(patcher, target, footprints)
         self.plan = plan = plan_offload(footprints, self.config.blocks_to_offload, self.config.prefetch_blocks,

@@ -32,7 +32,7 @@ class MagCacheConfig(StackCacheConfig):
     """
 
     threshold: float = 0.06
-    max_skip_steps: int = 3
+    max_skip_steps: int = 2
     retention_ratio: float = 0.2
     mag_ratios: Sequence[float] | Mapping[str, Sequence[float]] | None = None
     interleaved: bool = False

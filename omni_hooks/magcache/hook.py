@@ -57,8 +57,7 @@ class MagCacheRun(StackCacheRun):
     hook_names = HOOK_NAMES
 
     def __init__(self, config: MagCacheConfig, stack: BlockStack, stats: CacheRunStats | None = None):
-        super().__init__(stack, MagCacheState, config, stats or CacheRunStats(
-            kind="magcache", model=config.model_label, threshold=config.threshold, notes=list(config.notes)))
+        super().__init__(stack, MagCacheState, config, stats or CacheRunStats("magcache", config))
         self.config: MagCacheConfig = config
         # calibration lists of branches whose generation ended (fallback counting), by branch label
         self._emitted: dict[str, dict[str, list[float]]] = {}

@@ -1,6 +1,6 @@
 """TeaCache: skip the block stack while the modulated input has changed little since the last computed step."""
 from ..context import CallContext
-from .config import TeaCacheConfig
+from .config import RECOMMENDED, TeaCacheConfig
 from .hook import (
     ModulatedInput,
     TeaCacheRun,
@@ -11,6 +11,7 @@ from .hook import (
 from .state import TeaCacheState
 
 __all__ = [
+    "RECOMMENDED",
     "CallContext",
     "ModulatedInput",
     "TeaCacheConfig",

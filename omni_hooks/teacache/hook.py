@@ -58,8 +58,7 @@ class TeaCacheRun(StackCacheRun):
 
     def __init__(self, config: TeaCacheConfig, stack: BlockStack, modulated_input: ModulatedInput,
                  stats: CacheRunStats | None = None):
-        super().__init__(stack, TeaCacheState, config, stats or CacheRunStats(
-            kind="teacache", model=config.model_label, threshold=config.threshold, notes=list(config.notes)),
+        super().__init__(stack, TeaCacheState, config, stats or CacheRunStats("teacache", config),
                          capture_module=modulated_input.capture)
         self.config: TeaCacheConfig = config
         self.modulated_input = modulated_input

@@ -531,7 +531,8 @@ def test_a_10000_evaluation_run_is_drawn_binned_with_its_features(page):
 
     store = pack_module("nodes.stats_store")
     stats_mod = pack_module("omni_hooks.stats")
-    stats = stats_mod.CacheRunStats(kind="magcache", model="Wan 2.1 T2V 1.3B", threshold=0.06)
+    config = pack_module("omni_hooks.magcache").MagCacheConfig(mag_ratios=[1.0], model_label="Wan 2.1 T2V 1.3B")
+    stats = stats_mod.CacheRunStats("magcache", config)
     for i in range(10_000):
         reason = "retention" if i < 2000 else ("reuse" if i % 3 else "max-skips" if i % 2 else "threshold")
         computed = reason != "reuse"

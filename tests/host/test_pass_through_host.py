@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from omnitest.cache_nodes import apply_magcache, apply_teacache, save_identity_calibrations
+from omnitest.pack import drift_report
 
 pytestmark = pytest.mark.host
 
@@ -71,7 +72,7 @@ def calibrate(env, wan, node, name):
 @pytest.mark.parametrize("kind", PASS_THROUGH)
 def test_a_pass_through_wrapper_passes_the_check(env, wan, kind):
     with env.pack.installed(kind):
-        report = env.drift.check_patcher(wan.patcher, sequence_parallel=False)
+        report = drift_report(wan.patcher, sequence_parallel=False)
     assert report.differences == [] and report.undecided == []
 
 
@@ -105,7 +106,7 @@ def test_both_calibration_nodes_run_on_blocks_another_pack_wrapped(env, wan, kin
 @pytest.mark.parametrize("kind", list(CHANGES))
 def test_a_wrapper_that_changes_the_call_is_named_with_what_it_changes(env, wan, kind):
     with env.pack.installed(kind):
-        report = env.drift.check_patcher(wan.patcher, sequence_parallel=False)
+        report = drift_report(wan.patcher, sequence_parallel=False)
     assert report.differences == []
     (finding,) = [f.what for f in report.undecided]
     assert finding.startswith("blocks.* (WanAttentionBlock.forward) takes *args and **kwargs, which OmniHooks does "
