@@ -16,7 +16,8 @@ from ...omni_hooks.cache_config import StackCacheConfig
 from ...omni_hooks.forecast import AUTO
 from . import calibration_files
 from ..families import model_input
-from ..features import RUN_KEY, AppliedFeature, FeatureSession, SamplingRun, attach_feature, named
+from ..call_context import RUN_KEY
+from ..features import AppliedFeature, FeatureSession, SamplingRun, attach_feature, named
 
 CACHE_DEVICES = ["compute device", "offload device"]
 

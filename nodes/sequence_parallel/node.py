@@ -27,6 +27,7 @@ from ...omni_hooks.sequence_parallel import SequenceParallelConfig
 from ...omni_hooks.sequence_parallel.batch import call_batch
 from . import group as sp_group
 from ..families import FAMILIES, DetectedModel, ModelFamily, detect
+from ..call_context import RUN_KEY
 from ..features import (CATEGORY, FEATURES_KEY, AppliedFeature, Category, FeatureSpec, attach_feature, display_name,
                         register_feature)
 from ..stats_store import FeatureReport, StepTotals
@@ -41,7 +42,7 @@ NODE_ID = "OmniHooks.SequenceParallel"
 NODE_TITLE = "Sequence Parallel"
 AUTO = "auto"
 # options rank 0 keeps to itself: its own wrappers and callbacks (they run around the call on rank 0) and our run
-LOCAL_ONLY_OPTIONS = ("wrappers", "callbacks", "omni_hooks.run", "omni_hooks.features")
+LOCAL_ONLY_OPTIONS = ("wrappers", "callbacks", RUN_KEY, FEATURES_KEY)
 #: the node's inputs that set a field of the config's group settings (``group.GroupSettings``) under another name
 GROUP_FIELDS = {"master_address": "host", "master_port": "port"}
 
