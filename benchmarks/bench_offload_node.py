@@ -404,7 +404,8 @@ def device_line(device: torch.device) -> str:
 
     versions = f"torch {torch.__version__}, Python {platform.python_version()}, ComfyUI {comfyui_version()}"
     if device.type != "cuda":
-        return f"CPU ({platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}), {versions}"
+        cpu = platform.processor() or platform.machine()
+        return f"CPU ({cpu}, torch threads {torch.get_num_threads()}), {versions}"
     props = torch.cuda.get_device_properties(device)
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i",

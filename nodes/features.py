@@ -109,11 +109,11 @@ class FeatureSession:
     does nothing.
 
     Made with the MODEL's patcher, the feature and the sampling run's ``DetectedModel`` (detected once per sampling
-    run). Contract: ``__init__`` must not touch the torch module. ``install(dm)`` may register hooks on ``dm`` and is called
-    again (after ``remove()``) if the run calls another module. ``close(status)`` undoes everything ``after_load`` and
-    ``install`` did, is called exactly once per run whatever happened, and must not raise for a half-done setup.
-    ``load_request`` is set just before ``after_load`` (None until then); ``run_header`` (which run this is, for
-    events sent during the run) when the session is made.
+    run). Contract: ``__init__`` must not touch the torch module. ``install(dm)`` may register hooks on ``dm`` and is
+    called again (after ``remove()``) if the run calls another module. ``close(status)`` undoes everything
+    ``after_load`` and ``install`` did, is called exactly once per run whatever happened, and must not raise for a
+    half-done setup. ``load_request`` is set just before ``after_load`` (None until then); ``run_header`` (which run
+    this is, for events sent during the run) when the session is made.
     """
 
     load_request: LoadRequest | None = None

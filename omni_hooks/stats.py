@@ -256,8 +256,8 @@ class CacheRunStats:
 
         ``{"bin_size": n, "bins": [{first_step, last_step, evaluations, computed, seconds, branches: {name:
         {computed, reused, reasons: {reason: count}, orders: {order: count}, metric_max, threshold}}}]}``
-        (``orders``: the skipped evaluations' ``forecast_order``s, empty without a forecast); JSON-safe. ``metric_max`` is the
-        largest finite metric of the bin (None when none), so the plot keeps its peaks.
+        (``orders``: the skipped evaluations' ``forecast_order``s, empty without a forecast); JSON-safe. ``metric_max``
+        is the largest finite metric of the bin (None when none), so the plot keeps its peaks.
         """
         size = max(1, math.ceil(len(self.evaluations) / max(max_bins, 1)))
         bins = []

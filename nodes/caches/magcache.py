@@ -7,9 +7,9 @@ order, is an error naming both nodes).
 
 Steps are the sampler's own: step t of T comes from the run's ``sample_sigmas``, so a sampler that runs only a
 segment of a schedule (KSamplerAdvanced start/end, split sigmas) counts its segment from 0 and the curve is
-interpolated to the segment's length. That is the Wan 2.2 A14B rule (see ``nodes/caches/magcache_curves.py``): each expert's
-Apply MagCache takes its own part of the official curve, "(high noise)" or "(low noise)", and applies retention and
-start/end to its own steps.
+interpolated to the segment's length. That is the Wan 2.2 A14B rule (see ``nodes/caches/magcache_curves.py``): each
+expert's Apply MagCache takes its own part of the official curve, "(high noise)" or "(low noise)", and applies retention
+and start/end to its own steps.
 
 ComfyUI's own Wan 2.2 14B T2V template (20 steps, shift 8, KSamplerAdvanced 0-10 on the high-noise model, 10-end on
 the low-noise one) fits that rule: its switch falls at the same noise level as the official 40-step calibration's
@@ -164,8 +164,8 @@ class MagCache(BlockStackCache):
         if not for_family(detected.family.name):
             return (f"no MagCache curve is published for {detected.describe()} models. {notes}To use MagCache, "
                     f"{CALIBRATE_HINT}.")
-        return (f"no published MagCache curve fits {detected.describe()}. {notes}Choose a {detected.family.name} curve, or "
-                f"{CALIBRATE_HINT}.")
+        return (f"no published MagCache curve fits {detected.describe()}. {notes}Choose a {detected.family.name} "
+                f"curve, or {CALIBRATE_HINT}.")
 
     def make_config(self, detected: DetectedModel, found: MagCacheCurve | ResolvedCurve | None,
                     tuning: dict[str, Any], shared: dict[str, Any]) -> MagCacheConfig:
@@ -218,8 +218,8 @@ class ApplyMagCache(ApplyCacheNode):
                                "Qwen-Image-Edit, Wan 2.2 A14B '(high noise)' / '(low noise)' per expert), or a "
                                "'calibration: <name>' file from MagCache Calibrate (for models without a published "
                                "curve). Interpolated to your step count; a Wan 2.2 part to its own expert's steps "
-                               "(ComfyUI's Wan 2.2 template, switch at step 10 of 20, fits the parts). On Flux, a run whose "
-                               "conditioning carries reference latents (Kontext) uses Kontext's official curve."),
+                               "(ComfyUI's Wan 2.2 template, switch at step 10 of 20, fits the parts). On Flux, a run "
+                               "whose conditioning carries reference latents (Kontext) uses Kontext's official curve."),
                 forecast_input(),  # last: a saved workflow's widget values keep their positions
             ],
             outputs=[io.Model.Output(tooltip="The same MODEL with MagCache attached for its sampling runs.")],

@@ -122,7 +122,8 @@ class TeaCache(BlockStackCache):
             found = TeaCacheCoefficients(key="calibrate", family=detected.family.name, coefficients=IDENTITY,
                                          threshold=0.0)
         return TeaCacheConfig(**tuning, recommended_threshold=found.threshold, coefficients=found.coefficients,
-                              ret_steps=found.ret_steps, signal=found.signal, model_label=f"{detected.variant}, {found.key}",
+                              ret_steps=found.ret_steps, signal=found.signal,
+                              model_label=f"{detected.variant}, {found.key}",
                               **{**shared, **published_window(found, shared["start_percent"], shared["end_percent"])})
 
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> TeaCacheRun:
@@ -183,7 +184,8 @@ class TeaCacheCalibrate(CalibrateCacheNode):
             inputs=[
                 *calibration_sampler_inputs(
                     MIN_CALIBRATION_STEPS, steps_tooltip=f"Sampling steps; each step gives one calibration point per "
-                    f"branch (at least {MIN_CALIBRATION_STEPS}).", sampler_tooltip="The sampler you will generate with."),
+                    f"branch (at least {MIN_CALIBRATION_STEPS}).",
+                    sampler_tooltip="The sampler you will generate with."),
                 calibration_name_input(KIND, "fitted coefficients"),
             ],
             outputs=[io.Latent.Output(tooltip="The sampled latent (every step computed)."),

@@ -90,8 +90,8 @@ class ForwardParameters:
 
     ``params``: every parameter this forward takes on every supported ComfyUI, in any order (``"*args"`` /
     ``"**kwargs"`` spelled so where the forward has them; a parameter only some hosts have is left out: the check
-    accepts a parameter it does not know when it has a default); ``positions``: the parameters the pack reads at a fixed position when a call passes
-    them positionally (name -> index, ``self`` not counted).
+    accepts a parameter it does not know when it has a default); ``positions``: the parameters the pack reads at a fixed
+    position when a call passes them positionally (name -> index, ``self`` not counted).
     """
 
     params: tuple[str, ...]

@@ -14,9 +14,9 @@ loaded diffusion model, without calling it and without changing anything:
 A difference is drift: the run stops with a ``ModelDriftError`` before any hook is installed or any rank exchanges
 anything. A forward taking ``*args`` / ``**kwargs`` the family does not expect is followed when it is a wrapper that
 passes its call through (``nodes.families.pass_through``): the function it calls is checked in its place. What cannot be
-decided (such a forward that is no pass-through, so which arguments reach the block is unknown) is not guessed: a cache then computes every step and its statistics say why. For the
-sequence plan there is no such fallback (ranks that split on a guess may wait on each other forever): a plan input
-that cannot be checked is a difference.
+decided (such a forward that is no pass-through, so which arguments reach the block is unknown) is not guessed: a cache
+then computes every step and its statistics say why. For the sequence plan there is no such fallback (ranks that split
+on a guess may wait on each other forever): a plan input that cannot be checked is a difference.
 """
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ def check_model(family: ModelFamily, dm: torch.nn.Module, sequence_parallel: boo
 
 def _signature_names(fn) -> tuple[list[inspect.Parameter], list[str]]:
     parameters = list(pass_through.own_signature(fn).parameters.values())
-    if parameters and parameters[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if parameters and parameters[0].kind in positional:
         parameters = parameters[1:]  # an unbound method: drop self
     names = []
     for p in parameters:

@@ -7,9 +7,10 @@ ComfyUI computes with them when the model or its patches changed (after ComfyUI'
 them), applies the family's sequence plan to the diffusion model, and per model call sends the call, with the run's
 other features, to every worker (a header they check before any collective; ``protocol``), installs the attention
 exchange in ComfyUI's attention-override seam and gives caches the group's ``RankView``. The workers mirror the run
-(``rank``, with the same ``shard`` session): the same caches and offload, so every rank decides alike. Every rank runs the model's own forward on its shard (with
-``cfg_parallel``, on its half's part of the batch); the output is gathered, so rank 0 returns the whole output to the
-sampler. A call that breaks mid-way closes the group (``explain_failure``); the next run starts a fresh one.
+(``rank``, with the same ``shard`` session): the same caches and offload, so every rank decides alike. Every rank runs
+the model's own forward on its shard (with ``cfg_parallel``, on its half's part of the batch); the output is gathered,
+so rank 0 returns the whole output to the sampler. A call that breaks mid-way closes the group (``explain_failure``);
+the next run starts a fresh one.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from ..features import (CATEGORY, FEATURES_KEY, AppliedFeature, Category, Featur
 from ..stats_store import FeatureReport, StepTotals
 from .shard import ATTENTION_OVERRIDE, KIND, ShardSession
 from .plain import PlainDataError
-from .protocol import (OPTIONS_SLOT, CommandRefused, SequenceParallelError, check_sendable, is_collective_failure,
+from .protocol import (OPTIONS_SLOT, CommandRefused, check_sendable, is_collective_failure,
                        tensor_signature)
 
 log = logging.getLogger("OmniHooks")
@@ -199,9 +200,10 @@ def _comfyui_root() -> Path:
 
 
 class SequenceParallelSession(ShardSession):
-    """Sequence Parallel's part of one sampling run on rank 0. After ComfyUI's load (before offload places the weights: ``LOAD_ORDER``) it gets
-    the group and sends the weights if they changed; per call it sends the call, with the run's other features (the
-    workers run the same caches and offload) and the run's id, then installs the attention exchange."""
+    """Sequence Parallel's part of one sampling run on rank 0. After ComfyUI's load (before offload places the
+    weights: ``LOAD_ORDER``) it gets the group and sends the weights if they changed; per call it sends the call, with
+    the run's other features (the workers run the same caches and offload) and the run's id, then installs the
+    attention exchange."""
 
     def __init__(self, patcher, feature: AppliedFeature, detected: DetectedModel):
         super().__init__(patcher, feature, detected)
@@ -401,9 +403,9 @@ class SequenceParallel(io.ComfyNode):
         if backend == AUTO:
             backend = "nccl" if local[0].startswith("cuda") else "gloo"
         if backend == "nccl" and any(not d.startswith("cuda") for d in local):
+            cpus = ", ".join(d for d in local if not d.startswith("cuda"))
             raise ValueError(f"{NODE_TITLE}: backend nccl needs a GPU for every rank, but devices {devices!r} has "
-                             f"{', '.join(d for d in local if not d.startswith('cuda'))}; set backend to gloo or 'auto', "
-                             "or list GPUs only")
+                             f"{cpus}; set backend to gloo or 'auto', or list GPUs only")
         if world_size > len(local) and master_port == 0:
             raise ValueError(f"{NODE_TITLE}: {world_size - len(local)} rank(s) are remote: set master_port so they "
                              "know where to join")

@@ -10,10 +10,10 @@ timeout bounds every wait; a model call's small tensors travel in its command, a
 How a rank joins: rank 0 publishes the group (``GroupInfo``: world size, backend, timeouts, the port of its control
 connections), signed with the group's key, in the rendezvous ``TCPStore`` under ``group`` before any worker starts;
 a worker reads it and checks the signature and the world size it was told, claims its rank on its control connection
-(a rank claimed twice is refused there), starts its heartbeat (``beat/<rank>``, a signed count); rank 0 waits until every
-rank has connected (failing fast when a local worker exits, and after the join timeout naming the ranks missing) and
-only then does everyone call ``init_process_group``. A worker whose command fails mid-collective leaves its traceback,
-signed, under ``error/<rank>``. With the heartbeats and those errors rank 0 says which rank broke a call
+(a rank claimed twice is refused there), starts its heartbeat (``beat/<rank>``, a signed count); rank 0 waits until
+every rank has connected (failing fast when a local worker exits, and after the join timeout naming the ranks missing)
+and only then does everyone call ``init_process_group``. A worker whose command fails mid-collective leaves its
+traceback, signed, under ``error/<rank>``. With the heartbeats and those errors rank 0 says which rank broke a call
 (``diagnose``); an error whose signature fails is ignored (and logged).
 
 Nothing here imports ComfyUI.
@@ -39,7 +39,8 @@ from .trust import TrustError, group_key, mac, opened, proves, seal, unseal
 log = logging.getLogger("OmniHooks")
 
 STORE_PREFIX = "omnihooks_sp/"
-#: a worker raises its count in ``beat/<rank>`` this often, from a thread of its own (a stopped or dead process stops beating)
+#: a worker raises its count in ``beat/<rank>`` this often, from a thread of its own (a stopped or dead process stops
+#: beating)
 BEAT_S = 0.25
 #: ``diagnose`` calls a rank not responding when its heartbeat did not move for this long
 STALL_S = 1.5
@@ -119,8 +120,8 @@ class CommandRefused(SequenceParallelError):
 class Command:
     """One message from rank 0. ``op``: "mesh", "load", "call" or "exit"; ``serial``: its number (1, 2, ...);
     ``header``: what every worker checks before any collective; ``payload``: the op's data (plain data, ``plain``;
-    its tensors as raw bytes). ``broadcast``: on a worker, the payload's tensors too large for the command, in the order rank 0
-    broadcasts them once every worker accepted it (``encode``)."""
+    its tensors as raw bytes). ``broadcast``: on a worker, the payload's tensors too large for the command, in the
+    order rank 0 broadcasts them once every worker accepted it (``encode``)."""
 
     op: str
     serial: int
@@ -459,7 +460,8 @@ def broadcast_tensors(tensors: list[torch.Tensor], device: torch.device | None =
     ``device``: where the backend exchanges (None: CPU for gloo, the current CUDA device for NCCL); a tensor held
     elsewhere is staged through it."""
     if device is None:
-        device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        device = (torch.device("cpu") if dist.get_backend() == "gloo"
+                  else torch.device("cuda", torch.cuda.current_device()))
     with torch.no_grad():
         for tensor in tensors:
             data = tensor.data

@@ -21,8 +21,8 @@ OPTIONS_NAME = "transformer_options"
 
 
 class ShardSession(FeatureSession):
-    """The Sequence Parallel feature's part of one sampling run on one rank. A subclass's ``install`` calls ``install_shard`` with
-    the call's degrees and mesh."""
+    """The Sequence Parallel feature's part of one sampling run on one rank. A subclass's ``install`` calls
+    ``install_shard`` with the call's degrees and mesh."""
 
     def __init__(self, patcher, feature, detected):
         super().__init__(patcher, feature, detected)

@@ -119,8 +119,9 @@ def test_a_wrapper_that_changes_the_call_makes_the_cache_compute_every_step_and_
         baseline = env.tiny.sample(wan, steps=STEPS)
         got = env.tiny.sample(wan, model=CACHES["teacache"](wan.patcher), steps=STEPS)
         summary = env.stats.recent_runs(1)[0]["summary"]
-        with pytest.raises(env.drift.ModelDriftError, match=r"^TeaCache Calibrate \(node #7\): cannot calibrate, the model could "
-                                                            r"not be fully checked before the run: .*_drops_argument"):
+        with pytest.raises(env.drift.ModelDriftError,
+                           match=r"^TeaCache Calibrate \(node #7\): cannot calibrate, the model could not be fully "
+                                 r"checked before the run: .*_drops_argument"):
             calibrate(env, wan, env.teacache.TeaCacheCalibrate, "never written")
     assert torch.equal(got, baseline)
     assert summary["reused"] == 0 and summary["computed"] == STEPS

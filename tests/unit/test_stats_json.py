@@ -21,7 +21,8 @@ def run_with(threshold: float, metrics: list[float | None], reasons: list[str] |
     for i, metric in enumerate(metrics):
         reason = reasons[i] if reasons else ("reuse" if i % 2 else "threshold")
         computed = reason != "reuse"
-        stats.record(EvaluationRecord(step=i, total_steps=len(metrics), computed=computed, seconds=0.1 if computed else 0.001,
+        stats.record(EvaluationRecord(step=i, total_steps=len(metrics), computed=computed,
+                                      seconds=0.1 if computed else 0.001,
                                       branches=[BranchDecision("cond", computed, reason, metric, threshold),
                                                 BranchDecision("uncond", computed, reason, None, threshold)]))
     return stats

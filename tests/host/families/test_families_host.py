@@ -10,7 +10,6 @@ weight of the model, once. The supported-families text of errors, tooltips and t
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 
@@ -385,7 +384,8 @@ def test_tooltips_errors_and_the_readme_name_every_family(families):
 
     text = families.supported_families()
     assert text == ", ".join(f.display_name for f in families.FAMILIES)
-    for node in (pack_module("nodes.caches.teacache").ApplyTeaCache, pack_module("nodes.caches.magcache").ApplyMagCache):
+    for node in (pack_module("nodes.caches.teacache").ApplyTeaCache,
+                 pack_module("nodes.caches.magcache").ApplyMagCache):
         model_input = next(i for i in node.define_schema().inputs if i.id == "model")
         assert text in model_input.tooltip
     readme = (PACK_ROOT / "README.md").read_text(encoding="utf-8")

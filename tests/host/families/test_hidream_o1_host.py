@@ -153,9 +153,6 @@ def test_with_reference_images_a_cached_and_an_offloaded_run_equal_a_plain_run(c
 
 def test_the_drift_check_reaches_the_layers_inside_the_language_model(case, monkeypatch):
     """The family reads the layers' x and past_key_value: a layer forward without past_key_value is drift."""
-    from omnitest.pack import pack_module
-
-    drift = pack_module("nodes.families.drift")
     assert drift_report(case.patcher, sequence_parallel=False).differences == []
     layer_cls = type(case.diffusion_model.language_model.layers[0])
 

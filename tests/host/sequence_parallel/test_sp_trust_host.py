@@ -64,7 +64,7 @@ def store():
 
 
 def test_a_pickle_planted_under_every_key_the_pack_reads_from_the_store_never_runs(sp, store, tmp_path):
-    protocol, trust = sp["protocol"], sp["trust"]
+    protocol = sp["protocol"]
     commands = protocol.command_store(store)
     target = tmp_path / "ran"
     for key in ("group", "error/1", "beat/1"):
@@ -84,7 +84,7 @@ def test_a_pickle_planted_under_every_key_the_pack_reads_from_the_store_never_ru
 
 
 def test_what_a_rank_signs_is_read_back_and_what_another_key_signed_is_not(sp, store):
-    protocol, trust = sp["protocol"], sp["trust"]
+    protocol = sp["protocol"]
     commands = protocol.command_store(store)
     secret = b"s" * 32
     info = protocol.GroupInfo(3, "gloo", protocol.Timeouts(7.0, 8.0, 9.0), "g1", 1234)
@@ -104,7 +104,8 @@ def test_what_a_rank_signs_is_read_back_and_what_another_key_signed_is_not(sp, s
 def test_a_command_holds_plain_data_only_and_a_malformed_one_is_refused(sp):
     import torch
 
-    protocol, plain, features = sp["protocol"], sp["plain"], __import__("omnitest.pack").pack.pack_module("nodes.features")
+    protocol, plain = sp["protocol"], sp["plain"]
+    features = __import__("omnitest.pack").pack.pack_module("nodes.features")
     node = sp["node"]
     config = node.resolve_degrees(sp["group"].GroupSettings(2, "gloo", ("cpu", "cpu")), 1, None, True, heads=2)
     applied = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "3", config)

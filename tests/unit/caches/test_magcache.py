@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from omni_hooks import HookPhase, HookRegistry, ModelHook, module_has_active_hooks
+from omni_hooks import HookPhase, module_has_active_hooks
 from omnitest.hooks import count_calls_on
 from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from omni_hooks.magcache import (
@@ -453,7 +453,7 @@ def test_residual_change_matches_a_direct_computation():
     assert math.isfinite(residual_change(torch.ones(3), torch.ones(3))[1])
 
 
-# -- composition ------------------------------------------------------------------------------------------------------------
+# -- composition -------------------------------------------------------------------------------------------------------
 
 def test_remove_restores_every_module_exactly():
     model = ToyDiT()

@@ -8,7 +8,6 @@ import torch
 
 from omni_hooks import module_has_active_hooks
 from omni_hooks.blockstack import BlockStack, PackedStreams, TensorArg, pack_streams, skip_returning
-from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
 ALWAYS_REUSE = (0.0, 0.0, 0.0, 0.0, 0.0)
