@@ -490,7 +490,8 @@ function offloadView(s) {
   const t = stepTotals(s);
   if (!s.active) {
     const notes = Array.isArray(s.notes) ? s.notes : [];
-    return { headline: String(s.unchanged_reason ?? notes.at(-1) ?? "nothing offloaded") };
+    const headline = String(s.unchanged_reason ?? notes.at(-1) ?? "nothing offloaded");
+    return s.host_streaming && typeof s.host_streaming === "object" ? hostStreamingView(s, t, headline) : { headline };
   }
   const skipped = t.items.length ? t.skippedSteps : finiteOr(s.calls_skipped, 0);
   const skippedWord = t.items.length ? "skipped step" : "skipped call";
@@ -528,6 +529,28 @@ function offloadView(s) {
       : `${formatBytes(x.bytes_moved)} moved, waited ${formatSeconds(finiteOr(x.copy_wait_seconds, 0))}`
         + (finiteOr(x.calls, 0) > 1 ? ` (${x.calls} calls)` : ""))),
     stripLabel: "bytes moved",
+  };
+}
+
+/** CPU Offload stood aside for ComfyUI's dynamic VRAM: what ComfyUI kept resident and what it streamed instead. */
+function hostStreamingView(s, t, headline) {
+  const h = s.host_streaming;
+  const model = finiteOr(h.model_bytes, 0);
+  const resident = finiteOr(h.resident_bytes_last_call, 0);
+  const streamed = t.ranSteps ? t.sum("not_resident_bytes", t.ran) / t.ranSteps : Math.max(0, model - resident);
+  return {
+    headline,
+    tiles: [
+      { value: formatBytes(resident), label: "resident (ComfyUI)",
+        help: `this model's weights ComfyUI's dynamic VRAM held on the GPU at the last call, of ${formatBytes(model)}` },
+      { value: formatBytes(streamed), label: "streamed per computed step",
+        help: "the weights not resident when a computed step began: ComfyUI copies them to the GPU during the step" },
+      { value: formatBytes(finiteOr(h.free_bytes_first_call, 0)), label: "VRAM free to ComfyUI",
+        help: "what ComfyUI could still give this model at the first call, beyond what it held resident" },
+    ],
+    strip: stepStrip(s, "not_resident_bytes", (x, skip) => (skip ? "skipped by the cache: no block ran"
+      : `${formatBytes(finiteOr(x.not_resident_bytes, 0))} not resident, streamed by ComfyUI`)),
+    stripLabel: "streamed by ComfyUI",
   };
 }
 

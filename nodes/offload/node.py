@@ -11,32 +11,33 @@ the run only (``OffloadSession.after_load``, undone by ``close``):
   * ComfyUI's accounting (``model_loaded_weight_memory``) is told the weight bytes the model holds on the device
     during the run, and given back its own number at the end.
 Nothing changes where there is nothing to offload to (ComfyUI on the CPU, ``--highvram``), where newer ComfyUI's
-dynamic VRAM places the weights itself, or where ComfyUI weight hooks patch weights during the run: the run says why
-in its log line and its statistics (``OffloadSession.summary()``, which a cache run on the same MODEL publishes in its
-run-history entry).
+dynamic VRAM places the weights itself (the card then shows what ComfyUI kept resident and streamed), where ComfyUI
+weight hooks patch weights during the run, or where placing the blocks failed (undone; the run goes on as ComfyUI
+loaded the model): the run says why in its log line and its statistics (``OffloadSession.summary()``, which a cache
+run on the same MODEL publishes in its run-history entry). What ComfyUI itself offers and does (its pinned weights,
+its limits, its dynamic VRAM) is read in ``host.py``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import sys
-import dataclasses
 from typing import Any
 
 import comfy.model_management
-import comfy.model_patcher
-import comfy.sampler_helpers
 import torch
 from comfy_api.latest import io
 
-from ...omni_hooks.base import HookPhase, HookRegistry, ModelHook, remove_hook_and_restore
+from ...omni_hooks.base import HookRegistry, remove_hook_and_restore
 from ...omni_hooks.context import CallContext
 from ...omni_hooks.offload import LayerwiseOffloadRun, OffloadConfig, OffloadStats, unpackable_reason
 from .. import families
 from ..families import detect_for_node, model_input
-from ..features import CATEGORY, AppliedFeature, Category, FeatureSession, FeatureSpec, LoadRequest, attach_feature, \
+from ..features import CATEGORY, AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, \
     display_name, named, register_feature
 from ..stats_store import FeatureReport, StepTotals
+from .host import ComfyPins, HostStreaming, HostStreamsHook, activation_reserve, dynamic_vram_reason, \
+    no_target_reason, offload_target, pinned_memory_budget
 from .placement import BlockFootprint, OffloadPlan, Promotion, block_tensors, gib, plan_offload
 
 log = logging.getLogger("OmniHooks")
@@ -103,82 +104,6 @@ def check_for_this_machine(model, block_count: int, blocks_to_offload: int, pref
                          f"free")
 
 
-# -- what the host offers -------------------------------------------------------------------------------------------
-
-def dynamic_vram_reason(patcher) -> str | None:
-    """Why ComfyUI's dynamic VRAM (newer versions: ``ModelPatcherDynamic``, comfy-aimdo) manages this model, else
-    None (ComfyUI 0.3.64 has neither)."""
-    dynamic = getattr(comfy.model_patcher, "ModelPatcherDynamic", None)
-    if dynamic is not None and isinstance(patcher, dynamic):
-        return f"this MODEL is a {dynamic.__name__} (ComfyUI's dynamic VRAM)"
-    memory_management = sys.modules.get("comfy.memory_management")
-    enabled = getattr(memory_management, "aimdo_enabled", False)
-    if callable(enabled):
-        enabled = enabled()
-    if enabled:
-        return "ComfyUI's dynamic VRAM (comfy-aimdo) is enabled"
-    return None
-
-
-def offload_target(patcher) -> torch.device | None:
-    """The device the blocks run on when it is not where ComfyUI offloads to (None: nothing to offload to)."""
-    load = torch.device(patcher.load_device)
-    if load.type == "cpu" or load == torch.device(patcher.offload_device):
-        return None
-    if load.type == "cuda" and load.index is None:
-        load = torch.device("cuda", torch.cuda.current_device())
-    return load
-
-
-def no_target_reason(patcher) -> str:
-    load, offload = torch.device(patcher.load_device), torch.device(patcher.offload_device)
-    if load.type == "cpu":
-        return f"ComfyUI runs this model on the CPU (offload device {offload})"
-    return f"ComfyUI keeps this model on {load}, its offload device too (--highvram or --gpu-only)"
-
-
-def activation_reserve(patcher, request: LoadRequest | None) -> tuple[int, str]:
-    """The device bytes to keep free for the run's activations, as ComfyUI's loader reserves them (its
-    ``--reserve-vram`` included), and how."""
-    mm = comfy.model_management
-    minimum = int(mm.minimum_inference_memory())
-    extra = int(mm.extra_reserved_memory())
-    reserved = f", with {gib(extra)} that ComfyUI keeps free (--reserve-vram)" if extra else ""
-    if request is None or request.noise_shape is None:
-        return minimum, f"ComfyUI's minimum inference memory{reserved}"
-    try:
-        required, _ = comfy.sampler_helpers.estimate_memory(patcher, request.noise_shape, request.conds or {})
-    except Exception as e:  # an estimate is advice; a model whose conds the estimate cannot read still runs
-        return minimum, f"ComfyUI's minimum inference memory{reserved} (its estimate for this run failed: {e})"
-    return int(max(minimum, required + extra)), f"ComfyUI's estimate for this run{reserved}"
-
-
-class HostStreamsHook(ModelHook):
-    """Before an offloaded block runs: order ComfyUI's own offload streams (``--async-offload``) after the compute
-    stream, which has waited for the block's copy.
-
-    ComfyUI 0.3.64's ``get_offload_stream`` makes each of its streams wait for the compute stream one layer ahead, so
-    the first cast layer of a block could otherwise read its slot on one of those streams before the copy landed
-    (a dtype cast or a LoRA weight function runs there)."""
-
-    phase = HookPhase.PLACEMENT
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.order_streams = torch.compiler.disable(self._order_streams)
-
-    def _order_streams(self) -> None:
-        streams = getattr(comfy.model_management, "STREAMS", {}).get(self.device, ())
-        if streams:
-            compute = torch.cuda.current_stream(self.device)
-            for stream in streams:
-                stream.wait_stream(compute)
-
-    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        self.order_streams()
-        return args, kwargs
-
-
 def _unmovable(name: str, tensor: torch.Tensor) -> bool:
     """Tensors offload cannot pack as bytes (e.g. GGUF's tensor subclass) stay where ComfyUI placed them."""
     return unpackable_reason(tensor) is not None
@@ -211,11 +136,16 @@ class OffloadSession(FeatureSession):
         self.steps = StepTotals()  # per sampler step: calls, skipped calls, bytes moved, copy wait
         self.unchanged_reason: str | None = None  # why the run changed nothing (None: it offloaded or promoted)
         self.device_weight_bytes = 0  # this model's weights on the device during the run (ComfyUI's count, as set)
+        self.comfy_pins = ComfyPins()  # the offloaded weights ComfyUI had page-locked, unpinned for the run
+        self.host_streaming: HostStreaming | None = None  # what ComfyUI's dynamic VRAM kept resident, when it streams
+        self._not_resident_at_call_start = 0
         self._loaded = False
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
     def after_load(self, patcher) -> None:
+        """Place the blocks for the run. A failure while placing them undoes everything placed so far and the run
+        goes on as ComfyUI loaded the model, the card and log saying why; an interrupt is undone and re-raised."""
         if self._loaded:  # one placement per run
             return
         self._loaded = True
@@ -224,10 +154,25 @@ class OffloadSession(FeatureSession):
         if reason is not None:
             self.notes.append(reason)  # logged with the run's line at close
             self.unchanged_reason = reason
+            if dynamic_vram_reason(patcher) is not None:
+                self.host_streaming = HostStreaming(patcher)
             return
         self.target = target
         if target.type != "cuda":
             self.notes.append(f"copies to {target} are synchronous: look-ahead copies need CUDA streams")
+        try:
+            self._place(patcher, target)
+        except comfy.model_management.InterruptProcessingException:
+            self._undo()
+            raise
+        except Exception as error:
+            self._undo()
+            self._changed_nothing_after(error)
+        except BaseException:
+            self._undo()
+            raise
+
+    def _place(self, patcher, target: torch.device) -> None:
         blocks = list(self.detected.build_stack(patcher.model.diffusion_model).blocks)
         footprints = [BlockFootprint.of(block, target) for block in blocks]
         available = self._available_for_blocks(patcher, target, footprints)
@@ -236,26 +181,38 @@ class OffloadSession(FeatureSession):
         self.notes.extend(plan.notes)
         if not plan.offloaded and not plan.promoted:
             self.unchanged_reason = plan.notes[-1] if plan.notes else "the plan offloads no block"
-        try:  # the offloaded blocks leave the device before the kept ones are completed on it (and come back after
-            # those are undone, ``_undo``), so that the device never holds both
-            if plan.offloaded:
-                self.run = LayerwiseOffloadRun([blocks[i] for i in plan.offloaded], target,
-                                               self._config_for(target), keep_resident=_unmovable).apply()
-                self.freed_device_bytes = sum(footprints[i].device_bytes for i in plan.offloaded)
-                self._order_host_streams([blocks[i] for i in plan.offloaded], target)
-            for index in plan.promoted:
-                self.promoted_bytes += self.promotion.promote(blocks[index], target)
-            self._account(patcher)
-            if target.type == "cuda":  # promotions and the head's copies are done before any stream reads them
-                torch.cuda.synchronize(target)
-        except ValueError as e:
-            self._undo()
-            raise ValueError(f"{self.feature.describe()}: {e}") from e
-        except BaseException:
-            self._undo()
-            raise
+        # the offloaded blocks leave the device before the kept ones are completed on it (and come back after those
+        # are undone, ``_undo``), so that the device never holds both
+        if plan.offloaded:
+            offloaded = [blocks[i] for i in plan.offloaded]
+            self.comfy_pins.release(patcher, offloaded)
+            if self.comfy_pins.keys:
+                self.notes.append(f"ComfyUI had page-locked {gib(self.comfy_pins.nbytes)} of the offloaded blocks' "
+                                  "weights in RAM: unpinned through ComfyUI for the run, pinned again after it")
+            self.run = LayerwiseOffloadRun(offloaded, target, self._config_for(target),
+                                           keep_resident=_unmovable).apply()
+            self.freed_device_bytes = sum(footprints[i].device_bytes for i in plan.offloaded)
+            self._order_host_streams(offloaded, target)
+        for index in plan.promoted:
+            self.promoted_bytes += self.promotion.promote(blocks[index], target)
+        self._account(patcher)
+        if target.type == "cuda":  # promotions and the head's copies are done before any stream reads them
+            torch.cuda.synchronize(target)
+
+    def _changed_nothing_after(self, error: Exception) -> None:
+        """The placement failed with ``error`` and was undone: the run goes on as ComfyUI loaded the model."""
+        log.warning("OmniHooks %s: placing the blocks failed, so it changes nothing", self.feature.describe(),
+                    exc_info=True)
+        self.run, self.plan = None, None
+        self.promoted_bytes = self.freed_device_bytes = 0
+        self.unchanged_reason = (f"placing the blocks failed ({type(error).__name__}: {error}), so CPU Offload changed "
+                                 "nothing: every block is back as ComfyUI loaded it and the run uses ComfyUI's own "
+                                 "loading")
+        self.notes.append(self.unchanged_reason)
 
     def begin_call(self, context: CallContext) -> None:
+        if self.host_streaming is not None:
+            self._not_resident_at_call_start = self.host_streaming.at_call_start()
         self._moved_at_call_start = self._bytes_moved()
         self._waited_at_call_start = self._copy_wait()
         if self.before_sampling is None:
@@ -269,8 +226,10 @@ class OffloadSession(FeatureSession):
             self.bytes_moved_on_skipped_calls += moved
         else:
             self.calls_computed += 1
+        streamed = {} if self.host_streaming is None else \
+            {"not_resident_bytes": 0 if skipped else self._not_resident_at_call_start}
         self.steps.add(context.step, skipped=int(skipped), bytes_moved=moved,
-                       copy_wait_seconds=self._copy_wait() - self._waited_at_call_start)
+                       copy_wait_seconds=self._copy_wait() - self._waited_at_call_start, **streamed)
 
     def close(self, status: str) -> None:
         self.status = status
@@ -287,7 +246,10 @@ class OffloadSession(FeatureSession):
         calls and the bytes moved during skipped calls (0 by design), the bytes moved and the copy wait when the
         blocks were placed (before the first call), the device's weight bytes during the run, ``unchanged_reason`` (why nothing was
         offloaded, else None), ``steps`` (``StepTotals``: per sampler step its calls, skipped calls, bytes moved and
-        copy wait) and ``notes`` (the library's and the run's)."""
+        copy wait; under ComfyUI's dynamic VRAM also the bytes not resident at each computed call), ``comfy_unpinned_bytes``
+        (offloaded weights ComfyUI had page-locked, unpinned for the run), ``host_streaming`` (under ComfyUI's dynamic
+        VRAM: the model's weight bytes and those ComfyUI held resident at the first and last call; else None) and
+        ``notes`` (the library's and the run's)."""
         stats = self.run.stats if self.run is not None else self._idle_stats()
         summary = stats.summary()
         plan = self.plan
@@ -308,6 +270,8 @@ class OffloadSession(FeatureSession):
             "copy_wait_before_sampling_seconds": self.before_sampling[1] if self.before_sampling else 0.0,
             "device_weight_bytes": self.device_weight_bytes,
             "unchanged_reason": self.unchanged_reason,
+            "comfy_unpinned_bytes": self.comfy_pins.nbytes,
+            "host_streaming": None if self.host_streaming is None else self.host_streaming.summary(),
             "steps": self.steps.to_list(),
             "notes": [*summary["notes"], *self.notes],
         })
@@ -373,21 +337,39 @@ class OffloadSession(FeatureSession):
         return available
 
     def _config_for(self, target: torch.device) -> OffloadConfig:
-        """The node's config, as it is; pinning asked on a device that cannot use pinned memory is the one case the
-        run gets a copy with pinning off (and the run's notes say so)."""
-        if self.config.pin_memory and target.type != "cuda":
-            self.notes.append(f"pin_memory is on, but pinned memory needs a CUDA device, not {target.type}: "
-                              "nothing pinned")
-            return dataclasses.replace(self.config, pin_memory=False)
-        return self.config
+        """The node's config for the run on ``target``, with the run's notes saying what was decided. It is the
+        node's object except in two cases, which get a copy: pinning asked on a device that cannot use pinned memory
+        (pinning off), and pinning on CUDA under a ComfyUI with a pinned-memory limit (the budget that limit leaves;
+        pinning off under auto where ComfyUI pins nothing)."""
+        config = self.config
+        if target.type != "cuda":
+            if config.pin_memory:
+                self.notes.append(f"pin_memory is on, but pinned memory needs a CUDA device, not {target.type}: "
+                                  "nothing pinned")
+                return dataclasses.replace(config, pin_memory=False)
+            return config
+        if config.pin_memory is False or config.pinned_budget_bytes is not None:
+            return config
+        budget, why = pinned_memory_budget()
+        if budget is None:
+            return config
+        if budget == 0 and config.pin_memory is None:
+            self.notes.append(f"{why} (pin_memory auto)")
+            return dataclasses.replace(config, pin_memory=False)
+        if budget == 0:
+            self.notes.append(f"pin_memory is on although {why.split(':')[0]}: pinning within half the machine's RAM")
+            return config
+        self.notes.append(why)
+        return dataclasses.replace(config, pinned_budget_bytes=budget)
 
     def _order_host_streams(self, blocks: list[torch.nn.Module], target: torch.device) -> None:
         if target.type != "cuda" or getattr(comfy.model_management, "NUM_STREAMS", 1) <= 1:
             return
         comfy.model_management.get_offload_stream(target)  # creates ComfyUI's streams now, not inside a block
         for block in blocks:
-            HookRegistry.get_or_create(block).register_hook(HOST_STREAMS_HOOK, HostStreamsHook(target))
-            self.hooked.append(block)
+            hook = HostStreamsHook(target)
+            self.hooked.append(block)  # first: undoing restores a block whose registry was made but not filled
+            HookRegistry.get_or_create(block).register_hook(HOST_STREAMS_HOOK, hook)
 
     def _account(self, patcher) -> None:
         """Tell ComfyUI's model management the weight bytes this model holds on the device during the run."""
@@ -415,7 +397,8 @@ class OffloadSession(FeatureSession):
     def _undo(self) -> None:
         """Undo everything ``after_load`` did, each part whatever the others did; re-raise the first failure."""
         failure: BaseException | None = None
-        for step in (self._unhook_host_streams, self.promotion.undo, self._remove_run, self._undo_account):
+        for step in (self._unhook_host_streams, self.promotion.undo, self._remove_run, self.comfy_pins.restore,
+                     self._undo_account):
             try:
                 step()
             except Exception as e:
@@ -481,7 +464,9 @@ class CPUOffload(io.ComfyNode):
                          "stay in system RAM and are copied to the GPU one block ahead of the computation (pinned "
                          "memory, a copy stream), the others stay resident. Outputs are identical to sampling "
                          "without the node; LoRAs apply as usual. With Apply TeaCache / Apply MagCache a skipped "
-                         "step copies nothing. On a CPU-only ComfyUI it changes nothing."),
+                         "step copies nothing. It changes nothing on a CPU-only ComfyUI and where ComfyUI's dynamic "
+                         "VRAM streams the weights itself (start ComfyUI with --disable-dynamic-vram to use it "
+                         "there); its card and log line say which path a run took."),
             inputs=inputs,
             outputs=[io.Model.Output(tooltip="The same MODEL, with its blocks streamed during its sampling runs.")],
             hidden=[io.Hidden.unique_id])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import KeepResidentFn
+from .platform import is_page_locked
 
 # Offsets of tensors inside a flat buffer: enough for every dtype's alignment and for vectorised device loads.
 ALIGN_BYTES = 64
@@ -120,11 +121,20 @@ class BlockLayout:
         for t in self.tensors:
             t.tensor.data = placeholders.of(t.dtype, t.inference)
 
-    def restore(self, master: torch.Tensor) -> None:
+    def page_locked_data(self) -> list[torch.Tensor | None]:
+        """Per tensor, its current data when that is host memory another owner page-locked (else None): the caller
+        keeps it alive while the tensor is released and gives it back with ``restore``, so that memory is never
+        freed while it is registered."""
+        return [t.tensor.data if is_page_locked(t.tensor.data) else None for t in self.tensors]
+
+    def restore(self, master: torch.Tensor, kept: list[torch.Tensor | None] | None = None) -> None:
         """Give every tensor back its original device, dtype, shape, strides and inference-ness, with the master
-        copy's values."""
+        copy's values; a tensor with ``kept`` data (``page_locked_data``) gets that very data back instead."""
         with torch.no_grad():
-            for t in self.tensors:
+            for i, t in enumerate(self.tensors):
+                if kept is not None and kept[i] is not None:
+                    t.tensor.data = kept[i]
+                    continue
                 with torch.inference_mode(t.inference):
                     original = torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device=t.device)
                     original.copy_(t.view_in(master))

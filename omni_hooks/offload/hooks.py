@@ -32,7 +32,7 @@ from ..base import REGISTRY_ATTR, HookPhase, HookRegistry, ModelHook, remove_hoo
 from .config import KeepResidentFn, OffloadConfig
 from .flat_buffer import BlockLayout, Placeholders, plan_pinning
 from .platform import HostBuffer, copies_for, physical_memory_bytes, pinned_size
-from .stats import OffloadStats
+from .stats import GIB, OffloadStats
 
 HOOK_NAME = "layerwise_offload"
 
@@ -92,14 +92,17 @@ class LayerwiseOffloadRun:
         self._stats = OffloadStats(
             device=str(self.device), blocks=len(self.blocks), prefetch_blocks=self.prefetch_blocks,
             slots=slot_count, slot_bytes=slot_bytes, device_bytes=slot_count * slot_bytes,
-            offloaded_bytes=sum(layout.nbytes for layout in self.layouts),
-            pinned_bytes=sum(size for size, pinned in zip(sizes, self._pin_plan) if pinned),
-            pinned_blocks=sum(self._pin_plan), kept_resident_bytes=sum(layout.kept_bytes for layout in self.layouts),
+            offloaded_bytes=sum(layout.nbytes for layout in self.layouts), pinned_bytes=0, pinned_blocks=0,
+            kept_resident_bytes=sum(layout.kept_bytes for layout in self.layouts),
             uses_streams=self.device.type == "cuda", notes=notes)
+        self._pinned_sizes = sizes
         self._slot_count = slot_count
         self._slots: list[_Slot] = []
         self._slot_of: list[int | None] = [None] * len(self.blocks)
         self._masters: list[HostBuffer] = []
+        # per block, the data of tensors whose host memory another owner page-locked: kept alive until ``remove``
+        # gives it back, so that memory is never freed while it is registered
+        self._locked_data: list[list[torch.Tensor | None]] = []
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._placeholders = Placeholders(self.device)
         self._copies = None
@@ -120,23 +123,27 @@ class LayerwiseOffloadRun:
             raise RuntimeError("apply_layerwise_offload: this run is already applied")
         self._applied = True
         try:
-            for layout, pin in zip(self.layouts, self._pin_plan):
+            for index, (layout, pin) in enumerate(zip(self.layouts, self._pin_plan)):
                 master = HostBuffer(layout.nbytes, pin)
                 try:
                     layout.pack_into(master.tensor)
                 except BaseException:
                     master.release()
                     raise
+                self._count_pinning(index, master)
                 self._masters.append(master)  # from here on, teardown restores this block from its master
+                self._locked_data.append(layout.page_locked_data())
                 layout.release(self._placeholders)
+            self._note_pinning()
             # the slots only once the blocks have left the device, so that it never holds both (as in teardown)
             with torch.inference_mode(False):
                 self._slots = [_Slot(torch.empty(self._stats.slot_bytes, dtype=torch.uint8, device=self.device))
                                for _ in range(self._slot_count)]
             self._copies = copies_for(self.device, self._slot_count, self.config.measure_waits)
             for index, block in enumerate(self.blocks):
-                HookRegistry.get_or_create(block).register_hook(HOOK_NAME, LayerwiseOffloadHook(self, index))
-                self._hooked.append(block)
+                hook = LayerwiseOffloadHook(self, index)
+                self._hooked.append(block)  # first: teardown restores a block whose registry was made but not filled
+                HookRegistry.get_or_create(block).register_hook(HOOK_NAME, hook)
             self._load_head()
         except BaseException:
             self._teardown()
@@ -166,16 +173,43 @@ class LayerwiseOffloadRun:
         self._views.clear()
         self._slots.clear()
         self._slot_of = [None] * len(self.blocks)
-        for layout, master in zip(self.layouts, self._masters):
-            layout.restore(master.tensor)
+        for layout, master, locked in zip(self.layouts, self._masters, self._locked_data):
+            layout.restore(master.tensor, locked)
             master.release()
         self._masters.clear()
+        self._locked_data.clear()
 
     def __enter__(self) -> "LayerwiseOffloadRun":
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.remove()
+
+    def _count_pinning(self, index: int, master: HostBuffer) -> None:
+        if master.pinned:
+            self._stats.pinned_blocks += 1
+            self._stats.pinned_bytes += self._pinned_sizes[index]
+        if master.pin_failure is not None:
+            self._stats.pin_failures.append((index, master.pin_failure, master.pinned))
+
+    def _note_pinning(self) -> None:
+        """One note for the blocks whose page-locking failed, and one for memory kept because another owner
+        page-locked it."""
+        failures = self._stats.pin_failures
+        if failures:
+            errors = sorted({error for _, error, _ in failures})
+            locked = sum(pinned for *_, pinned in failures)
+            how = (f"{locked} of them were page-locked already (another owner's lock, used as is), "
+                   f"{len(failures) - locked} copy from pageable memory" if locked else "they copy from pageable "
+                   "memory (each copy holds up the host while it runs)")
+            self._stats.notes.append(f"page-locking failed for {len(failures)} of {len(self.blocks)} blocks "
+                                     f"({'; '.join(errors)}): {how}")
+        kept = sum(t.numel() * t.element_size() for data in self._locked_data for t in data if t is not None)
+        if kept:
+            self._stats.locked_host_bytes = kept
+            self._stats.notes.append(f"{kept / GIB:.2f} GiB of the blocks' weights were in host memory that another "
+                                     "owner page-locked: kept as they are until the run ends (never freed while "
+                                     "locked)")
 
     # -- what a host can ask ----------------------------------------------------------------------------------------
 

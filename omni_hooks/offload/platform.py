@@ -37,23 +37,66 @@ def pinned_size(nbytes: int) -> int:
     return round_up(max(nbytes, 1), PAGE_BYTES)
 
 
-def _unregister(pointer: int, keep_alive: torch.Tensor) -> None:
+def page_lock(pointer: int, nbytes: int) -> int:
+    """Page-lock ``nbytes`` of host memory at ``pointer`` for the CUDA device (``cudaHostRegister``); the CUDA error
+    code, 0 on success. A failure leaves no error behind for a later CUDA call to report."""
+    error = int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 0))
+    if error:
+        discard_cuda_error()
+    return error
+
+
+def page_unlock(pointer: int) -> int:
+    """Undo ``page_lock`` (``cudaHostUnregister``); the CUDA error code, 0 on success."""
     error = int(torch.cuda.cudart().cudaHostUnregister(pointer))
     if error:
-        raise RuntimeError(f"cudaHostUnregister failed with CUDA error {error}")
+        discard_cuda_error()
+    return error
+
+
+def is_page_locked(tensor: torch.Tensor) -> bool:
+    """True when ``tensor``'s memory is host memory that someone page-locked for CUDA (its owner unlocks it, and
+    must not see it freed first). Asks CUDA only where a CUDA device exists."""
+    return tensor.device.type == "cpu" and torch.cuda.is_available() and tensor.is_pinned()
+
+
+def discard_cuda_error() -> None:
+    """Consume the error a failed CUDA runtime call left behind, which the next kernel launch would otherwise
+    report as its own (a small kernel and a synchronise, whose error is dropped)."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
+
+
+def cuda_error_text(error: int) -> str:
+    """``error`` as CUDA names it, e.g. "CUDA error 712 (part or all of the requested memory range is already
+    mapped)"."""
+    try:
+        cudart = torch.cuda.cudart()
+        return f"CUDA error {error} ({cudart.cudaGetErrorString(cudart.cudaError(error))})"
+    except Exception:  # an unknown code, or a torch without the binding
+        return f"CUDA error {error}"
 
 
 class HostBuffer:
     """One flat ``uint8`` CPU buffer holding a block's master copy.
 
-    Pinned buffers are pageable allocations page-locked with ``cudaHostRegister`` over whole pages that belong to
-    this buffer alone: exactly the size asked for, where torch's caching host allocator (``pin_memory=True``) rounds
-    every allocation up to a power of two. ``release()`` (or garbage collection) unregisters before the memory goes.
+    With ``pin``, the buffer is page-locked with ``page_lock`` over whole pages that belong to it alone: exactly the
+    size asked for, where torch's caching host allocator (``pin_memory=True``) rounds every allocation up to a power
+    of two. Page-locking never fails the buffer: when it fails (memory already registered, a locked-memory limit, a
+    driver refusal), ``pin_failure`` says why and the buffer is used as it is: page-locked when its memory already
+    was (another owner's lock, never undone here), else pageable. ``pinned``: copies from it can run in the
+    background. ``release()`` (or garbage collection) unlocks what this buffer locked before the memory goes.
     """
 
     def __init__(self, nbytes: int, pin: bool):
         self.nbytes = nbytes
         self.pinned = False
+        self.pin_failure: str | None = None
         self._finalizer: weakref.finalize | None = None
         with torch.inference_mode(False):
             if not pin:
@@ -62,23 +105,30 @@ class HostBuffer:
             raw = torch.empty(nbytes + 2 * PAGE_BYTES, dtype=torch.uint8)
         start = -raw.data_ptr() % PAGE_BYTES
         pointer = raw.data_ptr() + start
-        error = int(torch.cuda.cudart().cudaHostRegister(pointer, pinned_size(nbytes), 0))
-        if error:
-            raise RuntimeError(
-                f"apply_layerwise_offload: page-locking {pinned_size(nbytes)} bytes of host memory failed (CUDA "
-                f"error {error}); pass a smaller pinned_budget_bytes or pin_memory=False")
         self.tensor = raw[start:start + nbytes]
+        error = page_lock(pointer, pinned_size(nbytes))
+        if error:
+            self.pin_failure = cuda_error_text(error)
+            self.pinned = is_page_locked(self.tensor)
+            return
         self.pinned = True
-        self._finalizer = weakref.finalize(self, _unregister, pointer, raw)
+        self._finalizer = weakref.finalize(self, _unlock, pointer, raw)
         self._finalizer.atexit = False  # at exit the process lets go of its memory anyway; CUDA may be gone by then
 
     def release(self) -> None:
-        """Unpin (if pinned) and drop the buffer. The caller makes sure no copy from it is still in flight."""
+        """Unlock (if this buffer locked it) and drop the buffer. The caller makes sure no copy from it is still in
+        flight."""
         if self._finalizer is not None:
             self._finalizer()
             self._finalizer = None
         self.tensor = None
         self.pinned = False
+
+
+def _unlock(pointer: int, keep_alive: torch.Tensor) -> None:
+    error = page_unlock(pointer)
+    if error:
+        raise RuntimeError(f"unlocking host memory failed: {cuda_error_text(error)}")
 
 
 class SyncCopies:

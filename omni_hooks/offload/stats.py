@@ -15,7 +15,10 @@ class OffloadStats:
       ``blocks``, ``prefetch_blocks``, ``slots`` (= min(blocks, 1 + prefetch_blocks)), ``slot_bytes`` (one slot,
       sized for the largest block), ``device_bytes`` (all slots: what the blocks hold on the device),
       ``offloaded_bytes`` (the CPU master copies), ``pinned_bytes`` / ``pinned_blocks`` (of those, page-locked),
-      ``kept_resident_bytes`` (block tensors ``keep_resident`` left in place), ``uses_streams``.
+      ``pin_failures`` (per block whose page-locking failed: its index, the error, whether its memory was
+      page-locked anyway), ``locked_host_bytes`` (block weights in host memory another owner page-locked, kept as
+      they are during the run), ``kept_resident_bytes`` (block tensors ``keep_resident`` left in place),
+      ``uses_streams``.
     Activity:
       ``block_calls`` (block forwards that ran), ``hits`` (of those, the block was on the device or being copied
       there), ``sync_loads`` (the block was not on the device and was loaded on the critical path), ``prefetches``
@@ -45,6 +48,8 @@ class OffloadStats:
     bytes_moved: int = 0
     peak_resident_blocks: int = 0
     copy_wait_seconds: float = 0.0
+    pin_failures: list[tuple[int, str, bool]] = field(default_factory=list)
+    locked_host_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -59,6 +64,8 @@ class OffloadStats:
             "offloaded_bytes": self.offloaded_bytes,
             "pinned_bytes": self.pinned_bytes,
             "pinned_blocks": self.pinned_blocks,
+            "pin_failed_blocks": len(self.pin_failures),
+            "locked_host_bytes": self.locked_host_bytes,
             "kept_resident_bytes": self.kept_resident_bytes,
             "uses_streams": self.uses_streams,
             "block_calls": self.block_calls,

@@ -70,12 +70,14 @@ def skip_without_comfy_class(module: str, name: str) -> None:
         pytest.skip(f"ComfyUI {comfyui_version()} has no {module}.{name}")
 
 
-def use_comfyui_in_process(cpu: bool = True) -> Path | None:
+def use_comfyui_in_process(cpu: bool = True, before_device=None) -> Path | None:
     """Make ComfyUI importable in this process, on CPU unless ``cpu`` is False (then ComfyUI picks its device as it
     does when started); returns its root, or None when there is no checkout.
 
     Its root goes first on ``sys.path`` (ComfyUI's ``nodes``/``utils`` must win over same-named folders) and
     ``args.cpu`` is set before ``comfy.model_management`` is first imported, since it picks the device at import.
+    ``before_device`` (optional) is called with ComfyUI's ``args`` just before that import, as ComfyUI's ``main.py``
+    sets up what must precede it (e.g. comfy-aimdo's allocator).
     """
     import sys
 
@@ -88,6 +90,8 @@ def use_comfyui_in_process(cpu: bool = True) -> Path | None:
     from comfy.cli_args import args
 
     args.cpu = cpu
+    if before_device is not None:
+        before_device(args)
     import comfy.model_management  # noqa: F401  (device chosen now, with args.cpu set)
 
     return root

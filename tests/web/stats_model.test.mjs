@@ -345,6 +345,26 @@ test("a CPU Offload run that changed nothing says why, with no tiles and no stri
   assert.equal(older.headline, "auto: all 4 blocks fit");
 });
 
+test("a CPU Offload run that stood aside for ComfyUI's dynamic VRAM shows what ComfyUI kept resident and streamed", () => {
+  const reason = "this MODEL is a ModelPatcherDynamic (ComfyUI's dynamic VRAM): ComfyUI streams this model's weights";
+  const summary = offloadSummary({ active: false, blocks_offloaded: 0, bytes_moved: 0, unchanged_reason: reason,
+    notes: [reason], host_streaming: { model_bytes: 1000 * MB, resident_bytes_first_call: 300 * MB, resident_bytes_last_call: 400 * MB,
+      free_bytes_first_call: 2 * MB },
+    steps: [
+      { first_step: 0, last_step: 0, calls: 1, skipped: 0, not_resident_bytes: 700 * MB },
+      { first_step: 1, last_step: 1, calls: 1, skipped: 1, not_resident_bytes: 0 },
+      { first_step: 2, last_step: 2, calls: 1, skipped: 0, not_resident_bytes: 600 * MB },
+    ] });
+  const [card] = featureCards({ features: [{ kind: "offload", summary }] });
+  assert.equal(card.headline, reason);
+  assert.deepEqual(card.tiles.map((t) => [t.label, t.value]), [["resident (ComfyUI)", "400.0 MB"],
+    ["streamed per computed step", "650.0 MB"], ["VRAM free to ComfyUI", "2.0 MB"]]);
+  assert.equal(card.strip.label, "streamed by ComfyUI");
+  assert.deepEqual(card.strip.cells.map((c) => [c.skipped, c.share]), [[false, 1], [true, 0], [false, 600 / 700]]);
+  assert.equal(card.strip.cells[1].title, "step 2: skipped by the cache: no block ran");
+  assert.match(Object.fromEntries(card.rows)["host streaming"], /model_bytes/);
+});
+
 test("the Sequence Parallel card: ranks, degrees, time and bytes per step, agreed cache decisions, unsplit calls", () => {
   const summary = { world_size: 2, ulysses_degree: 2, ring_degree: 1, cfg_degree: 1, backend: "gloo", local_devices: ["cpu", "cpu"],
     calls: 4, bytes_sent: 3 * MB, bytes_sent_by_exchange: { ulysses_all_to_all: 3 * MB - 64, cache_agreement: 64 },

@@ -16,6 +16,7 @@ import torch
 
 from omnitest.cache_nodes import apply_magcache, apply_teacache, save_identity_calibrations, tiny_lora
 from omnitest.comfy_path import requires_comfy_class
+from omnitest.offload_probe import Probe, assert_same_state, assert_unhooked, block_bytes, weights_state
 
 pytestmark = pytest.mark.host
 
@@ -66,78 +67,6 @@ def wan(env):
 def forced(env, monkeypatch):
     """Offload to the CPU as if it were a GPU: the real path, every byte really copied."""
     monkeypatch.setattr(env.node, "offload_target", lambda patcher: torch.device("cpu"))
-
-
-class Probe:
-    """Test-only wrappers on a MODEL clone: keep the run's sessions, look at the model inside its calls, and
-    optionally fail or emulate ComfyUI's partial (lowvram) load, all inside our lifecycle's wrappers."""
-
-    def __init__(self, env, model, interrupt_at_call=None, lowvram_bytes=None):
-        import comfy.model_management
-        import comfy.patcher_extension as pe
-
-        self.sessions = []
-        self.calls = 0
-        self.loaded_weight_memory = []   # ComfyUI's number, seen inside each call
-        self.cast_mode_in_offloaded = []  # per call: a layer of the last block in ComfyUI's cast mode with a LoRA
-        self.model = model.clone()
-
-        def keep_sessions(executor, *args, **kwargs):
-            run = executor.class_obj.model_options["transformer_options"].get(env.lifecycle.RUN_KEY)
-            self.sessions = list(run.sessions) if run is not None else []
-            return executor(*args, **kwargs)
-
-        def partial_load(executor, patcher, *args, **kwargs):
-            loaded = executor(patcher, *args, **kwargs)
-            patcher.partially_unload(patcher.offload_device, memory_to_free=lowvram_bytes)
-            return loaded
-
-        def look(executor, *args, **kwargs):
-            dm = executor.class_obj
-            self.loaded_weight_memory.append(self.model.model.model_loaded_weight_memory)
-            last_block = dm.blocks[-1] if hasattr(dm, "blocks") else torch.nn.Module()  # Wan's; other families: none
-            self.cast_mode_in_offloaded.append(any(
-                getattr(m, "comfy_cast_weights", False) and len(getattr(m, "weight_function", [])) > 0
-                for m in last_block.modules()))
-            self.calls += 1
-            if interrupt_at_call is not None and self.calls > interrupt_at_call:
-                raise comfy.model_management.InterruptProcessingException()
-            return executor(*args, **kwargs)
-
-        self.model.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, "test.keep", keep_sessions)
-        if lowvram_bytes is not None:
-            self.model.add_wrapper_with_key(pe.WrappersMP.PREPARE_SAMPLING, "test.partial", partial_load)
-        self.model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "test.look", look)
-
-    def session(self, env):
-        (session,) = [s for s in self.sessions if s.feature.kind == env.node.KIND]
-        return session
-
-
-def weights_state(dm: torch.nn.Module) -> dict:
-    """Every tensor of the model: the object, where it lives and what it holds."""
-    state = {}
-    for name, t in [*dm.named_parameters(), *dm.named_buffers()]:
-        state[name] = (id(t), t.device, t.dtype, tuple(t.shape), t.stride(), t.data_ptr(), t.detach().clone())
-    return state
-
-
-def assert_same_state(before: dict, after: dict) -> None:
-    assert before.keys() == after.keys()
-    for name, (ident, device, dtype, shape, stride, _, values) in before.items():
-        got = after[name]
-        assert (got[0], got[1], got[2], got[3], got[4]) == (ident, device, dtype, shape, stride), name
-        assert torch.equal(got[6], values), name
-
-
-def assert_unhooked(dm: torch.nn.Module) -> None:
-    for name, m in dm.named_modules():
-        assert "_hook_registry" not in m.__dict__ and "forward" not in m.__dict__, name
-
-
-def block_bytes(block: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in block.parameters()) + \
-        sum(b.numel() * b.element_size() for b in block.buffers())
 
 
 def with_lora(model, lora: dict, strength: float):
@@ -744,6 +673,32 @@ def test_on_dynamic_vram_offload_stands_aside_and_a_skipped_step_loads_no_weight
     assert all(c["other reads"] > 0 for c in calls), calls  # core still reads the embeddings and the head
     assert_same_state(before, weights_state(dm))
     assert not any(hasattr(m, "_v") for m in dm.modules())
+
+
+@requires_comfy_class("comfy.model_patcher", "ModelPatcherDynamic")
+def test_on_dynamic_vram_the_card_shows_what_comfyui_kept_resident_and_streamed(env, wan, forced, monkeypatch):
+    """Standing aside, the card still answers "did it help": the model's bytes, what ComfyUI's dynamic VRAM held
+    resident at the first and last call (its ``loaded_size()``), and per computed step the bytes it streamed (not
+    resident when the step began); a skipped step streamed no block."""
+    import comfy.model_patcher
+
+    monkeypatch.setattr(comfy.model_patcher, "ModelPatcherDynamic", comfy.model_patcher.ModelPatcher)
+    model_bytes = wan.patcher.model_size()
+    resident = model_bytes // 4
+    monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "loaded_size", lambda self: resident)
+    probe = Probe(env, env.offload(env.teacache(wan.patcher), blocks=LAYERS))
+    env.tiny.sample(wan, model=probe.model, steps=STEPS, cfg=1.0)
+    summary = probe.session(env).summary()
+    assert not summary["active"] and "dynamic VRAM" in summary["unchanged_reason"]
+    host = summary.pop("host_streaming")
+    assert host.pop("free_bytes_first_call") > 0  # ComfyUI's own number, whatever it is on this machine
+    assert host == {"model_bytes": model_bytes, "resident_bytes_first_call": resident,
+                    "resident_bytes_last_call": resident}
+    steps = summary["steps"]
+    assert [s["first_step"] for s in steps] == list(range(STEPS))
+    skipped = [s for s in steps if s["skipped"]]
+    assert skipped and all(s["not_resident_bytes"] == 0 for s in skipped)
+    assert all(s["not_resident_bytes"] == model_bytes - resident for s in steps if not s["skipped"])
 
 
 def test_the_card_has_per_step_bytes_and_waits_that_add_up_to_the_runs(env, wan, forced):

@@ -1,0 +1,243 @@
+"""CPU Offload never breaks the run: pinning that fails, weights ComfyUI page-locked, and a failure at any step of the
+placement, each followed by ComfyUI's own unload and a second sample (in-process ComfyUI, on the CPU).
+
+A GPU is emulated as in test_offload_host.py: the offload target is "cpu:0", a device that compares unequal to ComfyUI's
+offload device, so every block weight counts as ComfyUI's to place, the kept blocks are completed on the "device" and
+the offloaded ones really packed, released and copied. CUDA's registry of page-locked memory is a stand-in
+(``omnitest.host_memory``) that ComfyUI's own pinning (0.3.75 and newer pin the weights a partial load leaves in RAM)
+and the pack's both go through, with ComfyUI's pinned-memory limit switched on.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnitest.comfy_path import requires_comfy_class
+from omnitest.host_memory import ALREADY_REGISTERED, MEMORY_ALLOCATION, FakeHostRegistry
+from omnitest.offload_probe import Probe, assert_same_state, assert_unhooked, block_bytes, weights_state
+
+pytestmark = pytest.mark.host
+
+STEPS = 3
+LAYERS = 4
+OFFLOADED = 2
+
+
+@pytest.fixture(scope="module")
+def env(user_dir):
+    from omnitest import tiny_models
+    from omnitest.pack import pack_module, run_node
+
+    node = pack_module("nodes.offload.node")
+
+    class Env:
+        tiny = tiny_models
+        lifecycle = pack_module("nodes.features")
+
+        @staticmethod
+        def offload(model, blocks=OFFLOADED, prefetch=1, pin="auto"):
+            return run_node(node.CPUOffload, node_id="40", model=model, blocks_to_offload=blocks,
+                            prefetch_blocks=prefetch, pin_memory=pin, vram_budget_gb=0.0)[0]
+
+    Env.node = node
+    Env.host = pack_module("nodes.offload.host")
+    Env.placement = pack_module("nodes.offload.placement")
+    Env.library = pack_module("omni_hooks.offload")  # the pack's own copy of the library
+    yield Env
+
+
+@pytest.fixture
+def wan(env):
+    return env.tiny.build_case("wan21_t2v", unet_overrides={"num_layers": LAYERS})
+
+
+@pytest.fixture
+def gpu(env, wan, monkeypatch):
+    """The offload target is "cpu:0", with VRAM for the slots and every kept block: the kept blocks are completed
+    there (promoted) and the offloaded ones streamed. ComfyUI pins as it does with a GPU; CUDA's registry of
+    page-locked memory is the stand-in, which the pack's pinning uses too (on every block)."""
+    import comfy.model_management as mm
+
+    monkeypatch.setattr(env.node, "offload_target", lambda patcher: torch.device("cpu", 0))
+    per_block = block_bytes(wan.diffusion_model.blocks[0])
+    free = int(mm.minimum_inference_memory()) + (LAYERS + 2) * per_block
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (free, free)
+                        if torch_free_too else free)
+    registry = FakeHostRegistry().install(monkeypatch, env.library)
+    registry.watch_comfyui_pins(monkeypatch)
+    if hasattr(mm, "MAX_PINNED_MEMORY"):  # ComfyUI 0.3.75 and newer: pinning on, as with an NVIDIA GPU
+        monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 40)
+    monkeypatch.setattr(env.library.hooks, "_pinning_policy", lambda device, config: (True, 1 << 40, []))
+    return registry
+
+
+def partial_load_bytes(wan) -> int:
+    """Enough for ComfyUI's partial load to leave most layers of every block in RAM (pinned, where it pins)."""
+    return sum(block_bytes(b) for b in wan.diffusion_model.blocks)
+
+
+def comfyui_pins(patcher) -> set[str]:
+    return set(getattr(patcher, "pinned", ()))
+
+
+def assert_comfyui_can_unload_and_sample_again(env, wan, baseline, lowvram) -> None:
+    """ComfyUI's own unload of every model works, and the next sample, with the node, is bit-identical."""
+    import comfy.model_management
+
+    comfy.model_management.unload_all_models()
+    probe = Probe(env, env.offload(wan.patcher), lowvram_bytes=lowvram)
+    assert torch.equal(env.tiny.sample(wan, model=probe.model, steps=STEPS), baseline)
+    assert probe.session(env).summary()["blocks_offloaded"] == OFFLOADED
+
+
+def test_weights_comfyui_pinned_are_unpinned_through_it_for_the_run_and_pinned_again(env, wan, gpu):
+    """ComfyUI's partial load page-locks the weights it leaves in RAM, each tensor's own memory. The run releases those
+    tensors: without unpinning them first their memory would be freed while registered (the pack's next buffer in
+    that range is refused with error 712, and copies from it read stale pages)."""
+    import comfy.model_management as mm
+
+    lowvram = partial_load_bytes(wan)
+    baseline = env.tiny.sample(wan, model=Probe(env, wan.patcher, lowvram_bytes=lowvram).model, steps=STEPS)
+    pinned_by_comfyui = comfyui_pins(wan.patcher)
+    if hasattr(mm, "MAX_PINNED_MEMORY"):
+        assert pinned_by_comfyui, "ComfyUI's partial load pinned nothing: the test does not reach its point"
+    registered_before = dict(gpu.ranges)
+    probe = Probe(env, env.offload(wan.patcher), lowvram_bytes=lowvram)
+    out = env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    assert torch.equal(out, baseline)
+    summary = probe.session(env).summary()
+    assert summary["blocks_offloaded"] == OFFLOADED and summary["pin_failed_blocks"] == 0
+    assert summary["pinned_blocks"] == OFFLOADED and summary["locked_host_bytes"] == 0
+    assert gpu.freed_while_locked() == []
+    assert comfyui_pins(wan.patcher) == pinned_by_comfyui  # pinned again, through ComfyUI
+    if pinned_by_comfyui - comfyui_pins(wan.patcher) or summary["comfy_unpinned_bytes"]:
+        assert any("unpinned through ComfyUI" in n for n in summary["notes"]), summary["notes"]
+    assert set(gpu.ranges) - set(registered_before) <= {w.data_ptr() for w in wan.diffusion_model.parameters()}
+    assert_comfyui_can_unload_and_sample_again(env, wan, baseline, lowvram)
+    assert gpu.freed_while_locked() == []
+
+
+@requires_comfy_class("comfy.model_management", "pin_memory")  # 0.3.64 pins nothing
+def test_weights_comfyui_could_not_unpin_are_kept_until_the_run_ends(env, wan, gpu):
+    """ComfyUI's unpin fails (its unregister is refused): the memory stays registered, so the run keeps those tensors'
+    data instead of freeing it, and gives that very data back."""
+    lowvram = partial_load_bytes(wan)
+    baseline = env.tiny.sample(wan, model=Probe(env, wan.patcher, lowvram_bytes=lowvram).model, steps=STEPS)
+    gpu.refuse_unregister.update(gpu.ranges)  # every range ComfyUI holds now
+    probe = Probe(env, env.offload(wan.patcher), lowvram_bytes=lowvram)
+    assert torch.equal(env.tiny.sample(wan, model=probe.model, steps=STEPS), baseline)
+    summary = probe.session(env).summary()
+    assert summary["locked_host_bytes"] > 0 and gpu.freed_while_locked() == []
+    assert any("another owner page-locked" in n for n in summary["notes"]), summary["notes"]
+    gpu.refuse_unregister.clear()
+    assert_comfyui_can_unload_and_sample_again(env, wan, baseline, lowvram)
+
+
+@pytest.mark.parametrize("error", [ALREADY_REGISTERED, MEMORY_ALLOCATION])
+def test_a_block_whose_pinning_fails_runs_from_pageable_memory_and_the_card_says_so(env, wan, gpu, error):
+    lowvram = partial_load_bytes(wan)
+    baseline = env.tiny.sample(wan, model=Probe(env, wan.patcher, lowvram_bytes=lowvram).model, steps=STEPS)
+    before = weights_state(wan.diffusion_model)
+    gpu.refuse[gpu.registers + 1] = error  # ComfyUI's partial load of the next run pins first, then the pack:
+    gpu.refuse[gpu.registers + 2] = error  # refuse the first two registrations of the run, whoever asks
+    probe = Probe(env, env.offload(wan.patcher), lowvram_bytes=lowvram)
+    assert torch.equal(env.tiny.sample(wan, model=probe.model, steps=STEPS), baseline)
+    summary = probe.session(env).summary()
+    assert summary["status"] == "success" and summary["blocks_offloaded"] == OFFLOADED
+    failed = summary["pin_failed_blocks"]
+    assert failed >= 1 or comfyui_pins(wan.patcher), summary  # a refusal hit the pack's buffers, or ComfyUI's
+    if failed:
+        assert summary["pinned_blocks"] == OFFLOADED - failed
+        (note,) = [n for n in summary["notes"] if "page-locking failed" in n]
+        assert f"CUDA error {error}" in note and "pageable" in note, note
+    assert_same_state(before, weights_state(wan.diffusion_model))
+    assert_comfyui_can_unload_and_sample_again(env, wan, baseline, lowvram)
+
+
+def _raise_on(calls: int):
+    """A wrapper factory: the wrapped callable raises on its ``calls``-th call (earlier calls run)."""
+    def wrap(original):
+        count = [0]
+
+        def failing(*args, **kwargs):
+            count[0] += 1
+            if count[0] == calls:
+                raise RuntimeError("injected failure")
+            return original(*args, **kwargs)
+        return failing
+    return wrap
+
+
+# (what fails, where it is patched, the call that fails): every step of the placement, in the order it runs
+PLACEMENT_STEPS = [
+    ("unpinning ComfyUI's pins", "host.ComfyPins.release", 1),
+    ("laying out the blocks", "library.LayerwiseOffloadRun.__init__", 1),
+    ("a master copy's buffer", "library.HostBuffer.__init__", 2),
+    ("packing a block", "flat.BlockLayout.pack_into", 2),
+    ("releasing a block", "flat.BlockLayout.release", 2),
+    ("the device slots", "library._Slot.__init__", 1),
+    ("the copy engine", "library.copies_for", 1),
+    ("a block's hook", "library.LayerwiseOffloadHook.__init__", 2),
+    ("loading the stack's head", "library.LayerwiseOffloadRun._load_head", 1),
+    ("ComfyUI's offload streams", "node.OffloadSession._order_host_streams", 1),
+    ("completing a kept block", "placement.Promotion.promote", 2),
+    ("ComfyUI's accounting", "node.OffloadSession._account", 1),
+]
+
+
+def _patch(env, monkeypatch, where: str, wrap) -> None:
+    modules = {"host": env.host, "library": env.library.hooks, "flat": env.library.flat_buffer, "node": env.node,
+               "placement": env.placement}
+    module_name, *path = where.split(".")
+    owner = modules[module_name]
+    for name in path[:-1]:
+        owner = getattr(owner, name)
+    monkeypatch.setattr(owner, path[-1], wrap(getattr(owner, path[-1])))
+
+
+@pytest.mark.parametrize("what,where,call", PLACEMENT_STEPS, ids=[step[0] for step in PLACEMENT_STEPS])
+def test_a_failure_at_any_step_of_the_placement_restores_everything_and_the_run_goes_on(env, wan, gpu, monkeypatch,
+                                                                                       what, where, call):
+    lowvram = partial_load_bytes(wan)
+    baseline = env.tiny.sample(wan, model=Probe(env, wan.patcher, lowvram_bytes=lowvram).model, steps=STEPS)
+    before = weights_state(wan.diffusion_model)
+    pins = comfyui_pins(wan.patcher)
+    own_count = wan.patcher.model.model_loaded_weight_memory
+    with monkeypatch.context() as injected:
+        _patch(env, injected, where, _raise_on(call))
+        probe = Probe(env, env.offload(wan.patcher), lowvram_bytes=lowvram)
+        out = env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    assert torch.equal(out, baseline)  # the run went on as ComfyUI loaded the model
+    summary = probe.session(env).summary()
+    assert summary["status"] == "success" and not summary["active"], summary
+    assert summary["unchanged_reason"].startswith("placing the blocks failed (RuntimeError: injected failure)")
+    assert summary["blocks_offloaded"] == 0 and summary["device_bytes"] == 0
+    assert_same_state(before, weights_state(wan.diffusion_model))
+    assert_unhooked(wan.diffusion_model)
+    assert comfyui_pins(wan.patcher) == pins and gpu.freed_while_locked() == []
+    assert wan.patcher.model.model_loaded_weight_memory == own_count
+    assert_comfyui_can_unload_and_sample_again(env, wan, baseline, lowvram)
+
+
+def test_an_interrupt_while_placing_is_undone_and_reaches_comfyui(env, wan, gpu, monkeypatch):
+    import comfy.model_management
+
+    lowvram = partial_load_bytes(wan)
+    baseline = env.tiny.sample(wan, model=Probe(env, wan.patcher, lowvram_bytes=lowvram).model, steps=STEPS)
+    before = weights_state(wan.diffusion_model)
+
+    def interrupt(original):
+        def interrupted(*args, **kwargs):
+            raise comfy.model_management.InterruptProcessingException()
+        return interrupted
+
+    with monkeypatch.context() as injected:
+        _patch(env, injected, "placement.Promotion.promote", interrupt)
+        probe = Probe(env, env.offload(wan.patcher), lowvram_bytes=lowvram)
+        with pytest.raises(comfy.model_management.InterruptProcessingException):
+            env.tiny.sample(wan, model=probe.model, steps=STEPS)
+    assert probe.session(env).summary()["status"] == "interrupted"
+    assert_same_state(before, weights_state(wan.diffusion_model))
+    assert_unhooked(wan.diffusion_model)
+    assert gpu.freed_while_locked() == []
+    assert_comfyui_can_unload_and_sample_again(env, wan, baseline, lowvram)
