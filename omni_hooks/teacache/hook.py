@@ -1,8 +1,7 @@
 """TeaCache: the decision policy on top of the shared block-stack cache mechanics (``omni_hooks.stack_cache``).
 
-After vllm-omni ``vllm_omni/diffusion/cache/teacache/hook.py`` (algorithm: TeaCache paper, Liu et al. 2024) with one
-structural change: instead of re-implementing each model's forward in an extractor, the hooks sit on the model's own
-blocks (``BlockStack``), so the model's forward runs unchanged and only the modulated input is model-specific.
+The algorithm is the TeaCache paper's (Liu et al. 2024). The hooks sit on the model's own blocks (``BlockStack``), so
+the model's forward runs unchanged; only the modulated input it measures is model-specific (``ModulatedInput``).
 
 Decision per branch: the relative L1 change of the modulated input since the previous call of that branch is mapped
 through the rescale polynomial and accumulated; while the sum stays below ``threshold`` the branch may reuse. Under

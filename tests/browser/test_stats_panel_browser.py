@@ -654,8 +654,9 @@ def test_an_offloading_runs_card_keeps_its_tiles_and_strip_inside_narrow_and_wid
     from omnitest.pack import pack_module
 
     store = pack_module("nodes.stats_store")
+    config = pack_module("omni_hooks.offload").OffloadConfig(prefetch_blocks=1)
     stats = pack_module("omni_hooks.offload.stats").OffloadStats(
-        device="cuda:0", blocks=24, prefetch_blocks=1, slots=2, slot_bytes=470 << 20, device_bytes=940 << 20,
+        device="cuda:0", blocks=24, config=config, slots=2, slot_bytes=470 << 20, device_bytes=940 << 20,
         offloaded_bytes=24 * (470 << 20), pinned_bytes=24 * (470 << 20), pinned_blocks=24, kept_resident_bytes=0,
         uses_streams=True, block_calls=24 * 18, hits=24 * 18 - 1, sync_loads=1, prefetches=24 * 18 - 1,
         copies=24 * 18, bytes_moved=18 * 24 * (470 << 20), copy_wait_seconds=0.31)

@@ -26,9 +26,10 @@ def wan():
     return tiny_models.build_case("wan21_t2v")
 
 
-def holding(value, root, skip: tuple, depth: int = 4, where: str = "") -> list[str]:
-    """Where, below ``root``, an attribute or item equals ``value`` (of its type), not looking into the objects of
-    ``skip`` (identity), tensors, torch modules or more than ``depth`` levels down."""
+def holding(value, root, skip: tuple, depth: int = 4, where: str = "", named: str | None = None) -> list[str]:
+    """Where, below ``root``, an attribute or item equals ``value`` (of its type; with ``named``, only an attribute
+    whose name contains it), not looking into the objects of ``skip`` (identity), tensors, torch modules or more than
+    ``depth`` levels down."""
     found: list[str] = []
     seen: set[int] = set()
 
@@ -37,7 +38,8 @@ def holding(value, root, skip: tuple, depth: int = 4, where: str = "") -> list[s
             return
         if isinstance(obj, numbers.Number) and not isinstance(obj, bool) and type(obj) is type(value) \
                 and obj == value:
-            found.append(path)
+            if named is None or named in path.rsplit(".", 1)[-1]:
+                found.append(path)
             return
         if level >= depth or isinstance(obj, (str, bytes, numbers.Number, type)) or callable(obj) \
                 and not hasattr(obj, "__dict__"):
@@ -130,6 +132,69 @@ def test_a_cache_setting_reaches_its_hook_in_one_config(monkeypatch, wan, kind, 
               for path in holding(value, stop, skip=(config, sessions[0].stats.evaluations, wan.patcher, patched),
                                   where=name)]
     assert not copies, f"{input_name}={value} is held beside the config at {copies}"
+
+
+def test_cpu_offloads_prefetch_blocks_reaches_its_hook_in_one_config(monkeypatch):
+    """On the real path, its target forced onto the CPU: the node's config is the one the library's run, its
+    statistics and its hooks read (a block count being a small number too, only an attribute named like the
+    setting counts as a copy)."""
+    from omnitest import tiny_models
+    from omnitest.pack import pack_module, run_node
+
+    node = pack_module("nodes.offload.node")
+    registry = pack_module("omni_hooks.base")
+    monkeypatch.setattr(node, "offload_target", lambda patcher: torch.device("cpu"))
+    runs, sessions = [], []
+    real_run, real_session = node.LayerwiseOffloadRun, node.OffloadSession.__init__
+
+    def recording_run(*args, **kwargs):
+        runs.append(real_run(*args, **kwargs))
+        return runs[-1]
+
+    def recording_session(session, *args, **kwargs):
+        real_session(session, *args, **kwargs)
+        sessions.append(session)
+
+    hooks = []
+    real_apply = real_run.apply
+
+    def applying(run):
+        applied = real_apply(run)
+        hooks.extend(h for b in run.blocks for h in b.__dict__[registry.REGISTRY_ATTR]._hooks.values()
+                     if getattr(h, "run", None) is run)
+        return applied
+
+    monkeypatch.setattr(node, "LayerwiseOffloadRun", recording_run)
+    monkeypatch.setattr(real_run, "apply", applying)
+    monkeypatch.setattr(node.OffloadSession, "__init__", recording_session)
+    wan = tiny_models.build_case("wan21_t2v", unet_overrides={"num_layers": 6})
+    patched = run_node(node.CPUOffload, model=wan.patcher, blocks_to_offload=4, prefetch_blocks=3, pin_memory="auto",
+                       vram_budget_gb=0.0)[0]
+    (feature,) = pack_module("nodes.features").applied_features(patched)
+    config = feature.config
+    assert config.prefetch_blocks == 3
+    tiny_models.sample(wan, model=patched, steps=STEPS)
+    assert sessions and runs
+    (session,) = sessions
+    (run,) = runs
+    assert session.config is config and run.config is config and run.stats.config is config
+    assert len(hooks) == 4 and all(hook.run is run for hook in hooks)
+    stops = {"feature": feature, "session": session, "run": run, "hooks": hooks}
+    copies = [path for name, stop in stops.items()
+              for path in holding(3, stop, skip=(config, wan.patcher, patched), where=name, named="prefetch")]
+    assert not copies, f"prefetch_blocks=3 is held beside the config at {copies}"
+    assert run.stats.summary()["prefetch_blocks"] == 3
+
+
+def test_cpu_offloads_inputs_default_to_their_config_fields_defaults(monkeypatch):
+    from omnitest.pack import pack_module
+
+    node = pack_module("nodes.offload.node")
+    defaults = node_defaults(node.CPUOffload)
+    config = pack_module("omni_hooks.offload").OffloadConfig
+    assert set(defaults) == set(node.CONFIG_FIELDS)
+    for name, (field, value_of) in node.CONFIG_FIELDS.items():
+        assert value_of(defaults[name]) == field_default(config, field), (name, defaults[name])
 
 
 def node_defaults(node_class) -> dict:

@@ -84,7 +84,7 @@ def test_a_pickle_planted_under_every_key_the_pack_reads_from_the_store_never_ru
 
 
 def test_what_a_rank_signs_is_read_back_and_what_another_key_signed_is_not(sp, store):
-    protocol = sp["protocol"]
+    protocol, trust = sp["protocol"], sp["trust"]
     commands = protocol.command_store(store)
     secret = b"s" * 32
     info = protocol.GroupInfo(3, "gloo", protocol.Timeouts(7.0, 8.0, 9.0), "g1", 1234)
