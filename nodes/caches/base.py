@@ -145,12 +145,12 @@ class BlockStackCache(abc.ABC):
                              f"{detected.describe()}. Choose '{AUTO}' or a {detected.family.name} {word}.")
         return found
 
-    def config_for(self, model, inputs: dict[str, Any], calibrate: bool = False) -> StackCacheConfig:
+    def config_for(self, model, detected: DetectedModel, inputs: dict[str, Any],
+                   calibrate: bool = False) -> StackCacheConfig:
         """An Apply node's one frozen config, from its inputs (all but ``model``, each set on its config field:
-        ``inputs.CONFIG_FIELDS``) and the detected model. The config checks every value once; its ValueError, and
+        ``inputs.CONFIG_FIELDS``) and the model as detected. The config checks every value once; its ValueError, and
         any other, names the node and its input."""
         title = self.title
-        detected = families.detect_for_node(title, model)
         tuning = {config_field(name): value for name, value in inputs.items()}
         value = tuning.pop(self.variant_input, AUTO)
         entry = None if calibrate else self.resolve(detected, value)
@@ -257,7 +257,7 @@ class ApplyCacheNode(io.ComfyNode):
     @classmethod
     def execute(cls, model, **inputs: Any) -> io.NodeOutput:
         cache = cls.cache
-        config = cache.config_for(model, inputs)
+        config = cache.config_for(model, families.detect_for_node(cache.title, model), inputs)
         return io.NodeOutput(attach_feature(model, cache.applied(cache.title, cls.hidden.unique_id, config)))
 
 
@@ -285,7 +285,7 @@ class CalibrateCacheNode(io.ComfyNode):
             calibration_files.check_writable(cache.kind)  # before sampling, not after
         except ValueError as e:
             raise named(title, e) from None
-        config = cache.config_for(model, dict(cache.calibrate_inputs), calibrate=True)
+        config = cache.config_for(model, detected, dict(cache.calibrate_inputs), calibrate=True)
         latent, sessions = sample_calibrating(model, cache.applied(title, cls.hidden.unique_id, config), seed,
                                               steps, cfg, sampler_name, scheduler, positive, negative, latent_image)
         parts = [part for session in sessions for part in session.recorded]

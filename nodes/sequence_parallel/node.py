@@ -171,9 +171,14 @@ def check_heads(config: SequenceParallelConfig, heads: int) -> None:
 
 def config_for(model, group: sp_group.GroupSettings, ulysses_degree: int | None, ring_degree: int | None,
                cfg_parallel: bool = False) -> SequenceParallelConfig:
-    """``resolve_degrees`` for ``model`` (its head count resolves 'auto'); ValueError naming the input."""
+    """``resolve_degrees`` for ``model`` (its head count resolves 'auto'); ValueError naming the node, and the input
+    or the model's family when it has no sequence plan."""
+    family = detect(model).family
+    if family.sequence_plan is None:
+        raise ValueError(f"{NODE_TITLE}: {family.display_name} is not supported yet{_refusal(family)}; "
+                         f"supported: {supported_families()}")
     try:
-        heads = _heads(model.model.diffusion_model, detect(model).family)
+        heads = _heads(model.model.diffusion_model, family)
     except ValueError:
         heads = None  # 'auto' degrees say so; explicit ones are checked against the model at the run
     return resolve_degrees(group, ulysses_degree, ring_degree, cfg_parallel, heads)
@@ -395,10 +400,6 @@ class SequenceParallel(io.ComfyNode):
     @classmethod
     def execute(cls, model, world_size, ulysses_degree, ring_degree, devices, backend, master_address,
                 master_port, cfg_parallel=False) -> io.NodeOutput:
-        family = detect(model).family
-        if family.sequence_plan is None:
-            raise ValueError(f"{NODE_TITLE}: {family.display_name} is not supported yet{_refusal(family)}; "
-                             f"supported: {supported_families()}")
         local = resolve_devices(devices, world_size, master_address)
         if backend == AUTO:
             backend = "nccl" if local[0].startswith("cuda") else "gloo"
