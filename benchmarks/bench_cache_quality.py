@@ -170,13 +170,15 @@ def main() -> None:
     # identical outputs have an infinite PSNR: JSON has no such number, so it is written as null
     finite = [{k: [None if isinstance(x, float) and math.isinf(x) else x for x in v] if isinstance(v, list)
                else None if isinstance(v, float) and math.isinf(v) else v for k, v in r.items()} for r in results]
-    name = "cache_quality" + ("" if spec.name == "small" else f"_{spec.name}") + ("" if steps == 30 else f"_{steps}steps")
+    name = ("cache_quality" + ("" if spec.name == "small" else f"_{spec.name}")
+            + ("" if steps == 30 else f"_{steps}steps"))
     (opts.out / f"{name}.json").write_text(json.dumps(finite, indent=1))
     plot_curves(results, opts.out / f"{name}.png", steps=steps, targets=() if few else ((12, 45.0), (8, 40.0)),
                 title=f"{spec.name} model ({spec.description}), {steps} steps")
     print(f"\nbest point per budget of model evaluations (of {steps}), mean / worst prompt in dB (threshold):\n")
     print(best_per_budget(results, steps))
-    print(f"\n| configuration | threshold | model evaluations (of {steps}) | latent PSNR mean (dB) | worst prompt (dB) |")
+    print(f"\n| configuration | threshold | model evaluations (of {steps}) | latent PSNR mean (dB) "
+          "| worst prompt (dB) |")
     print("|---|---|---|---|---|")
     for r in results:
         print(f"| {r['configuration']} | {r['threshold']:g} | {r['evaluations']:.2f} | {r['psnr_mean']:.1f} | "

@@ -3,8 +3,8 @@
 ComfyUI's own Wan 2.1 T2V model class (random weights) at dim 256, 4 blocks, on a [1, 16, 3, 16, 16] latent, euler,
 cfg 5, in-process through ComfyUI's KSampler. TeaCache Calibrate and MagCache Calibrate first run once on the same
 model at the longest step count (what a user does for a model without published numbers); then at each step count
-each Apply node runs with the rule (as the nodes do) and with it turned off, at a few thresholds. Error and PSNR compare the final latent
-with the no-node latent of the same step count. Interleaved, best of ``--repeats``.
+each Apply node runs with the rule (as the nodes do) and with it turned off, at a few thresholds. Error and PSNR compare
+the final latent with the no-node latent of the same step count. Interleaved, best of ``--repeats``.
 
 Run: .venv/bin/python benchmarks/bench_few_step.py        (needs a ComfyUI checkout; prints markdown)
 """

@@ -554,7 +554,8 @@ def device_line(device: torch.device) -> str:
 
     versions = f"torch {torch.__version__}, Python {platform.python_version()}, ComfyUI {comfyui_version()}"
     if device.type != "cuda":
-        return f"CPU ({platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}), {versions}"
+        cpu = platform.processor() or platform.machine()
+        return f"CPU ({cpu}, torch threads {torch.get_num_threads()}), {versions}"
     props = torch.cuda.get_device_properties(device)
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i",
@@ -702,11 +703,10 @@ def header_for(bench: Bench, opts: argparse.Namespace) -> dict[str, Any]:
                 f"cap {bench.caps[0] * GIB / MIB:.2f} MiB, given to the node as vram_budget_gb (CPU mode: the node's "
                 f"target forced to the CPU)")
     text = (f"{device}. Model: Wan 2.1 T2V shape '{opts.shape}' (dim {shape.dim}, ffn {shape.ffn}, "
-            f"{shape.blocks} blocks, heads {shape.heads}), random weights, {bench.dtype}, {bench.weights_source}, built "
-            f"and "
-            f"loaded in {bench.build_seconds:.1f} s: {bench.weight_bytes / unit:.2f} {unit_name} of weights, one block "
-            f"{bench.block_bytes / MIB:.1f} MiB, outside the blocks {bench.other_bytes / MIB:.1f} MiB. Latent "
-            f"{'x'.join(map(str, latent.shape[1:]))} ({opts.frames} frames {opts.height}x{opts.width}): "
+            f"{shape.blocks} blocks, heads {shape.heads}), random weights, {bench.dtype}, {bench.weights_source}, "
+            f"built and loaded in {bench.build_seconds:.1f} s: {bench.weight_bytes / unit:.2f} {unit_name} of weights, "
+            f"one block {bench.block_bytes / MIB:.1f} MiB, outside the blocks {bench.other_bytes / MIB:.1f} MiB. "
+            f"Latent {'x'.join(map(str, latent.shape[1:]))} ({opts.frames} frames {opts.height}x{opts.width}): "
             f"{tokens(latent)} tokens; text {CONTEXT_TOKENS} x {TEXT_DIM}; euler/simple, {opts.steps} steps, cfg "
             f"{opts.cfg:g}, seed 0; ComfyUI's activation estimate {bench.activation_estimate / unit:.2f} {unit_name}; "
             f"{cap_text}. TeaCache: identity calibration, threshold {TEACACHE_THRESHOLD:g}.")

@@ -10,8 +10,9 @@ median step's time over 1 rank's, divided by the model calls per step: at a tiny
 --frames 1 --size 8``) compute is near zero and it is what the control path, the call's setup on every rank and the
 model's own exchanges cost per model call.
 
-CPU (default): gloo ranks, one thread each (every exchange a gloo collective). CUDA (``--devices cuda``, at least N GPUs): NCCL ranks; adds rank 0's peak memory
-(``torch.cuda.max_memory_allocated``) and each GPU's memory in use after the run (device-wide, all processes).
+CPU (default): gloo ranks, one thread each (every exchange a gloo collective). CUDA (``--devices cuda``, at least N
+GPUs): NCCL ranks; adds rank 0's peak memory (``torch.cuda.max_memory_allocated``) and each GPU's memory in use after
+the run (device-wide, all processes).
 
 Run: .venv/bin/python benchmarks/bench_sequence_parallel_node.py [--ranks 2 4] [--devices cpu|cuda]
 (needs a ComfyUI checkout: COMFYUI_PATH or ~/ComfyUI; prints markdown for docs/benchmarks.md)
@@ -95,7 +96,8 @@ def main() -> int:
     for name, method in untimed.items():
         setattr(group.SequenceParallelGroup, name, timed(method))
     calls = [0]
-    counter = case.patcher.model.diffusion_model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    counter = case.patcher.model.diffusion_model.register_forward_pre_hook(
+        lambda *_: calls.__setitem__(0, calls[0] + 1))
     times: dict[str, list[float]] = {name: [] for runs in blocks.values() for name in runs}
     controls: dict[str, list[float]] = {name: [] for runs in blocks.values() for name in runs}
     latents: dict[str, torch.Tensor] = {}
@@ -150,7 +152,8 @@ def main() -> int:
         for i, name in enumerate(runs):
             added = "-" if i == 0 else f"{(median[name] - one) * 1e3 / calls_per_step:.1f}"
             control_ms = "-" if i == 0 else f"{statistics.median(controls[name]) * 1e3 / calls_per_step:.1f}"
-            quality = "identical" if torch.equal(latents[name], reference) else f"{psnr_db(latents[name], reference):.1f}"
+            quality = ("identical" if torch.equal(latents[name], reference)
+                       else f"{psnr_db(latents[name], reference):.1f}")
             row = (f"| {name} | {median[name] * 1e3:.1f} ({min(times[name]) * 1e3:.1f}) | {added} | {control_ms} | "
                    f"{one / median[name]:.2f}x | {quality} |")
             if peaks:

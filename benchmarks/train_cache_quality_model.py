@@ -1,10 +1,11 @@
 """Train one of the cache quality benchmark's Wan models (``cache_quality_model.MODELS``) on its synthetic
-class-conditional distribution, by flow matching as Wan is trained: x_s = (1 - s) x0 + s noise, the model predicts noise - x0 at
-timestep 1000 s; s is drawn half from the sampler's shifted schedule (shift 8, ComfyUI's Wan 2.1 T2V setting) and half
-uniformly. One CPU thread: a few minutes (small), about ten (wide, deep), fifteen (long). Writes the model's
-``weights`` file under ``benchmarks/data/`` (float16).
+class-conditional distribution, by flow matching as Wan is trained: x_s = (1 - s) x0 + s noise, the model predicts
+noise - x0 at timestep 1000 s; s is drawn half from the sampler's shifted schedule (shift 8, ComfyUI's Wan 2.1 T2V
+setting) and half uniformly. One CPU thread: a few minutes (small), about ten (wide, deep), fifteen (long). Writes the
+model's ``weights`` file under ``benchmarks/data/`` (float16).
 
-Run: COMFYUI_PATH=... .venv/bin/python benchmarks/train_cache_quality_model.py [--model small|wide|deep|long] [--steps 2000]
+Run: COMFYUI_PATH=... .venv/bin/python benchmarks/train_cache_quality_model.py [--model small|wide|deep|long]
+     [--steps 2000]
 """
 from __future__ import annotations
 

@@ -4,12 +4,12 @@ A node never touches the torch module. It calls ``attach_feature``, which clones
 deepcopy-safe ``AppliedFeature`` to the clone's list of features and (once per clone lineage) adds one pair of keyed
 patcher wrappers that drive every feature of the MODEL:
 
-  * OUTER_SAMPLE, one sampling run: a ``SamplingRun`` holds one ``FeatureSession`` per applied feature, created in
-    ``SESSION_ORDER`` (weights, then sharding, then caching) inside the ``try`` whose ``finally`` closes them in
-    reverse order, errors and interrupts included, then publishes the run's one statistics entry
-    (``nodes.stats_store``), made of each session's ``report()``. The guider's model options are swapped for a copy
-    for the run and always restored. Before any session exists, ``checked_for_drift`` checks the model
-    (``nodes.families.drift``).
+  * OUTER_SAMPLE, one sampling run: a ``SamplingRun`` detects the model once (``nodes.families.detect``) and holds
+    one ``FeatureSession`` (a feature's part of the sampling run) per applied feature, created in ``SESSION_ORDER``
+    (weights, then sharding, then caching) inside the ``try`` whose ``finally`` closes them in reverse order, errors
+    and interrupts included, then publishes the run's one statistics entry (``nodes.stats_store``), made of each
+    session's ``report()``. The guider's model options are swapped for a copy for the run and always restored.
+    Before any session exists, ``checked_for_drift`` checks the model (``nodes.families.drift``).
   * PREPARE_SAMPLING, model load: after ComfyUI loaded the models for the run, each session's ``after_load`` may act
     on the loaded MODEL (offload must); whatever it does is undone by the session's ``close``.
   * DIFFUSION_MODEL, one model call: sessions install their hooks lazily on the module actually called (so deep
@@ -34,14 +34,14 @@ import comfy.patcher_extension as pe
 import torch
 
 from ..omni_hooks.context import CallContext
-from .families import drift
 from . import stats_store
+from .call_context import RUN_KEY, call_context, transformer_options_of
+from .families import DetectedModel, detect, drift
 from .stats_store import FeatureReport, RunHeader
 
 log = logging.getLogger("OmniHooks")
 
 FEATURES_KEY = "omni_hooks.features"  # transformer_options: the tuple of AppliedFeature on this MODEL
-RUN_KEY = "omni_hooks.run"             # transformer_options of one run's model-options copy: the live SamplingRun
 WRAPPER_KEY = "omni_hooks"
 CATEGORY = "OmniHooks"                 # every node's menu category
 
@@ -105,21 +105,24 @@ class LoadRequest:
 
 
 class FeatureSession:
-    """One sampling run of one feature. Subclasses override what they need; every default does nothing.
+    """One feature's part of one sampling run (``SamplingRun``). Subclasses override what they need; every default
+    does nothing.
 
-    Contract: ``__init__`` must not touch the torch module. ``install(dm)`` may register hooks on ``dm`` and is called
-    again (after ``remove()``) if the run calls another module. ``close(status)`` undoes everything ``after_load`` and
-    ``install`` did, is called exactly once per run whatever happened, and must not raise for a half-done setup.
-    ``load_request`` is set just before ``after_load`` (None until then); ``run_header`` (which run this is, for
-    events sent during the run) when the session is made.
+    Made with the MODEL's patcher, the feature and the sampling run's ``DetectedModel`` (detected once per sampling
+    run). Contract: ``__init__`` must not touch the torch module. ``install(dm)`` may register hooks on ``dm`` and is
+    called again (after ``remove()``) if the run calls another module. ``close(status)`` undoes everything
+    ``after_load`` and ``install`` did, is called exactly once per run whatever happened, and must not raise for a
+    half-done setup. ``load_request`` is set just before ``after_load`` (None until then); ``run_header`` (which run
+    this is, for events sent during the run) when the session is made.
     """
 
     load_request: LoadRequest | None = None
     run_header: RunHeader | None = None
 
-    def __init__(self, patcher, feature: AppliedFeature):
+    def __init__(self, patcher, feature: AppliedFeature, detected: DetectedModel):
         self.patcher = patcher
         self.feature = feature
+        self.detected = detected
 
     def after_load(self, patcher) -> None:
         """ComfyUI has loaded the models for this run."""
@@ -167,12 +170,12 @@ class FeatureSession:
         return FeatureReport.of(self.feature, card=self.summary())
 
 
-SessionFactory = Callable[[Any, AppliedFeature], FeatureSession]
+SessionFactory = Callable[[Any, AppliedFeature, DetectedModel], FeatureSession]
 
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """How a kind of feature runs: its category and how one sampling run of it is made."""
+    """How a kind of feature runs: its category and how its part of a sampling run (its session) is made."""
 
     kind: str
     category: Category
@@ -230,45 +233,12 @@ def attach_feature(model, feature: AppliedFeature):
 
 
 @dataclass
-class StepInfo:
-    step: int | None
-    total_steps: int | None
-    sigma: float | None = None  # the sigma of this call (heun's second evaluation lies between schedule points)
-
-
-def step_of(transformer_options: dict, schedules: dict | None = None) -> StepInfo:
-    """This call's step within the sampler's schedule, from ``sample_sigmas`` (not from counting calls).
-
-    Exact match first; samplers that evaluate between schedule points (heun, dpm_2, ...) get the interval that holds
-    the current sigma. ``schedules`` memoises the schedule as Python floats per run, so a step costs one host read
-    (the current sigma), not one per schedule entry.
-    """
-    schedule = transformer_options.get("sample_sigmas")
-    sigmas = transformer_options.get("sigmas")
-    if schedule is None or sigmas is None or len(schedule) < 2:
-        return StepInfo(None, None)
-    total = len(schedule) - 1
-    sigma = float(sigmas.flatten()[0])
-    memo = schedules if schedules is not None else {}
-    held, values = memo.get(id(schedule), (None, None))
-    if held is not schedule:  # holding the tensor keeps its id from being reused by another one
-        values = [float(s) for s in schedule.tolist()]
-        memo[id(schedule)] = (schedule, values)
-    for i, s in enumerate(values[:-1]):
-        if s == sigma:
-            return StepInfo(i, total, sigma)
-    for i in range(total):
-        hi, lo = max(values[i], values[i + 1]), min(values[i], values[i + 1])
-        if lo <= sigma <= hi:
-            return StepInfo(i, total, sigma)
-    return StepInfo(None, total, sigma)
-
-
-@dataclass
 class SamplingRun:
-    """One sampling run of a MODEL's features: their sessions in ``SESSION_ORDER`` and what they share."""
+    """One sampling run of a MODEL with all its features: the model detected once (``detected``), the features'
+    sessions in ``SESSION_ORDER`` and what they share."""
 
     patcher: Any
+    detected: DetectedModel
     sessions: list[FeatureSession] = field(default_factory=list)
     installed_on: torch.nn.Module | None = None
     labels: dict[str, str] = field(default_factory=dict)
@@ -285,7 +255,7 @@ class SamplingRun:
             self.header = stats_store.run_started(ordered[-1])
         for feature in ordered:
             factory = (factories or {}).get(feature.kind) or _SPECS[feature.kind].session_factory
-            session = factory(self.patcher, feature)
+            session = factory(self.patcher, feature, self.detected)
             session.run_header = self.header
             self.sessions.append(session)
 
@@ -294,9 +264,6 @@ class SamplingRun:
         for session in sorted(self.sessions, key=lambda s: rank[s.feature.category]):
             session.load_request = request
             session.after_load(patcher)
-
-    def session_of(self, category: Category) -> FeatureSession | None:
-        return next((s for s in self.sessions if s.feature.category == category), None)
 
     def label_of(self, uuid: str, cond_or_uncond: int) -> str:
         """"cond"/"uncond", with ".1", ".2" for further cond entries of the same kind (areas, multiple conds)."""
@@ -361,16 +328,16 @@ def _outer_sample(executor, *args, **kwargs):
     guider = executor.class_obj
     original_options = guider.model_options
     features = tuple(original_options.get("transformer_options", {}).get(FEATURES_KEY, ()))
-    run = SamplingRun(patcher=guider.model_patcher)
+    sampling_run = SamplingRun(patcher=guider.model_patcher, detected=detect(guider.model_patcher))
     guider.model_options = comfy.model_patcher.create_model_options_clone(original_options)
-    guider.model_options["transformer_options"][RUN_KEY] = run
+    guider.model_options["transformer_options"][RUN_KEY] = sampling_run
     status = "error"
     try:
-        features = checked_for_drift(guider.model_patcher, features)
+        features = checked_for_drift(sampling_run, features)
         if carries_reference_latents(guider):
             features = tuple(for_reference_latents(feature) for feature in features)
         guider.model_options["transformer_options"][FEATURES_KEY] = features  # what the run's calls (and ranks) see
-        run.open(features)
+        sampling_run.open(features)
         result = executor(*args, **kwargs)
         status = "success"
         return result
@@ -379,7 +346,7 @@ def _outer_sample(executor, *args, **kwargs):
         raise
     finally:
         try:
-            run.close(status)
+            sampling_run.close(status)
         finally:
             guider.model_options = original_options
 
@@ -398,13 +365,15 @@ def for_reference_latents(feature: AppliedFeature) -> AppliedFeature:
     return dataclasses.replace(feature, config=alternative) if alternative is not None else feature
 
 
-def checked_for_drift(patcher, features: tuple[AppliedFeature, ...]) -> tuple[AppliedFeature, ...]:
-    """``features`` once the model passed ``drift.check_patcher``: ``ModelDriftError`` naming the nodes that rely on
-    what differs; caches marked with what could not be verified. Runs before anything is installed or exchanged."""
+def checked_for_drift(sampling_run: SamplingRun, features: tuple[AppliedFeature, ...]) -> tuple[AppliedFeature, ...]:
+    """``features`` once the sampling run's model passed ``drift.check_model`` against its detected family: raises
+    ``ModelDriftError`` naming the nodes that rely on what differs; returns the caches marked with what could not be
+    verified. Runs before anything is installed or exchanged."""
     if not features:
         return features
     parallel = [f for f in features if f.category == Category.SEQUENCE_PARALLEL]
-    report = drift.check_patcher(patcher, sequence_parallel=bool(parallel))
+    report = drift.check_model(sampling_run.detected.family, sampling_run.patcher.model.diffusion_model,
+                               sequence_parallel=bool(parallel))
     error = (report.error(", ".join(f.describe() for f in features), (drift.MODEL,))
              or report.error(", ".join(f.describe() for f in parallel), (drift.SEQUENCE_PLAN,)))
     if error is not None:
@@ -419,67 +388,39 @@ def checked_for_drift(patcher, features: tuple[AppliedFeature, ...]) -> tuple[Ap
 def _prepare_sampling(executor, model_patcher, *args, **kwargs):
     loaded = executor(model_patcher, *args, **kwargs)
     options = kwargs.get("model_options") or {}
-    run: SamplingRun | None = options.get("transformer_options", {}).get(RUN_KEY)
-    if run is not None:
+    sampling_run: SamplingRun | None = options.get("transformer_options", {}).get(RUN_KEY)
+    if sampling_run is not None:
         # prepare_sampling(model, noise_shape, conds, model_options=...)
         noise_shape = kwargs.get("noise_shape", args[0] if args else None)
         conds = kwargs.get("conds", args[1] if len(args) > 1 else None)
         request = LoadRequest(tuple(noise_shape) if noise_shape is not None else None, conds)
-        run.after_load(model_patcher, request)
+        sampling_run.after_load(model_patcher, request)
     return loaded
 
 
-def _transformer_options(args: tuple, kwargs: dict) -> dict:
-    """The ``transformer_options`` of a DIFFUSION_MODEL call.
-
-    By keyword when given so (Lumina2 passes it in ``**kwargs``), else the last positional dict: it is not always the
-    last argument (LTXV passes ``keyframe_idxs`` after it) and Flux, Chroma, HunyuanVideo and HiDream pass the
-    ControlNet ``control`` dict positionally, but always before it.
-    """
-    options = kwargs.get("transformer_options")
-    if isinstance(options, dict):
-        return options
-    dicts = [a for a in args if isinstance(a, dict)]
-    for candidate in reversed(dicts):  # prefer the one that carries our run, should a model ever order them otherwise
-        if RUN_KEY in candidate:
-            return candidate
-    return dicts[-1] if dicts else {}
-
-
-def call_context(run: SamplingRun, options: dict) -> CallContext:
-    """The context of one model call: one branch key and label per batch chunk, and the step."""
-    uuids = [str(u) for u in options.get("uuids", [])]
-    cond_or_uncond = list(options.get("cond_or_uncond", []))
-    if len(uuids) != len(cond_or_uncond):
-        uuids = [str(c) for c in cond_or_uncond]
-    labels = [run.label_of(u, c) for u, c in zip(uuids, cond_or_uncond)]
-    step = step_of(options, run.schedules)
-    return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps, sigma=step.sigma)
-
-
-def run_call(run: SamplingRun, diffusion_model: torch.nn.Module, forward: Callable[..., Any], args: tuple,
+def run_call(sampling_run: SamplingRun, diffusion_model: torch.nn.Module, forward: Callable[..., Any], args: tuple,
              kwargs: dict, options: dict) -> Any:
-    """One model call of ``run``: hooks installed on ``diffusion_model``, every session's ``before_call``,
-    ``call_arguments`` and ``begin_call``, ``forward(*args, **kwargs)``, ``call_output`` and ``end_call`` in reverse. A failure of the call is replaced by
-    the first session's explanation of it (``explain_failure``), if any. The DIFFUSION_MODEL wrapper and a
-    sequence-parallel worker rank both drive a call through here."""
-    run.ensure_installed(diffusion_model)
-    for session in run.sessions:
+    """One model call of ``sampling_run``: hooks installed on ``diffusion_model``, every session's ``before_call``,
+    ``call_arguments`` and ``begin_call``, ``forward(*args, **kwargs)``, ``call_output`` and ``end_call`` in
+    reverse. A failure of the call is replaced by the first session's explanation of it (``explain_failure``), if
+    any. The DIFFUSION_MODEL wrapper and a sequence-parallel worker rank both drive a call through here."""
+    sampling_run.ensure_installed(diffusion_model)
+    for session in sampling_run.sessions:
         session.before_call(args, kwargs, options)
-    for session in run.sessions:
+    for session in sampling_run.sessions:
         args, kwargs = session.call_arguments(args, kwargs, options)
-    context = call_context(run, options)
+    context = call_context(sampling_run, options)
     begun: list[FeatureSession] = []
     try:
-        for session in run.sessions:
+        for session in sampling_run.sessions:
             session.begin_call(context)
             begun.append(session)
         output = forward(*args, **kwargs)
-        for session in reversed(run.sessions):
+        for session in reversed(sampling_run.sessions):
             output = session.call_output(output)
         return output
     except Exception as error:
-        for session in run.sessions:
+        for session in sampling_run.sessions:
             explained = session.explain_failure(error)
             if explained is not None:
                 raise explained from error
@@ -490,8 +431,8 @@ def run_call(run: SamplingRun, diffusion_model: torch.nn.Module, forward: Callab
 
 
 def _diffusion_model(executor, *args, **kwargs):
-    options = _transformer_options(args, kwargs)
-    run: SamplingRun | None = options.get(RUN_KEY)
-    if run is None or not run.sessions:
+    options = transformer_options_of(args, kwargs)
+    sampling_run: SamplingRun | None = options.get(RUN_KEY)
+    if sampling_run is None or not sampling_run.sessions:
         return executor(*args, **kwargs)
-    return run_call(run, executor.class_obj, executor, args, kwargs, options)
+    return run_call(sampling_run, executor.class_obj, executor, args, kwargs, options)

@@ -1,10 +1,8 @@
 """The hook registry: one per torch module, hooks ordered by declared phase, at most one forward override.
 
-Design after vllm-omni ``vllm_omni/diffusion/hooks/base.py`` (after vllm-omni PR #2689, which made TeaCache and CPU
-offload compose), with these differences (docs/design.md, "The hook registry"): registration validates before it
-mutates, a duplicate name never leaves a stale override behind, and ``HookRegistry.reset()`` restores the module
-exactly. Unlike vllm-omni, the order does not come from the accident of hook names: each hook class declares its
-``HookPhase``.
+Registration validates before it mutates (a refused hook changes nothing), ``HookRegistry.reset()`` restores the
+module exactly, and the order comes from each hook class's declared ``HookPhase``, never from the hook names alone
+(docs/design.md, "The hook registry").
 
 Dispatch contract (``HookRegistry.dispatch``), from the outside in:
   1. ``pre_forward`` of every hook that is not of the placement phase, by phase (observation, caching, sharding),
@@ -60,32 +58,27 @@ class BaseState:
 
 
 class StateManager:
-    """One state object per context name ("cond", "uncond", ...), created on first use.
+    """One state object per context name ("cond", "uncond", ...), made by ``state_cls()`` on first use.
 
     A falsy context name means ``"default"``. ``get_state()`` never raises.
     """
 
     DEFAULT_CONTEXT = "default"
 
-    def __init__(self, state_cls: type[BaseState], init_args: tuple = (), init_kwargs: dict | None = None):
+    def __init__(self, state_cls: type[BaseState]):
         self._state_cls = state_cls
-        self._init_args = init_args
-        self._init_kwargs = init_kwargs or {}
         self._states: dict[str, BaseState] = {}
         self._context = self.DEFAULT_CONTEXT
 
     def set_context(self, name: str | None) -> None:
+        """Make ``name`` (falsy: "default") the context ``get_state`` answers for."""
         self._context = name or self.DEFAULT_CONTEXT
 
-    @property
-    def current_context(self) -> str | None:
-        """The active context name, or None when it is the default one."""
-        return None if self._context == self.DEFAULT_CONTEXT else self._context
-
     def get_state(self) -> BaseState:
+        """The current context's state, made now if it has none."""
         state = self._states.get(self._context)
         if state is None:
-            state = self._state_cls(*self._init_args, **self._init_kwargs)
+            state = self._state_cls()
             self._states[self._context] = state
         return state
 
@@ -212,23 +205,17 @@ class HookRegistry:
         module.__dict__[REGISTRY_ATTR] = registry
         return registry
 
-    check_if_exists_or_initialize = get_or_create
-
     # -- mutation -----------------------------------------------------------------------------------------------
 
     @sort_hooks_after_call
-    def register_hook(self, name: str | ModelHook, hook: ModelHook | str | None = None, *,
-                      replace: bool = False) -> str:
-        """Register ``hook`` under ``name`` (diffusers' ``register_hook(hook, name)`` order is accepted too).
+    def register_hook(self, name: str, hook: ModelHook, *, replace: bool = False) -> str:
+        """Register ``hook`` under ``name``; returns ``name``.
 
-        Raises ValueError for a name already registered (unless ``replace``) and RuntimeError, naming both hooks,
-        when ``hook`` overrides forward and another hook on this module already does. Either error leaves the
-        registry exactly as it was: the hook is not stored and ``initialize_hook`` is not called.
+        Raises ValueError for an empty name or one already registered (unless ``replace``), TypeError for a
+        non-hook, and RuntimeError, naming both hooks, when ``hook`` overrides forward and another hook on this
+        module already does. Any error leaves the registry exactly as it was: the hook is not stored and
+        ``initialize_hook`` is not called.
         """
-        if isinstance(name, ModelHook):
-            name, hook = hook, name
-        if name is None:
-            name = getattr(hook, "_HOOK_NAME", None)
         if not isinstance(name, str) or not name:
             raise ValueError(f"A hook needs a non-empty string name, got {name!r}")
         if not isinstance(hook, ModelHook):
@@ -287,16 +274,8 @@ class HookRegistry:
         return [by_hook[id(h)] for h in self._sorted_hooks + self._placement_hooks]
 
     def get_hook(self, name: str) -> ModelHook | None:
+        """The hook registered under ``name``, or None."""
         return self._hooks.get(name)
-
-    def reset_hook(self, name: str) -> None:
-        hook = self._hooks.get(name)
-        if hook is not None:
-            hook.reset_state(self.module)
-
-    def reset_all_hooks(self) -> None:
-        for hook in self._hooks.values():
-            hook.reset_state(self.module)
 
     def reset(self) -> None:
         """Reset and remove every hook and restore the module exactly: its forward, signature, no attribute of ours.

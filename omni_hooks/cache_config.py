@@ -18,26 +18,29 @@ from .forecast import check_order
 
 @dataclass(frozen=True)
 class StackCacheConfig:
-    """What every block-stack cache is told (its own config class adds its policy's fields).
+    """What every block-stack cache is told (its own config class adds its policy's fields and their defaults).
 
     * ``threshold``: how much accumulated change the policy tolerates before it computes again; 0 = never skip (the
-      setting that proves the hooks change nothing).
+      setting that proves the hooks change nothing). Each cache's config gives it its default.
     * ``start_percent`` / ``end_percent``: every step whose position ``step / (total_steps - 1)`` lies outside this
       window is computed.
     * ``cache_device``: where cached residuals are kept; None keeps them where they were computed.
     * ``calibrate``: compute every step and record what the cache's calibration needs.
     * ``forecast_order`` (0, 1, 2): a skipped step adds the residual of the last computed step (0) or the
-      extrapolation through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``); "auto" chooses the order per branch and skipped step from how well each predicted the run's
-      computed residuals.
+      extrapolation through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``);
+      "auto" chooses the order per branch and skipped step from how well each predicted the run's computed
+      residuals.
     * ``few_step``: the steps a run of few steps always computes (``omni_hooks.few_step``); None: no rule. A
       calibrating run ignores it (it computes every step anyway).
     * ``model_label`` / ``notes``: what the run's statistics say about the model and the choice made for it.
     * ``with_reference``: the config a run uses instead when its conditioning carries reference latents (the
       caller decides; e.g. Flux Kontext's published entry where 'auto' chose Flux dev's), built and checked with
       this one; None: this config serves every run.
+
+    Raises ValueError naming the field for a value no run can use.
     """
 
-    threshold: float = 0.0
+    threshold: float
     _: KW_ONLY  # the shared fields after ``threshold`` are keywords (a subclass's own fields may follow it)
     start_percent: float = 0.0
     end_percent: float = 1.0

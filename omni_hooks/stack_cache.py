@@ -37,7 +37,8 @@ from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
 from .forecast import (AUTO, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, MAX_ORDER, ORDERS, WEIGHED_ORDERS,
                        ErrorPerMetric, OrderScores, ResidualHistory, history_limit)
-from .stats import BranchDecision, CacheRunStats, EvaluationRecord
+from .stats import (FIRST, OTHER_BRANCH, OTHER_RANK, REUSE, SHAPE, BranchDecision, CacheRunStats,
+                    EvaluationRecord)
 
 
 @dataclass
@@ -72,8 +73,6 @@ class ActiveCall:
     record: EvaluationRecord | None = None
     head_input: torch.Tensor | None = None
     captured: torch.Tensor | None = None
-    # begun by the head hook itself because the module was called without a host bracket (MagCache's library use)
-    implicit: bool = False
     # per branch key: what the policy measured at the head and compares at the tail (TeaCache: the input change;
     # MagCache: the residual the new one is compared with)
     head_measures: dict[str, float | torch.Tensor] = field(default_factory=dict)
@@ -91,7 +90,8 @@ class ActiveCall:
 
 @dataclass
 class Decision:
-    """One branch's verdict from a policy: ``reason`` "reuse" means it may skip; anything else means compute."""
+    """One branch's verdict from a policy: ``reason`` (one of ``stats.REASONS``) ``REUSE`` means it may skip;
+    anything else means compute."""
 
     reason: str
     metric: float | None = None
@@ -101,14 +101,12 @@ class StackCacheRun:
     """Shared state of one cache's hooks on one model for one sampling run. Subclasses implement ``decide_branches``.
 
     ``config`` is the cache's frozen ``StackCacheConfig`` (its subclass), read unchanged; everything a run changes
-    lives here and in the branch states. ``hook_names`` = (head, block, tail, capture) registry names; the capture hook is only installed when
-    ``capture_module`` is given (its first positional input is stored as ``ActiveCall.captured``).
+    lives here and in the branch states. ``hook_names`` = (head, block, tail, capture) registry names; the capture
+    hook is only installed when ``capture_module`` is given (its first positional input is stored as
+    ``ActiveCall.captured``).
     """
 
     hook_names: tuple[str, str, str, str]
-    head_hook_cls: type["StackHeadHook"]
-    block_hook_cls: type["StackBlockHook"]
-    tail_hook_cls: type["StackTailHook"] | None = None  # None: StackTailHook
     # under a forecast of ``WEIGHED_ORDERS``, the policy multiplies its metric by ``metric_weight`` (ErrorPerMetric)
     weighs_metric_by_forecast: bool = False
     # under "auto": the lowest coherence an order's errors are credited with (below 0: errors that alternate cancel)
@@ -198,30 +196,30 @@ class StackCacheRun:
         step, total = call.context.step, call.context.total_steps
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
-            if decisions[i].reason == "reuse" and (
+            if decisions[i].reason == REUSE and (
                     st.previous_residual is None or st.residual_input_shape != hidden[i * size:(i + 1) * size].shape):
-                decisions[i] = Decision("shape" if st.previous_residual is not None else "first", decisions[i].metric)
+                decisions[i] = Decision(SHAPE if st.previous_residual is not None else FIRST, decisions[i].metric)
         few_step = self.config.active_few_step
         if few_step is not None and few_step.applies(total):
             if self.stats.few_step_note is None:  # once per run: the run's step count does not change
                 self.stats.few_step_note = few_step.describe(total)
             if few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
-                decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == "reuse" else d for d in decisions]
+                decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == REUSE else d for d in decisions]
         must = self.stack.must_compute(args, kwargs) if self.stack.must_compute is not None else None
         if must is not None:
-            decisions = [Decision(must, d.metric) if d.reason == "reuse" else d for d in decisions]
-        local_compute = any(d.reason != "reuse" for d in decisions)
+            decisions = [Decision(must, d.metric) if d.reason == REUSE else d for d in decisions]
+        local_compute = any(d.reason != REUSE for d in decisions)
         agreement = call.context.rank.agreement
         # under sequence parallelism every rank must take the same path, or one waits in a collective forever
         compute = agreement.any(local_compute) if agreement is not None else local_compute
         self.after_decision(call, compute)
         if not compute and step is not None:
             self._skipped_steps.add(step)
-        reuse_reason = "other-branch" if local_compute else "other-rank"
+        reuse_reason = OTHER_BRANCH if local_compute else OTHER_RANK
         call.record = EvaluationRecord(
             step=call.context.step, total_steps=call.context.total_steps, computed=compute,
             branches=[BranchDecision(branch=call.labels[i], computed=compute,
-                                     reason=reuse_reason if compute and d.reason == "reuse" else d.reason,
+                                     reason=reuse_reason if compute and d.reason == REUSE else d.reason,
                                      metric=d.metric, threshold=self.config.threshold)
                       for i, d in enumerate(decisions)])
         call.context.blocks_run = compute
@@ -358,11 +356,10 @@ class StackCacheRun:
     def install(self) -> None:
         """Register the hooks on the stack's modules. Raises RuntimeError (changing nothing) on a conflict."""
         head, block, tail, capture = self.hook_names
-        plan: list[tuple[torch.nn.Module, str, ModelHook]] = [(self.stack.blocks[0], head, self.head_hook_cls(self))]
-        plan += [(b, block, self.block_hook_cls(self)) for b in self.stack.blocks[1:]]
+        plan: list[tuple[torch.nn.Module, str, ModelHook]] = [(self.stack.blocks[0], head, StackHeadHook(self))]
+        plan += [(b, block, StackBlockHook(self)) for b in self.stack.blocks[1:]]
         tails = self.stack.tails()
-        plan += [(module, tail, (self.tail_hook_cls or StackTailHook)(self, part, len(tails)))
-                 for part, (module, _where) in enumerate(tails)]
+        plan += [(module, tail, StackTailHook(self, part, len(tails))) for part, (module, _where) in enumerate(tails)]
         if self.capture_module is not None:
             plan.append((self.capture_module, capture, StackCaptureHook(self)))
         try:

@@ -11,9 +11,35 @@ import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .cache_config import StackCacheConfig
+from .few_step import FEW_STEP_REASON
+from .forecast import FORECAST, FORECAST_FALLBACK
+
+# Why a branch was computed or skipped (``BranchDecision.reason``). ``REASONS`` lists every value the library and its
+# host can record; the statistics panel's legend (web/stats_model.js ``REASONS``) explains each one.
+REUSE = "reuse"                # skipped: the policy allowed it (also FORECAST, FORECAST_FALLBACK: how it was filled)
+FIRST = "first"                # nothing cached yet for the branch
+SHAPE = "shape"                # the cached residual does not fit the input's shape
+FORCED = "forced"              # a step the policy always computes (TeaCache's first steps and last step)
+WINDOW = "window"              # outside start_percent..end_percent
+RETENTION = "retention"        # within MagCache's retention_ratio of the first steps
+THRESHOLD = "threshold"        # the accumulated change or error reached the threshold
+MAX_SKIPS = "max-skips"        # MagCache's K consecutive skips reached
+MEASURE = "measure"            # measured, not yet decided (TeaCache's reason until the measurement is compared)
+CALIBRATE = "calibrate"        # a calibrating run computes every step
+OTHER_BRANCH = "other-branch"  # this branch may skip, another branch of the call computes
+OTHER_RANK = "other-rank"      # every branch here may skip, another sequence-parallel rank computes
+MODEL_CACHE = "model-cache"    # a stack's ``must_compute``: the call fills the model's own key/value cache
+DISABLED = "disabled"          # caching is off for the whole run (``CacheRunStats.disabled``)
+REASONS: tuple[str, ...] = (REUSE, FORECAST, FORECAST_FALLBACK, FIRST, SHAPE, FORCED, WINDOW, RETENTION, THRESHOLD,
+                            MAX_SKIPS, MEASURE, CALIBRATE, FEW_STEP_REASON, OTHER_BRANCH, OTHER_RANK, MODEL_CACHE,
+                            DISABLED)
+#: the reasons of a skipped branch
+SKIP_REASONS = frozenset({REUSE, FORECAST, FORECAST_FALLBACK})
+
 NON_FINITE_TEXT = ("NaN", "Infinity", "-Infinity")
 # what a skipped branch's residual came from, by ``BranchDecision.forecast_order``
-ORDER_NAMES = {0: "reuse", 1: "1st order", 2: "2nd order"}
+ORDER_NAMES = {0: REUSE, 1: "1st order", 2: "2nd order"}
 
 
 def json_safe(value: Any) -> Any:
@@ -43,10 +69,7 @@ class BranchDecision:
 
     branch: str            # "cond", "uncond", "cond.1", ...
     computed: bool
-    reason: str            # "first", "forced", "window", "retention", "shape", "threshold", "max-skips", "reuse",
-    #                        "calibrate", "disabled", "other-branch", "other-rank", "few-step", a stack's own
-    #                        ``must_compute`` reason ("model-cache"); a skipped branch is
-    #                        "reuse", "forecast" (its residual extrapolated) or "forecast-fallback" (a non-finite forecast)
+    reason: str            # one of ``REASONS``; a skipped branch's is one of ``SKIP_REASONS``
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
     # with a forecast: the order a skipped branch's residual came from (0: the last residual reused); None otherwise
@@ -66,15 +89,16 @@ class EvaluationRecord:
 
 @dataclass
 class CacheRunStats:
-    """Everything one sampling run's cache did. Cheap to update; ``summary()`` is for logs and the stats panel."""
+    """Everything one sampling run's cache did. Cheap to update; ``summary()`` is for logs and the stats panel.
+
+    ``config`` is the run's cache config, read as it is: the model's label, the threshold and the notes (facts about
+    the setup worth showing, e.g. what 'auto' chose) come from it."""
 
     kind: str                       # "teacache" / "magcache"
-    model: str                      # a human-readable model family/variant
-    threshold: float
+    config: StackCacheConfig
     evaluations: list[EvaluationRecord] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     cache_bytes: int = 0
-    notes: list[str] = field(default_factory=list)  # facts about the setup worth showing (e.g. what 'auto' chose)
     # set when the block stack's output had another shape than its input, so no residual could be kept
     stack_shape_mismatch: bool = False
     disabled: str | None = None  # why caching was disabled for the whole run (every step computed), if it was
@@ -84,6 +108,15 @@ class CacheRunStats:
     # the largest weight that did so
     sooner_by_forecast: int = 0
     largest_forecast_weight: float = 1.0
+
+    @property
+    def model(self) -> str:
+        """What the statistics call the model (``config.model_label``)."""
+        return self.config.model_label
+
+    @property
+    def threshold(self) -> float:
+        return self.config.threshold
 
     def computed_sooner(self, weight: float) -> None:
         """Count a branch evaluation that the forecast's record (``weight`` > 1) made compute."""
@@ -136,23 +169,23 @@ class CacheRunStats:
             return f"caching was disabled for this run, so every step is computed: {self.disabled}"
         if self.threshold <= 0:
             return "threshold is 0, so every step is computed"
+        forced = (FIRST, FORCED, WINDOW, RETENTION)
         if self.few_step_note is not None and all(
-                r in ("first", "forced", "window", "retention", "calibrate", "few-step", "threshold", "max-skips")
-                for r in reasons) and "few-step" in reasons:
+                r in (*forced, CALIBRATE, FEW_STEP_REASON, THRESHOLD, MAX_SKIPS) for r in reasons) \
+                and FEW_STEP_REASON in reasons:
             return self.few_step_note
-        if "model-cache" in reasons and all(
-                r in ("first", "forced", "window", "retention", "few-step", "shape", "model-cache") for r in reasons):
+        if MODEL_CACHE in reasons and all(r in (*forced, FEW_STEP_REASON, SHAPE, MODEL_CACHE) for r in reasons):
             return ("the model filled its own key/value cache on every call (a prompt or reference image it had not "
                     "seen), and such calls are always computed")
-        if all(r in ("first", "forced", "window", "retention", "calibrate") for r in reasons):
+        if all(r in (*forced, CALIBRATE) for r in reasons):
             return ("every step was forced (first/last steps, retention steps or outside start/end percent); "
                     "use more steps or widen the start/end window")
-        if all(r in ("first", "forced", "window", "retention", "calibrate", "max-skips") for r in reasons):
+        if all(r in (*forced, CALIBRATE, MAX_SKIPS) for r in reasons):
             return "the maximum number of consecutive skips (K) allowed none (K = 0 computes every step)"
         if self.stack_shape_mismatch:
             return ("the block stack's output has another shape than its input for this model and input (e.g. "
                     "reference-latent tokens), so its residual cannot be reused")
-        if "shape" in reasons and reasons.count("shape") * 2 >= len(reasons):
+        if SHAPE in reasons and reasons.count(SHAPE) * 2 >= len(reasons):
             return "the latent shape changed between steps, so no residual could be reused"
         return ("the accumulated change always exceeded the threshold; raise the threshold, or the model may be "
                 "few-step/distilled, where caching has little to skip")
@@ -198,7 +231,7 @@ class CacheRunStats:
             "estimated_speedup": (model_seconds + saved) / model_seconds if model_seconds > 0 else 1.0,
             "cache_bytes": self.cache_bytes,
             "warnings": warnings,
-            "notes": list(self.notes) + [n for n in (self.forecast_note(), self.few_step_note) if n],
+            "notes": list(self.config.notes) + [n for n in (self.forecast_note(), self.few_step_note) if n],
             "forecast_orders": self.forecast_orders(),
         }
 
@@ -223,8 +256,8 @@ class CacheRunStats:
 
         ``{"bin_size": n, "bins": [{first_step, last_step, evaluations, computed, seconds, branches: {name:
         {computed, reused, reasons: {reason: count}, orders: {order: count}, metric_max, threshold}}}]}``
-        (``orders``: the skipped evaluations' ``forecast_order``s, empty without a forecast); JSON-safe. ``metric_max`` is the
-        largest finite metric of the bin (None when none), so the plot keeps its peaks.
+        (``orders``: the skipped evaluations' ``forecast_order``s, empty without a forecast); JSON-safe. ``metric_max``
+        is the largest finite metric of the bin (None when none), so the plot keeps its peaks.
         """
         size = max(1, math.ceil(len(self.evaluations) / max(max_bins, 1)))
         bins = []

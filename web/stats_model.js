@@ -7,7 +7,8 @@ export const STEP_EVENT = "omni_hooks.step";
 export const RUN_EVENT = "omni_hooks.run";
 export const MAX_RUNS = 20;
 
-/** Why a branch was computed or reused (omni_hooks/stats.py BranchDecision.reason), in the legend's order. */
+/** Every reason a cache records for a branch (omni_hooks/stats.py REASONS), with its legend label and tooltip, in the
+ * legend's order. */
 export const REASONS = {
   reuse: { label: "reused", help: "the change since the last computed step stayed under the threshold: the cached residual was reused" },
   forecast: { label: "forecast", help: "the change since the last computed step stayed under the threshold: the residual was forecast from the last computed steps (forecast input)" },
@@ -20,10 +21,12 @@ export const REASONS = {
   window: { label: "outside window", help: "outside start_percent..end_percent: computed" },
   shape: { label: "shape changed", help: "the input shape changed, the cached residual does not fit: computed" },
   "model-cache": { label: "model cache", help: "the model filled its own key/value cache on this call (HiDream-O1, a prompt or reference image it had not seen): computed" },
+  "few-step": { label: "few steps", help: "a run of so few steps always computes its first and last steps and never skips two in a row: computed" },
   "other-branch": { label: "other branch", help: "this branch could have been reused, but another branch of the same batch needed computing" },
+  "other-rank": { label: "other rank", help: "every branch here could have been reused, but another Sequence Parallel rank needed computing (all ranks take the same path)" },
   calibrate: { label: "calibrating", help: "a calibration run computes every step" },
   disabled: { label: "disabled", help: "caching is disabled for this run: computed" },
-  measure: { label: "measured", help: "measured, no verdict" },
+  measure: { label: "measured", help: "measured, not yet compared with the threshold" },
   mixed: { label: "mixed", help: "several evaluations summarised in one cell" },
 };
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import abc
 import json
 import logging
-import math
 import time
 from typing import Any, ClassVar, Mapping, Protocol
 
@@ -25,7 +24,7 @@ from ...omni_hooks.context import CallContext
 from ...omni_hooks.cache_config import StackCacheConfig
 from ...omni_hooks.few_step import FewStepRule
 from ...omni_hooks.stack_cache import StackCacheRun
-from ...omni_hooks.stats import BranchDecision, CacheRunStats, EvaluationRecord
+from ...omni_hooks.stats import DISABLED, BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
 from .. import families
 from .. import stats_store
@@ -33,8 +32,8 @@ from ..families.drift import ModelDriftError
 from ..families import DetectedModel
 from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, named, register_feature
 from ..stats_store import FeatureReport
-from .inputs import (cache_device_for, calibration_name, forecast_order, sample_calibrating,
-                     validate_calibration_name)
+from .inputs import (cache_device_for, calibration_name, config_field, forecast_order, named_input,
+                     sample_calibrating, validate_calibration_name)
 
 log = logging.getLogger("OmniHooks")
 
@@ -104,9 +103,9 @@ class BlockStackCache(abc.ABC):
     @abc.abstractmethod
     def make_config(self, detected: DetectedModel, entry: PublishedEntry | None, tuning: dict[str, Any],
                     shared: dict[str, Any]) -> StackCacheConfig:
-        """The Apply node's frozen config (``entry`` None: a calibration run), built from the cache's own
-        ``tuning`` inputs and the ``shared`` fields every cache has (``StackCacheConfig``'s, already resolved);
-        ValueError if it is bad (the config's own check)."""
+        """The Apply node's frozen config (``entry`` None: a calibration run), built from the cache's own inputs
+        (``tuning``, by config field) and the ``shared`` fields every cache has (``StackCacheConfig``'s, already
+        resolved). Raises the config's own ValueError for a value it cannot use."""
 
     @abc.abstractmethod
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> StackCacheRun:
@@ -133,36 +132,35 @@ class BlockStackCache(abc.ABC):
                 data = calibration_files.load(self.kind, name)
             except ValueError as e:
                 raise named(title, e) from None
-            family = data.get("family", detected.family)
-            if family != detected.family:
+            family = data.get("family", detected.family.name)
+            if family != detected.family.name:
                 raise ValueError(f"{title}: calibration {name!r} was made on a {family} model, but this MODEL is "
                                  f"{detected.describe()}. Calibrate this model, or choose another {word}.")
             return self.calibration.from_file(detected, value, name, data)
         found = self.published.get(value)
         if found is None:
             raise ValueError(f"{title}: unknown {word} {value!r}; choose one from the list")
-        if found.family != detected.family:
+        if found.family != detected.family.name:
             raise ValueError(f"{title}: {word} {value!r} is for {found.family} models, but this MODEL is "
-                             f"{detected.describe()}. Choose '{AUTO}' or a {detected.family} {word}.")
+                             f"{detected.describe()}. Choose '{AUTO}' or a {detected.family.name} {word}.")
         return found
 
-    def config_for(self, model, inputs: dict[str, Any], calibrate: bool = False) -> StackCacheConfig:
-        """Build an Apply node's one frozen config from its inputs (all but ``model``) and the detected model; the
-        config checks itself once. ValueError naming the node."""
+    def config_for(self, model, detected: DetectedModel, inputs: dict[str, Any],
+                   calibrate: bool = False) -> StackCacheConfig:
+        """An Apply node's one frozen config, from its inputs (all but ``model``, each set on its config field:
+        ``inputs.CONFIG_FIELDS``) and the model as detected. The config checks every value once; its ValueError, and
+        any other, names the node and its input."""
         title = self.title
-        detected = families.detect_for_node(title, model)
-        tuning = dict(inputs)
+        tuning = {config_field(name): value for name, value in inputs.items()}
         value = tuning.pop(self.variant_input, AUTO)
-        for input_name, number in tuning.items():
-            if isinstance(number, float) and not math.isfinite(number):
-                raise ValueError(f"{title}: {input_name} must be a finite number, got {number}")
         entry = None if calibrate else self.resolve(detected, value)
         auto = value == AUTO and not calibrate
         try:
-            shared = dict(start_percent=float(tuning.pop("start_percent")), end_percent=float(tuning.pop("end_percent")),
+            shared = dict(start_percent=tuning.pop("start_percent"), end_percent=tuning.pop("end_percent"),
                           cache_device=cache_device_for(model, tuning.pop("cache_device")), calibrate=calibrate,
-                          forecast_order=forecast_order(tuning.pop("forecast", "off")), few_step=FewStepRule(),
-                          notes=tuple(detected.auto_choice(self.kind).notes) if auto else ())
+                          few_step=FewStepRule(), notes=tuple(detected.auto_choice(self.kind).notes) if auto else ())
+            if "forecast_order" in tuning:  # an optional input: a workflow saved before it has the config's default
+                shared["forecast_order"] = forecast_order(tuning.pop("forecast_order"))
             reference_key = detected.auto_choice(self.kind).with_reference if auto else None
             if reference_key is not None:  # e.g. Flux: a run with reference latents is Kontext
                 note = (f"the conditioning carries reference latents: {self.variant_input} '{reference_key}'",)
@@ -170,16 +168,16 @@ class BlockStackCache(abc.ABC):
                                                             {**shared, "notes": note})
             return self.make_config(detected, entry, tuning, shared)
         except ValueError as e:
-            raise named(title, e) from None
+            raise named_input(title, e, inputs) from None
 
     def applied(self, node_title: str, node_id: str | None, config: StackCacheConfig) -> AppliedFeature:
         """The marker a node of this cache leaves on its MODEL clone: it carries ``config`` to the run's hooks."""
         return AppliedFeature(kind=self.kind, category=Category.CACHE, node_title=node_title, node_id=node_id,
                               config=config)
 
-    def session(self, patcher, feature: AppliedFeature) -> CacheSession:
-        """One sampling run of this cache (the lifecycle's session factory for ``kind``)."""
-        return CacheSession(self, patcher, feature)
+    def session(self, patcher, feature: AppliedFeature, detected: DetectedModel) -> CacheSession:
+        """This cache's part of one sampling run (the lifecycle's session factory for ``kind``)."""
+        return CacheSession(self, patcher, feature, detected)
 
 
 def register_cache(cache: BlockStackCache) -> BlockStackCache:
@@ -189,15 +187,14 @@ def register_cache(cache: BlockStackCache) -> BlockStackCache:
 
 
 class CacheSession(FeatureSession):
-    """One sampling run of a block-stack cache on one MODEL: installs its run's hooks, reports its statistics."""
+    """A block-stack cache's part of one sampling run: installs its run's hooks, reports its statistics."""
 
-    def __init__(self, cache: BlockStackCache, patcher, feature: AppliedFeature):
-        super().__init__(patcher, feature)
+    def __init__(self, cache: BlockStackCache, patcher, feature: AppliedFeature, detected: DetectedModel):
+        super().__init__(patcher, feature, detected)
         self.cache = cache
         config: StackCacheConfig = feature.config
         self.config = config  # the node's own object: the run's hooks read it unchanged
-        self.stats = CacheRunStats(kind=cache.kind, model=config.model_label, threshold=config.threshold,
-                                   notes=list(config.notes))
+        self.stats = CacheRunStats(cache.kind, config)
         if feature.unverified and config.calibrate:  # a calibration must record: no fallback
             raise ModelDriftError(f"{feature.describe()}: cannot calibrate, the model could not be fully checked "
                                   f"before the run: {'; '.join(feature.unverified)}")
@@ -205,7 +202,6 @@ class CacheSession(FeatureSession):
             self.stats.disabled = ("the model could not be fully checked before the run: "
                                    + "; ".join(feature.unverified))
         self.call_started = 0.0  # of the current call, while caching is disabled
-        self.detected = families.detect(patcher)
         self.run: StackCacheRun | None = None
         self.recorded: list[Any] = []  # what each installed run recorded while calibrating
 
@@ -240,10 +236,10 @@ class CacheSession(FeatureSession):
 
 
 def computed_record(context: CallContext, threshold: float, seconds: float) -> EvaluationRecord:
-    """The record of a call computed because caching is disabled for the run (every branch: reason "disabled")."""
+    """The record of a call computed because caching is disabled for the run (every branch: reason ``DISABLED``)."""
     labels = list(context.labels) or ["all"]
     return EvaluationRecord(step=context.step, total_steps=context.total_steps, computed=True, seconds=seconds,
-                            branches=[BranchDecision(branch=label, computed=True, reason="disabled", metric=None,
+                            branches=[BranchDecision(branch=label, computed=True, reason=DISABLED, metric=None,
                                                      threshold=threshold) for label in labels])
 
 
@@ -261,7 +257,7 @@ class ApplyCacheNode(io.ComfyNode):
     @classmethod
     def execute(cls, model, **inputs: Any) -> io.NodeOutput:
         cache = cls.cache
-        config = cache.config_for(model, inputs)
+        config = cache.config_for(model, families.detect_for_node(cache.title, model), inputs)
         return io.NodeOutput(attach_feature(model, cache.applied(cache.title, cls.hidden.unique_id, config)))
 
 
@@ -289,7 +285,7 @@ class CalibrateCacheNode(io.ComfyNode):
             calibration_files.check_writable(cache.kind)  # before sampling, not after
         except ValueError as e:
             raise named(title, e) from None
-        config = cache.config_for(model, dict(cache.calibrate_inputs), calibrate=True)
+        config = cache.config_for(model, detected, dict(cache.calibrate_inputs), calibrate=True)
         latent, sessions = sample_calibrating(model, cache.applied(title, cls.hidden.unique_id, config), seed,
                                               steps, cfg, sampler_name, scheduler, positive, negative, latent_image)
         parts = [part for session in sessions for part in session.recorded]

@@ -3,18 +3,48 @@ window, the cache-device choice and the forecast of an Apply node; the KSampler 
 Calibrate node; and the KSampler-like calibration run."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import comfy.patcher_extension as pe
 import comfy.samplers
 import nodes as comfy_nodes  # ComfyUI's nodes.py (this pack's own nodes/ package is only imported relatively)
 import torch
 from comfy_api.latest import io
 
+from ...omni_hooks.cache_config import StackCacheConfig
 from ...omni_hooks.forecast import AUTO
 from . import calibration_files
 from ..families import model_input
-from ..features import RUN_KEY, AppliedFeature, FeatureSession, SamplingRun, attach_feature
+from ..call_context import RUN_KEY
+from ..features import AppliedFeature, FeatureSession, SamplingRun, attach_feature, named
 
 CACHE_DEVICES = ["compute device", "offload device"]
+
+#: an Apply node's input -> the config field it sets, where the two names differ (a released input keeps its name);
+#: every other input is its config field's name
+CONFIG_FIELDS = {"rel_l1_thresh": "threshold", "forecast": "forecast_order"}
+
+
+def config_field(input_name: str) -> str:
+    """The config field an Apply node's input sets (``CONFIG_FIELDS``)."""
+    return CONFIG_FIELDS.get(input_name, input_name)
+
+
+def config_default(config_cls: type, input_name: str) -> Any:
+    """The default of the config field ``input_name`` sets: where the node's schema takes its default from."""
+    name = config_field(input_name)
+    return next(f.default for f in dataclasses.fields(config_cls) if f.name == name)
+
+
+def named_input(title: str, error: ValueError, inputs: dict[str, Any]) -> ValueError:
+    """A config's ``error`` as the node's: its title first, and the node's input where the config named the field
+    that input sets (``threshold`` -> ``rel_l1_thresh``)."""
+    message = str(error)
+    for input_name, field_name in CONFIG_FIELDS.items():
+        if input_name in inputs and message.startswith(f"{field_name} "):
+            message = input_name + message[len(field_name):]
+    return named(title, ValueError(message))
 
 
 def cache_model_input() -> io.Model.Input:
@@ -25,16 +55,19 @@ def cache_model_input() -> io.Model.Input:
 def window_inputs(end_note: str = "", default_note: str = "") -> list[io.Input]:
     """start_percent / end_percent, which every cache has (checked by its ``StackCacheConfig``)."""
     return [
-        io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01,
+        io.Float.Input("start_percent", default=config_default(StackCacheConfig, "start_percent"), min=0.0, max=1.0,
+                       step=0.01,
                        tooltip="Caching starts at this fraction of this sampler's steps; earlier steps are always "
                        f"computed (they set the composition).{default_note}"),
-        io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01,
+        io.Float.Input("end_percent", default=config_default(StackCacheConfig, "end_percent"), min=0.0, max=1.0,
+                       step=0.01,
                        tooltip=f"Caching stops after this fraction of this sampler's steps; later steps are always "
                        f"computed.{end_note}{default_note}"),
     ]
 
 
 def cache_device_input() -> io.Combo.Input:
+    """``cache_device``: its first option, "compute device", is the config's default (None)."""
     return io.Combo.Input("cache_device", options=CACHE_DEVICES, default=CACHE_DEVICES[0],
                           tooltip="Where the cached residuals live. 'offload device' (usually system RAM) saves VRAM "
                           "for long videos at the cost of a copy per reused step.")
@@ -53,8 +86,11 @@ FORECAST_ORDERS = {"off": 0, "1st order": 1, "2nd order": 2, "auto": AUTO}
 
 
 def forecast_input() -> io.Combo.Input:
-    """Optional, so that a saved workflow (or API prompt) without it loads and keeps plain reuse."""
-    return io.Combo.Input("forecast", options=list(FORECAST_ORDERS), default="off", optional=True,
+    """Optional, so that a saved workflow (or API prompt) without it loads and keeps plain reuse (the config's
+    default order)."""
+    default = next(name for name, order in FORECAST_ORDERS.items()
+                   if order == config_default(StackCacheConfig, "forecast"))
+    return io.Combo.Input("forecast", options=list(FORECAST_ORDERS), default=default, optional=True,
                           tooltip="What a skipped step adds instead of running the blocks. 'off': the residual of "
                           "the last computed step (plain reuse). '1st order' / '2nd order': the residual "
                           "extrapolated to this step's sigma from the last 2 / 3 computed steps (finite "
@@ -132,9 +168,9 @@ def sample_calibrating(model, feature: AppliedFeature, seed: int, steps: int, cf
     sessions: list[FeatureSession] = []
 
     def keep_sessions(executor, *args, **kwargs):
-        # runs inside the lifecycle's OUTER_SAMPLE wrapper, so the run's sessions exist already
-        run: SamplingRun = executor.class_obj.model_options["transformer_options"][RUN_KEY]
-        sessions.extend(s for s in run.sessions if s.feature == feature)
+        # runs inside the lifecycle's OUTER_SAMPLE wrapper, so the sampling run's sessions exist already
+        sampling_run: SamplingRun = executor.class_obj.model_options["transformer_options"][RUN_KEY]
+        sessions.extend(s for s in sampling_run.sessions if s.feature == feature)
         return executor(*args, **kwargs)
 
     calibrating = attach_feature(model, feature)

@@ -7,9 +7,9 @@ order, is an error naming both nodes).
 
 Steps are the sampler's own: step t of T comes from the run's ``sample_sigmas``, so a sampler that runs only a
 segment of a schedule (KSamplerAdvanced start/end, split sigmas) counts its segment from 0 and the curve is
-interpolated to the segment's length. That is the Wan 2.2 A14B rule (see ``nodes/caches/magcache_curves.py``): each expert's
-Apply MagCache takes its own part of the official curve, "(high noise)" or "(low noise)", and applies retention and
-start/end to its own steps.
+interpolated to the segment's length. That is the Wan 2.2 A14B rule (see ``nodes/caches/magcache_curves.py``): each
+expert's Apply MagCache takes its own part of the official curve, "(high noise)" or "(low noise)", and applies retention
+and start/end to its own steps.
 
 ComfyUI's own Wan 2.2 14B T2V template (20 steps, shift 8, KSamplerAdvanced 0-10 on the high-noise model, 10-end on
 the low-noise one) fits that rule: its switch falls at the same noise level as the official 40-step calibration's
@@ -30,13 +30,13 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
-from ...omni_hooks.magcache import MagCacheConfig, MagCacheRun, MagCacheStrategy, apply_mag_cache_hook, interleave
+from ...omni_hooks.magcache import MagCacheConfig, MagCacheRun, apply_mag_cache_hook, interleave
 from ...omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_interleaved
 from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
-                     forecast_input, window_inputs)
+                     config_default, forecast_input, window_inputs)
 from ..features import CATEGORY, display_name
 from ..families import DetectedModel
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
@@ -125,7 +125,7 @@ class MagCacheCalibration(CacheCalibration):
 
     def from_file(self, detected: DetectedModel, value: str, name: str, data: dict) -> ResolvedCurve:
         curves = _curves_from_file(name, data)
-        return ResolvedCurve(key=value, family=data.get("family", detected.family),
+        return ResolvedCurve(key=value, family=data.get("family", detected.family.name),
                              curves=tuple((branch, tuple(values)) for branch, values in curves.items()))
 
     def collect(self, run: MagCacheRun) -> dict[str, dict[str, list[float]]]:
@@ -135,7 +135,7 @@ class MagCacheCalibration(CacheCalibration):
         result: dict[str, dict[str, list[float]]] = {}
         for part in parts:
             result.update(part)
-        return {"family": detected.family, "variant": detected.variant, **calibration_data(result)}
+        return {"family": detected.family.name, "variant": detected.variant, **calibration_data(result)}
 
     def describe(self, data: dict) -> str:
         return ", ".join(f"{label} {len(values)}" for label, values in data["mag_ratios"].items()) + " ratios"
@@ -161,26 +161,22 @@ class MagCache(BlockStackCache):
 
     def no_auto_fit(self, detected: DetectedModel) -> str:
         notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in detected.auto_choice(KIND).notes)
-        if not for_family(detected.family):
+        if not for_family(detected.family.name):
             return (f"no MagCache curve is published for {detected.describe()} models. {notes}To use MagCache, "
                     f"{CALIBRATE_HINT}.")
-        return (f"no published MagCache curve fits {detected.describe()}. {notes}Choose a {detected.family} curve, or "
-                f"{CALIBRATE_HINT}.")
+        return (f"no published MagCache curve fits {detected.describe()}. {notes}Choose a {detected.family.name} "
+                f"curve, or {CALIBRATE_HINT}.")
 
     def make_config(self, detected: DetectedModel, found: MagCacheCurve | ResolvedCurve | None,
                     tuning: dict[str, Any], shared: dict[str, Any]) -> MagCacheConfig:
         calibrate = found is None
         return MagCacheConfig(
-            threshold=float(tuning["threshold"]), max_skip_steps=int(tuning["max_skip_steps"]),
-            retention_ratio=float(tuning["retention_ratio"]),
-            mag_ratios=None if calibrate else {name: tuple(values) for name, values in found.curves},
+            **tuning, mag_ratios=None if calibrate else {name: tuple(values) for name, values in found.curves},
             model_label=f"{detected.variant}, {'calibrate' if calibrate else found.key}",
             **{**shared, "notes": shared["notes"] + ((found.note,) if found is not None and found.note else ())})
 
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> MagCacheRun:
-        detected = session.detected
-        strategy = MagCacheStrategy(name=detected.family, build_stack=detected.build_stack)
-        return apply_mag_cache_hook(diffusion_model, session.config, strategy, session.stats, implicit_calls=False)
+        return apply_mag_cache_hook(session.detected.build_stack(diffusion_model), session.config, session.stats)
 
 
 MAGCACHE = register_cache(MagCache())
@@ -199,15 +195,18 @@ class ApplyMagCache(ApplyCacheNode):
                         "curve's '(high noise)' / '(low noise)' part; each uses its own sampler's steps.",
             inputs=[
                 cache_model_input(),
-                io.Float.Input("threshold", default=0.06, min=0.0, max=1.0, step=0.01,
+                io.Float.Input("threshold", default=config_default(MagCacheConfig, "threshold"), min=0.0, max=1.0,
+                               step=0.01,
                                tooltip="How much accumulated error to tolerate before computing again (the sum of "
                                "|1 - product of ratios| since the last computed step). 0 = never skip (output "
                                "identical to no node). 0.06 is the safe default; 0.12-0.24 is faster and less "
                                "faithful."),
-                io.Int.Input("max_skip_steps", display_name="K (max consecutive skips)", default=2, min=0, max=20,
+                io.Int.Input("max_skip_steps", display_name="K (max consecutive skips)",
+                             default=config_default(MagCacheConfig, "max_skip_steps"), min=0, max=20,
                              tooltip="K: at most this many steps in a row reuse the residual before one is computed. "
                              "0 = never skip. 2-4 is typical (the MagCache scripts use 2-6)."),
-                io.Float.Input("retention_ratio", default=0.2, min=0.0, max=1.0, step=0.01,
+                io.Float.Input("retention_ratio", default=config_default(MagCacheConfig, "retention_ratio"), min=0.0,
+                               max=1.0, step=0.01,
                                tooltip="This fraction of the first steps is always computed (they set the "
                                "composition). Counted on this sampler's own steps, so for a Wan 2.2 expert it "
                                "is per phase."),
@@ -219,8 +218,8 @@ class ApplyMagCache(ApplyCacheNode):
                                "Qwen-Image-Edit, Wan 2.2 A14B '(high noise)' / '(low noise)' per expert), or a "
                                "'calibration: <name>' file from MagCache Calibrate (for models without a published "
                                "curve). Interpolated to your step count; a Wan 2.2 part to its own expert's steps "
-                               "(ComfyUI's Wan 2.2 template, switch at step 10 of 20, fits the parts). On Flux, a run whose "
-                               "conditioning carries reference latents (Kontext) uses Kontext's official curve."),
+                               "(ComfyUI's Wan 2.2 template, switch at step 10 of 20, fits the parts). On Flux, a run "
+                               "whose conditioning carries reference latents (Kontext) uses Kontext's official curve."),
                 forecast_input(),  # last: a saved workflow's widget values keep their positions
             ],
             outputs=[io.Model.Output(tooltip="The same MODEL with MagCache attached for its sampling runs.")],

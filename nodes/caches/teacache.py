@@ -8,12 +8,13 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
+from ...omni_hooks.cache_config import StackCacheConfig
 from ...omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients
 from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
-                     forecast_input, window_inputs)
+                     config_default, forecast_input, window_inputs)
 from ..features import CATEGORY, display_name
 from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients, for_family
 from ..families import DetectedModel
@@ -23,7 +24,6 @@ NODE_ID = "OmniHooks.ApplyTeaCache"
 NODE_TITLE = "Apply TeaCache"
 CALIBRATE_NODE_ID = "OmniHooks.TeaCacheCalibrate"
 CALIBRATE_TITLE = "TeaCache Calibrate"
-RECOMMENDED = -1.0
 IDENTITY = (0.0, 0.0, 0.0, 1.0, 0.0)  # calibration runs measure the raw relative change
 
 
@@ -37,9 +37,11 @@ MIN_CALIBRATION_STEPS = 8
 
 def published_window(found: TeaCacheCoefficients, start: float, end: float) -> dict[str, float]:
     """The caching window of a run with ``found``: the user's start_percent / end_percent where set (another value
-    than the input's default, 0 / 1), the published window of ``found`` otherwise (Flux Kontext 0.2-0.9, ...); the
+    than the config's default, 0 / 1), the published window of ``found`` otherwise (Flux Kontext 0.2-0.9, ...); the
     user's two values where combining them would leave no window."""
-    window = (start if start != 0.0 else found.start_percent, end if end != 1.0 else found.end_percent)
+    default_start, default_end = (config_default(StackCacheConfig, name) for name in ("start_percent", "end_percent"))
+    window = (start if start != default_start else found.start_percent,
+              end if end != default_end else found.end_percent)
     if window[0] > window[1]:
         window = (start, end)
     return {"start_percent": window[0], "end_percent": window[1]}
@@ -64,15 +66,16 @@ class TeaCacheCalibration(CacheCalibration):
         """The coefficient set of a calibration file's contents; a clear error for a malformed file."""
         coefficients = self.check_file(name, data)
         signal = data.get("signal", "default")
-        signals = {"default", *(c.signal for c in for_family(detected.family))}
+        signals = {"default", *(c.signal for c in for_family(detected.family.name))}
         if signal not in signals:
-            raise _bad_file(name, f"has signal {str(signal)[:40]!r}, which {detected.family} models do not have "
+            raise _bad_file(name, f"has signal {str(signal)[:40]!r}, which {detected.family.name} models do not have "
                                   f"(one of {sorted(signals)})")
         try:
             threshold = float(data.get("recommended_threshold", 0.2))
         except (TypeError, ValueError):
             raise _bad_file(name, "has a 'recommended_threshold' that is not a number") from None
-        return TeaCacheCoefficients(key=value, family=data.get("family", detected.family), coefficients=coefficients,
+        return TeaCacheCoefficients(key=value, family=data.get("family", detected.family.name),
+                                    coefficients=coefficients,
                                     threshold=threshold, signal=signal, source=f"calibration file {name}")
 
     def collect(self, run: TeaCacheRun) -> list[tuple[float, float]]:
@@ -83,7 +86,7 @@ class TeaCacheCalibration(CacheCalibration):
         coefficients = fit_coefficients(pairs)
         return {
             "kind": KIND,
-            "family": detected.family,
+            "family": detected.family.name,
             "variant": detected.variant,
             "signal": "default",
             "coefficients": coefficients,
@@ -116,14 +119,11 @@ class TeaCache(BlockStackCache):
                     shared: dict[str, Any]) -> TeaCacheConfig:
         calibrate = found is None
         if calibrate:
-            found = TeaCacheCoefficients(key="calibrate", family=detected.family, coefficients=IDENTITY,
+            found = TeaCacheCoefficients(key="calibrate", family=detected.family.name, coefficients=IDENTITY,
                                          threshold=0.0)
-        rel_l1_thresh = tuning["rel_l1_thresh"]
-        if rel_l1_thresh != RECOMMENDED and rel_l1_thresh < 0:
-            raise ValueError(f"rel_l1_thresh must be -1 (recommended) or >= 0, got {rel_l1_thresh}")
-        threshold = found.threshold if rel_l1_thresh == RECOMMENDED else rel_l1_thresh
-        return TeaCacheConfig(threshold=threshold, coefficients=found.coefficients, ret_steps=found.ret_steps,
-                              signal=found.signal, model_label=f"{detected.variant}, {found.key}",
+        return TeaCacheConfig(**tuning, recommended_threshold=found.threshold, coefficients=found.coefficients,
+                              ret_steps=found.ret_steps, signal=found.signal,
+                              model_label=f"{detected.variant}, {found.key}",
                               **{**shared, **published_window(found, shared["start_percent"], shared["end_percent"])})
 
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> TeaCacheRun:
@@ -147,7 +147,8 @@ class ApplyTeaCache(ApplyCacheNode):
                         "changed, reusing the last computed residual. Detects the model; reports every decision.",
             inputs=[
                 cache_model_input(),
-                io.Float.Input("rel_l1_thresh", default=RECOMMENDED, min=-1.0, max=10.0, step=0.01,
+                io.Float.Input("rel_l1_thresh", default=config_default(TeaCacheConfig, "rel_l1_thresh"), min=-1.0,
+                               max=10.0, step=0.01,
                                tooltip="How much accumulated change to tolerate before computing again. -1 = the "
                                "published recommendation for the detected model (e.g. 0.08 Wan 2.1 T2V 1.3B, 0.2 "
                                "Wan 14B, 0.4 Flux dev). 0 = never skip (output identical to no node). Higher = "
@@ -183,7 +184,8 @@ class TeaCacheCalibrate(CalibrateCacheNode):
             inputs=[
                 *calibration_sampler_inputs(
                     MIN_CALIBRATION_STEPS, steps_tooltip=f"Sampling steps; each step gives one calibration point per "
-                    f"branch (at least {MIN_CALIBRATION_STEPS}).", sampler_tooltip="The sampler you will generate with."),
+                    f"branch (at least {MIN_CALIBRATION_STEPS}).",
+                    sampler_tooltip="The sampler you will generate with."),
                 calibration_name_input(KIND, "fitted coefficients"),
             ],
             outputs=[io.Latent.Output(tooltip="The sampled latent (every step computed)."),

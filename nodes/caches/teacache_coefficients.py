@@ -34,7 +34,8 @@ PUBLISHED: dict[str, TeaCacheCoefficients] = {c.key: c for c in [
                          source=f"{_WELLTOP}['flux']; threshold: welltop README"),
     # source: welltop flux-kontext; README: 0.22, start 0.2, end 0.9 (~2x)
     TeaCacheCoefficients("flux-kontext", "flux", (-1046.55119, 312.563399, -16.9500694, 0.410995971, 0.0374537863),
-                         0.22, start_percent=0.2, end_percent=0.9, source=f"{_WELLTOP}['flux-kontext']; welltop README"),
+                         0.22, start_percent=0.2, end_percent=0.9,
+                         source=f"{_WELLTOP}['flux-kontext']; welltop README"),
     # source: welltop ltxv (= ali-vilab TeaCache4LTX-Video/teacache_ltx.py line 72); welltop README 0.06
     TeaCacheCoefficients("ltxv", "ltxv", (21.4700694, -12.8016453, 2.31279151, 0.792487521, 0.00969274326), 0.06,
                          source=f"{_WELLTOP}['ltxv']; welltop README"),
@@ -58,7 +59,8 @@ PUBLISHED: dict[str, TeaCacheCoefficients] = {c.key: c for c in [
                          1.0, signal="hidden", source=f"{_WELLTOP}['hidream_i1_dev']; welltop README"),
     # source: welltop hidream_i1_fast; README 1.5, end 0.9
     TeaCacheCoefficients("hidream_i1_fast", "hidream", (2.26509623, -6.88864563, 7.61123826, -3.10849353, 0.99927602),
-                         1.5, end_percent=0.9, signal="hidden", source=f"{_WELLTOP}['hidream_i1_fast']; welltop README"),
+                         1.5, end_percent=0.9, signal="hidden",
+                         source=f"{_WELLTOP}['hidream_i1_fast']; welltop README"),
     # source: welltop wan2.1_t2v_1.3B (= ali-vilab TeaCache4Wan2.1/teacache_generate.py line 890); README 0.08
     TeaCacheCoefficients("wan2.1_t2v_1.3B", "wan", (2396.76752, -1311.10545, 201.331979, -8.29855975, 0.137887774),
                          0.08, source=f"{_WELLTOP}['wan2.1_t2v_1.3B']; welltop README"),

@@ -127,7 +127,7 @@ def _detected(family: ModelFamily, variant: Variant) -> DetectedModel:
             raise RuntimeError(f"model family {family.name!r}: variant {variant.name!r} recommends the {kind} key "
                                f"{choice.key!r}, which the family's auto_keys[{kind!r}] does not "
                                "list")
-    return DetectedModel(model_family=family, variant=variant.name, auto_choices=variant.auto_choices)
+    return DetectedModel(family=family, variant=variant.name, auto_choices=variant.auto_choices)
 
 
 __all__ = ["FAMILIES", "AutoChoice", "DetectedModel", "ModelFamily", "UnsupportedModelError", "Variant", "detect",

@@ -90,8 +90,8 @@ class ForwardParameters:
 
     ``params``: every parameter this forward takes on every supported ComfyUI, in any order (``"*args"`` /
     ``"**kwargs"`` spelled so where the forward has them; a parameter only some hosts have is left out: the check
-    accepts a parameter it does not know when it has a default); ``positions``: the parameters the pack reads at a fixed position when a call passes
-    them positionally (name -> index, ``self`` not counted).
+    accepts a parameter it does not know when it has a default); ``positions``: the parameters the pack reads at a fixed
+    position when a call passes them positionally (name -> index, ``self`` not counted).
     """
 
     params: tuple[str, ...]
@@ -160,31 +160,27 @@ class ModelFamily:
 @dataclass(frozen=True)
 class DetectedModel:
     """One detected MODEL: its registered family, the variant its decision tree named, and each cache's
-    auto choice by cache kind. ``family`` is the family's name."""
+    auto choice by cache kind."""
 
-    model_family: ModelFamily
+    family: ModelFamily
     variant: str
     auto_choices: Mapping[str, AutoChoice]
-
-    @property
-    def family(self) -> str:
-        return self.model_family.name
 
     def auto_choice(self, cache_kind: str) -> AutoChoice:
         """What ``cache_kind``'s 'auto' uses for this model (no key and no notes when the family names none)."""
         return self.auto_choices.get(cache_kind, NO_AUTO_CHOICE)
 
     def describe(self) -> str:
-        return f"{self.family} ({self.variant})"
+        return f"{self.family.name} ({self.variant})"
 
     def build_stack(self, diffusion_model: torch.nn.Module) -> BlockStack:
-        return self.model_family.build_stack(diffusion_model)
+        return self.family.build_stack(diffusion_model)
 
     def build_modulated_input(self, diffusion_model: torch.nn.Module, signal: str) -> ModulatedInput:
-        return self.model_family.build_modulated_input(diffusion_model, signal)
+        return self.family.build_modulated_input(diffusion_model, signal)
 
     def resident_modules(self, diffusion_model: torch.nn.Module) -> dict[str, torch.nn.Module | torch.Tensor]:
-        return self.model_family.resident_modules(diffusion_model)
+        return self.family.resident_modules(diffusion_model)
 
 
 def dotted_attribute(obj: Any, name: str) -> Any:

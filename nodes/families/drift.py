@@ -14,9 +14,9 @@ loaded diffusion model, without calling it and without changing anything:
 A difference is drift: the run stops with a ``ModelDriftError`` before any hook is installed or any rank exchanges
 anything. A forward taking ``*args`` / ``**kwargs`` the family does not expect is followed when it is a wrapper that
 passes its call through (``nodes.families.pass_through``): the function it calls is checked in its place. What cannot be
-decided (such a forward that is no pass-through, so which arguments reach the block is unknown) is not guessed: a cache then computes every step and its statistics say why. For the
-sequence plan there is no such fallback (ranks that split on a guess may wait on each other forever): a plan input
-that cannot be checked is a difference.
+decided (such a forward that is no pass-through, so which arguments reach the block is unknown) is not guessed: a cache
+then computes every step and its statistics say why. For the sequence plan there is no such fallback (ranks that split
+on a guess may wait on each other forever): a plan input that cannot be checked is a difference.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 
 from ...omni_hooks.sequence_parallel.plan import (ModuleForwardMetadata, ReplicatedTokens, resolve_submodules,
                                                  unwrap_module, validate_sp_plan)
-from . import ModelFamily, detect, pass_through
+from . import ModelFamily, pass_through
 from .base import ForwardParameters, dotted_attribute
 
 TESTED = "0.3.64 to 0.33.0"     # the ComfyUI versions every test passes on (docs/compatibility.md)
@@ -77,11 +77,6 @@ def comfyui_version() -> str:
     return f"ComfyUI {__version__}"
 
 
-def check_patcher(patcher, sequence_parallel: bool) -> DriftReport:
-    """``check_model`` for a ComfyUI MODEL (ModelPatcher): its detected family against its diffusion model."""
-    return check_model(detect(patcher).model_family, patcher.model.diffusion_model, sequence_parallel)
-
-
 def check_model(family: ModelFamily, dm: torch.nn.Module, sequence_parallel: bool = False) -> DriftReport:
     """Compare ``family.expects`` with ``dm`` (and its sequence plan when ``sequence_parallel``). Changes nothing."""
     report = DriftReport(family)
@@ -108,7 +103,8 @@ def check_model(family: ModelFamily, dm: torch.nn.Module, sequence_parallel: boo
 
 def _signature_names(fn) -> tuple[list[inspect.Parameter], list[str]]:
     parameters = list(pass_through.own_signature(fn).parameters.values())
-    if parameters and parameters[0].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if parameters and parameters[0].kind in positional:
         parameters = parameters[1:]  # an unbound method: drop self
     names = []
     for p in parameters:

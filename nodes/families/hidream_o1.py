@@ -31,13 +31,12 @@ import sys
 import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.stats import MODEL_CACHE
 from ...omni_hooks.teacache import ModulatedInput
 from .base import Expectations, ForwardParameters, ModelFamily, Variant, calibrate_first, call_arg
 
 X = TensorArg("x", 0)  # the sequence a layer receives (and, positionally, the norm after the layers)
 PAST = TensorArg("past_key_value", 4)
-#: the statistics' reason for a call that fills the model's own key/value cache
-MODEL_CACHE = "model-cache"
 _MODULE = "comfy.ldm.hidream_o1.model"
 # hidden size of the released checkpoint (Qwen3-VL-8B's decoder)
 _SIZES = {4096: "8B"}

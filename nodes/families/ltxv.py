@@ -15,8 +15,8 @@ import comfy.ldm.lightricks.model as ltxv_model
 import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from ...omni_hooks.sequence_parallel import (SequenceParallelInput, SequenceParallelOutput, SequenceParallelRefusedInput,
-                                             SequenceParallelSelfAttention)
+from ...omni_hooks.sequence_parallel import (SequenceParallelInput, SequenceParallelOutput,
+                                             SequenceParallelRefusedInput, SequenceParallelSelfAttention)
 from ...omni_hooks.teacache import ModulatedInput
 from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg
 

@@ -60,8 +60,8 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 
 
 FAMILY = ModelFamily(
-    name="lumina2", display_name="Lumina Image 2.0", matches=_matches, resolve_variant=_variant, build_stack=lumina_stack,
-    build_modulated_input=lumina_modulated_input,
+    name="lumina2", display_name="Lumina Image 2.0", matches=_matches, resolve_variant=_variant,
+    build_stack=lumina_stack, build_modulated_input=lumina_modulated_input,
     resident=("x_embedder", "t_embedder", "cap_embedder", "noise_refiner", "context_refiner", "norm_final",
               "final_layer"),
     auto_keys={"teacache": frozenset({"lumina_2"})},

@@ -120,7 +120,7 @@ def _passed_to(fn: Callable, instance: Any, call: tuple[tuple, dict]) -> tuple[C
 
 def _filled(cell: types.CellType) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:  # an empty cell (a name bound later)
         return False
     return True

@@ -5,7 +5,8 @@
 with ``x_pad_token`` to a multiple of 32 when the checkpoint has pad tokens, then ``noise_refiner``), runs ``layers``
 (``layer(x, mask, freqs_cis, adaln_input, ...)`` -> x, out of place) over the joint ``[caption | image]`` sequence,
 then ``final_layer(x, adaln_input)``; the blocks differ from Lumina 2's in their modulation (``adaLN_modulation`` is
-one Linear from a 256-wide time embedding, no SiLU). The stack and signals are Lumina 2's (``nodes/families/lumina2.py``).
+one Linear from a 256-wide time embedding, no SiLU). The stack and signals are Lumina 2's
+(``nodes/families/lumina2.py``).
 
 ComfyUI before 0.3.75 has no Z-Image: no NextDiT there is built that way and nothing matches.
 """
@@ -36,7 +37,8 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
     few_step = ("Z-Image Turbo samples in about 8 steps: the caches keep its first and last steps computed and skip "
                 "little; see the run statistics")
     return calibrate_first(f"Z-Image (dim {dm.dim}, {len(dm.layers)} layers)",
-                           "Z-Image (vllm-omni's TeaCache numbers are Qwen-Image's, marked there as 'need to be tuned')",
+                           "Z-Image (vllm-omni's TeaCache numbers are Qwen-Image's, marked there as 'need to be "
+                           "tuned')",
                            few_step)
 
 
@@ -95,8 +97,8 @@ def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 FAMILY = ModelFamily(
-    name="z_image", display_name="Z-Image (Turbo)", matches=_matches, resolve_variant=_variant, build_stack=lumina_stack,
-    build_modulated_input=lumina_modulated_input,
-    resident=("x_embedder", "t_embedder", "cap_embedder", "noise_refiner", "context_refiner", "norm_final", "final_layer",
-              "x_pad_token", "cap_pad_token"),
+    name="z_image", display_name="Z-Image (Turbo)", matches=_matches, resolve_variant=_variant,
+    build_stack=lumina_stack, build_modulated_input=lumina_modulated_input,
+    resident=("x_embedder", "t_embedder", "cap_embedder", "noise_refiner", "context_refiner", "norm_final",
+              "final_layer", "x_pad_token", "cap_pad_token"),
     sequence_plan=_sequence_plan, attention_sites=_attention_sites)

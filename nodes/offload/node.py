@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any
+from typing import Any, Callable
 
 import comfy.model_management
 import torch
@@ -52,39 +52,50 @@ PIN_OPTIONS: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 HOST_STREAMS_HOOK = "offload_host_streams"  # sorts after the library's "layerwise_offload" within the placement phase
 
 
-def config_for(model, blocks_to_offload: int, prefetch_blocks: int, pin_memory: str,
-               vram_budget_gb: float) -> OffloadConfig:
-    """The node's one frozen config, built from its inputs and ``model``; ValueError naming the node for a value it
-    cannot use."""
-    if pin_memory not in PIN_OPTIONS:  # ComfyUI 0.3.64 does not validate V3 combo values at /prompt
-        raise ValueError(f"{NODE_TITLE}: unknown pin_memory {pin_memory!r}; choose one of {list(PIN_OPTIONS)}")
-    if not AUTO <= blocks_to_offload <= MAX_BLOCKS:
+#: each input -> the ``OffloadConfig`` field it sets and its value there (the node's "auto" / 0 is the field's None)
+CONFIG_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "blocks_to_offload": ("blocks_to_offload", lambda blocks: None if blocks == AUTO else blocks),
+    "prefetch_blocks": ("prefetch_blocks", lambda blocks: blocks),
+    "pin_memory": ("pin_memory", PIN_OPTIONS.__getitem__),
+    "vram_budget_gb": ("vram_budget_bytes", lambda gb: int(gb * 1024 ** 3) if gb > 0 else None),
+}
+
+
+def config_default(input_name: str) -> Any:
+    """The default of the ``OffloadConfig`` field ``input_name`` sets: where the node's schema takes it from."""
+    name = CONFIG_FIELDS[input_name][0]
+    return next(f.default for f in dataclasses.fields(OffloadConfig) if f.name == name)
+
+
+def config_for(model, **inputs: Any) -> OffloadConfig:
+    """The node's one frozen config, from its inputs (each set on its field by ``CONFIG_FIELDS``) and ``model``; the
+    config checks each value once. ValueError naming the node and its input for a value it cannot use; what only
+    this node means by a value (-1 blocks, a combo value ComfyUI 0.3.64 does not check, GiB) is checked here."""
+    if inputs["pin_memory"] not in PIN_OPTIONS:
+        raise ValueError(f"{NODE_TITLE}: unknown pin_memory {inputs['pin_memory']!r}; choose one of "
+                         f"{list(PIN_OPTIONS)}")
+    if inputs["blocks_to_offload"] < AUTO:
         raise ValueError(f"{NODE_TITLE}: blocks_to_offload must be -1 (auto) or 0..{MAX_BLOCKS}, got "
-                         f"{blocks_to_offload}")
-    if not 0 <= prefetch_blocks <= MAX_PREFETCH:
-        raise ValueError(f"{NODE_TITLE}: prefetch_blocks must be 0..{MAX_PREFETCH}, got {prefetch_blocks}")
-    if not (math.isfinite(vram_budget_gb) and vram_budget_gb >= 0):
-        raise ValueError(f"{NODE_TITLE}: vram_budget_gb must be 0 (what ComfyUI reports free) or more, got "
-                         f"{vram_budget_gb}")
-    detected = detect_for_node(NODE_TITLE, model)
-    blocks = detected.build_stack(model.model.diffusion_model).blocks
-    check_for_this_machine(model, len(blocks), blocks_to_offload, prefetch_blocks, vram_budget_gb)
+                         f"{inputs['blocks_to_offload']}")
+    budget = inputs["vram_budget_gb"]
+    if not (math.isfinite(budget) and budget >= 0):
+        raise ValueError(f"{NODE_TITLE}: vram_budget_gb must be 0 (what ComfyUI reports free) or more, got {budget}")
     try:
-        return OffloadConfig(blocks_to_offload=None if blocks_to_offload == AUTO else blocks_to_offload,
-                             prefetch_blocks=prefetch_blocks, pin_memory=PIN_OPTIONS[pin_memory],
-                             vram_budget_bytes=int(vram_budget_gb * 1024 ** 3) if vram_budget_gb > 0 else None,
-                             model_label=detected.variant, block_count=len(blocks))
+        config = OffloadConfig(**{field: value_of(inputs[name]) for name, (field, value_of) in CONFIG_FIELDS.items()})
     except ValueError as e:
         raise named(NODE_TITLE, e) from None
+    detected = detect_for_node(NODE_TITLE, model)
+    check_for_this_machine(model, len(detected.build_stack(model.model.diffusion_model).blocks), config)
+    return config
 
 
-def check_for_this_machine(model, block_count: int, blocks_to_offload: int, prefetch_blocks: int,
-                           vram_budget_gb: float) -> None:
+def check_for_this_machine(model, block_count: int, config: OffloadConfig) -> None:
     """ValueError naming the node, the input and the fix for a value that cannot work with this MODEL on this machine
     (checked when the node runs, before anything is moved): more blocks to copy ahead than the model has, a load device
     that does not exist, a VRAM budget beyond the device's memory. Where there is nothing to offload to, the
     run changes nothing and says why, so only the block counts are checked."""
     ahead = max(block_count - 1, 1)  # blocks that can be copied ahead of the one computing (the default 1 always)
+    prefetch_blocks = config.prefetch_blocks
     if prefetch_blocks > ahead:
         raise ValueError(f"{NODE_TITLE}: prefetch_blocks is {prefetch_blocks} but this model has {block_count} "
                          f"blocks, so at most {ahead} can be copied ahead of the one computing: set prefetch_blocks "
@@ -95,13 +106,14 @@ def check_for_this_machine(model, block_count: int, blocks_to_offload: int, pref
         raise ValueError(f"{NODE_TITLE}: the MODEL input runs on {load}, which this machine does not have (CUDA "
                          f"devices: {there}): load the model on a device that exists")
     target = offload_target(model)
-    if target is None or vram_budget_gb <= 0:
+    budget = config.vram_budget_bytes
+    if target is None or budget is None:
         return
     total = int(comfy.model_management.get_total_memory(target))
-    if vram_budget_gb * 1024 ** 3 > total:
-        raise ValueError(f"{NODE_TITLE}: vram_budget_gb is {vram_budget_gb:g} but {target} has {gib(total)} in all: "
-                         f"set at most {math.floor(total / 1024 ** 3 * 10) / 10:g}, or 0 for the VRAM ComfyUI reports "
-                         f"free")
+    if budget > total:
+        raise ValueError(f"{NODE_TITLE}: vram_budget_gb is {budget / 1024 ** 3:g} but {target} has {gib(total)} in "
+                         f"all: set at most {math.floor(total / 1024 ** 3 * 10) / 10:g}, or 0 for the VRAM ComfyUI "
+                         f"reports free")
 
 
 def _unmovable(name: str, tensor: torch.Tensor) -> bool:
@@ -114,8 +126,8 @@ def _unmovable(name: str, tensor: torch.Tensor) -> bool:
 class OffloadSession(FeatureSession):
     """One sampling run of CPU Offload on one MODEL. Everything ``after_load`` does, ``close`` undoes."""
 
-    def __init__(self, patcher, feature: AppliedFeature):
-        super().__init__(patcher, feature)
+    def __init__(self, patcher, feature: AppliedFeature, detected: families.DetectedModel):
+        super().__init__(patcher, feature, detected)
         self.config: OffloadConfig = feature.config  # the node's own object: the run reads it unchanged
         self.notes: list[str] = []
         self.status: str | None = None
@@ -173,7 +185,7 @@ class OffloadSession(FeatureSession):
             raise
 
     def _place(self, patcher, target: torch.device) -> None:
-        blocks = list(families.detect(patcher).build_stack(patcher.model.diffusion_model).blocks)
+        blocks = list(self.detected.build_stack(patcher.model.diffusion_model).blocks)
         footprints = [BlockFootprint.of(block, target) for block in blocks]
         available = self._available_for_blocks(patcher, target, footprints)
         self.plan = plan = plan_offload(footprints, self.config.blocks_to_offload, self.config.prefetch_blocks,
@@ -244,20 +256,20 @@ class OffloadSession(FeatureSession):
         """JSON-safe: the offload run's ``OffloadStats.summary()`` (zeros when nothing was offloaded) plus what
         the run decided and saw: ``active``, ``status``, block counts, promoted and freed bytes, computed and skipped
         calls and the bytes moved during skipped calls (0 by design), the bytes moved and the copy wait when the
-        blocks were placed (before the first call), the device's weight bytes during the run, ``unchanged_reason`` (why nothing was
-        offloaded, else None), ``steps`` (``StepTotals``: per sampler step its calls, skipped calls, bytes moved and
-        copy wait; under ComfyUI's dynamic VRAM also the bytes not resident at each computed call), ``comfy_unpinned_bytes``
-        (offloaded weights ComfyUI had page-locked, unpinned for the run), ``host_streaming`` (under ComfyUI's dynamic
-        VRAM: the model's weight bytes and those ComfyUI held resident at the first and last call; else None) and
-        ``notes`` (the library's and the run's)."""
+        blocks were placed (before the first call), the device's weight bytes during the run, ``unchanged_reason``
+        (why nothing was offloaded, else None), ``steps`` (``StepTotals``: per sampler step its calls, skipped calls,
+        bytes moved and copy wait; under ComfyUI's dynamic VRAM also the bytes not resident at each computed call),
+        ``comfy_unpinned_bytes`` (offloaded weights ComfyUI had page-locked, unpinned for the run),
+        ``host_streaming`` (under ComfyUI's dynamic VRAM: the model's weight bytes and those ComfyUI held resident at
+        the first and last call; else None) and ``notes`` (the library's and the run's)."""
         stats = self.run.stats if self.run is not None else self._idle_stats()
         summary = stats.summary()
         plan = self.plan
         summary.update({
-            "model": self.config.model_label,
+            "model": self.detected.variant,
             "status": self.status,
             "active": self.run is not None or self.promoted_bytes > 0,
-            "blocks_total": self.config.block_count,
+            "blocks_total": len(self.detected.build_stack(self.patcher.model.diffusion_model).blocks),
             "blocks_offloaded": len(plan.offloaded) if plan else 0,
             "blocks_promoted": len(plan.promoted) if plan else 0,
             "blocks_partly_streamed": len(plan.partly_streamed) if plan else 0,
@@ -286,7 +298,7 @@ class OffloadSession(FeatureSession):
 
     def log_line(self) -> str:
         node = f"node #{self.feature.node_id}, " if self.feature.node_id else ""
-        head = f"{NODE_TITLE} ({node}{self.config.model_label}, {self.status or 'running'})"
+        head = f"{NODE_TITLE} ({node}{self.detected.variant}, {self.status or 'running'})"
         if self.run is None and not self.promoted_bytes:
             return f"{head}: " + ("; ".join(self.notes) or "nothing offloaded")
         parts = [self.run.stats.log_line() if self.run is not None else "no block offloaded"]
@@ -307,7 +319,8 @@ class OffloadSession(FeatureSession):
                     "so CPU Offload leaves them to it and changes nothing; a step a cache skips runs no block, so "
                     "ComfyUI loads none of their weights")
         if target is None:
-            fix = ("it frees VRAM where ComfyUI runs the model on a GPU" if torch.device(patcher.load_device).type == "cpu"
+            on_cpu = torch.device(patcher.load_device).type == "cpu"
+            fix = ("it frees VRAM where ComfyUI runs the model on a GPU" if on_cpu
                    else "start ComfyUI without --highvram / --gpu-only to let it offload blocks")
             return f"nothing to offload to: {no_target_reason(patcher)}, so CPU Offload changes nothing; {fix}"
         if getattr(patcher, "hook_patches", None) or getattr(patcher, "forced_hooks", None) is not None:
@@ -315,7 +328,8 @@ class OffloadSession(FeatureSession):
                     "middle of sampling; CPU Offload does not move weights ComfyUI may patch during the run, so it "
                     "changes nothing")
         if self.config.blocks_to_offload == 0:
-            return "blocks_to_offload is 0: nothing offloaded; set it to -1 (auto) or to the number of blocks to keep in RAM"
+            return ("blocks_to_offload is 0: nothing offloaded; set it to -1 (auto) or to the number of blocks to keep "
+                    "in RAM")
         return None
 
     def _available_for_blocks(self, patcher, target: torch.device, footprints: list[BlockFootprint]) -> int:
@@ -390,7 +404,7 @@ class OffloadSession(FeatureSession):
 
     def _idle_stats(self) -> OffloadStats:
         device = str(self.target if self.target is not None else self.patcher.load_device)
-        return OffloadStats(device=device, blocks=0, prefetch_blocks=self.config.prefetch_blocks, slots=0,
+        return OffloadStats(device=device, blocks=0, config=self.config, slots=0,
                             slot_bytes=0, device_bytes=0, offloaded_bytes=0, pinned_bytes=0, pinned_blocks=0,
                             kept_resident_bytes=0, uses_streams=False)
 
@@ -438,16 +452,16 @@ class CPUOffload(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         inputs = [
             model_input(" Combine with Apply TeaCache or Apply MagCache in either order."),
-            io.Int.Input("blocks_to_offload", default=AUTO, min=AUTO, max=MAX_BLOCKS,
+            io.Int.Input("blocks_to_offload", default=AUTO, min=AUTO, max=MAX_BLOCKS,  # AUTO: the config's None
                          tooltip="How many transformer blocks to stream from system RAM during sampling (the last "
                          "ones of the stack). -1 = auto: as few as needed so that the other blocks, whole, plus the "
                          "streaming slots fit in the VRAM ComfyUI reports free after loading, less its estimate of "
                          "this run's activations (or vram_budget_gb). 0 = none. More than the model has = all."),
-            io.Int.Input("prefetch_blocks", default=1, min=0, max=MAX_PREFETCH,
+            io.Int.Input("prefetch_blocks", default=config_default("prefetch_blocks"), min=0, max=MAX_PREFETCH,
                          tooltip="How many blocks to copy ahead while a block computes. The GPU holds 1 + this many "
                          "offloaded blocks at once. 1 hides the copies when a block computes longer than it copies "
-                         "(video models); raise it for short blocks, 0 copies each block when it runs. At most the model's "
-                         "blocks less one."),
+                         "(video models); raise it for short blocks, 0 copies each block when it runs. At most the "
+                         "model's blocks less one."),
             io.Combo.Input("pin_memory", options=list(PIN_OPTIONS), default="auto",
                            tooltip="Page-lock the system-RAM copies of the offloaded blocks so they copy at full "
                            "speed and in the background. auto = on with CUDA, up to half the machine's RAM; off "
@@ -474,7 +488,8 @@ class CPUOffload(io.ComfyNode):
     @classmethod
     def execute(cls, model, blocks_to_offload: int, prefetch_blocks: int, pin_memory: str,
                 vram_budget_gb: float) -> io.NodeOutput:
-        config = config_for(model, blocks_to_offload, prefetch_blocks, pin_memory, vram_budget_gb)
+        config = config_for(model, blocks_to_offload=blocks_to_offload, prefetch_blocks=prefetch_blocks,
+                            pin_memory=pin_memory, vram_budget_gb=vram_budget_gb)
         feature = AppliedFeature(kind=KIND, category=Category.OFFLOAD, node_title=NODE_TITLE,
                                  node_id=cls.hidden.unique_id, config=config)
         return io.NodeOutput(attach_feature(model, feature))

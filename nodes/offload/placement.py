@@ -106,7 +106,8 @@ def plan_offload(footprints: Sequence[BlockFootprint], requested: int | None, pr
         else:
             notes.append(f"auto: {gib(available)} available for the blocks; offloading the last {count} of {total} "
                          f"keeps {total - count} resident ({gib(kept_whole(count))}) plus "
-                         f"{min(count, 1 + prefetch_blocks)} slots ({gib(slots_bytes(footprints, count, prefetch_blocks))})")
+                         f"{min(count, 1 + prefetch_blocks)} slots "
+                         f"({gib(slots_bytes(footprints, count, prefetch_blocks))})")
     else:
         count = min(requested, total)
         if requested > total:

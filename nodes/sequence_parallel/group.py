@@ -84,7 +84,8 @@ def remote_worker_command(settings: GroupSettings, port: int, comfyui: str = "<C
     """The command that starts this group's remote ranks on one other machine (all of them there; with several
     machines, each starts its share with its own ``--first-rank``). They rejoin rank 0's later groups by themselves."""
     first = len(settings.devices)
-    return (f"torchrun --nproc-per-node {settings.remote_ranks} <ComfyUI-OmniHooks folder>/nodes/sequence_parallel/worker.py "
+    return (f"torchrun --nproc-per-node {settings.remote_ranks} "
+            "<ComfyUI-OmniHooks folder>/nodes/sequence_parallel/worker.py "
             f"--join {settings.host}:{port} --first-rank {first} --world-size {settings.world_size} "
             f"--comfyui {comfyui}")
 

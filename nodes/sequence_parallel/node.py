@@ -7,16 +7,17 @@ ComfyUI computes with them when the model or its patches changed (after ComfyUI'
 them), applies the family's sequence plan to the diffusion model, and per model call sends the call, with the run's
 other features, to every worker (a header they check before any collective; ``protocol``), installs the attention
 exchange in ComfyUI's attention-override seam and gives caches the group's ``RankView``. The workers mirror the run
-(``rank``, with the same ``shard`` session): the same caches and offload, so every rank decides alike. Every rank runs the model's own forward on its shard (with
-``cfg_parallel``, on its half's part of the batch); the output is gathered, so rank 0 returns the whole output to the
-sampler. A call that breaks mid-way closes the group (``explain_failure``); the next run starts a fresh one.
+(``rank``, with the same ``shard`` session): the same caches and offload, so every rank decides alike. Every rank runs
+the model's own forward on its shard (with ``cfg_parallel``, on its half's part of the batch); the output is gathered,
+so rank 0 returns the whole output to the sampler. A call that breaks mid-way closes the group (``explain_failure``);
+the next run starts a fresh one.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,14 @@ from comfy_api.latest import io
 from ...omni_hooks.sequence_parallel import SequenceParallelConfig
 from ...omni_hooks.sequence_parallel.batch import call_batch
 from . import group as sp_group
-from ..families import FAMILIES, ModelFamily, detect
+from ..families import FAMILIES, DetectedModel, ModelFamily, detect
+from ..call_context import RUN_KEY
 from ..features import (CATEGORY, FEATURES_KEY, AppliedFeature, Category, FeatureSpec, attach_feature, display_name,
                         register_feature)
 from ..stats_store import FeatureReport, StepTotals
 from .shard import ATTENTION_OVERRIDE, KIND, ShardSession
 from .plain import PlainDataError
-from .protocol import (OPTIONS_SLOT, CommandRefused, SequenceParallelError, check_sendable, is_collective_failure,
+from .protocol import (OPTIONS_SLOT, CommandRefused, check_sendable, is_collective_failure,
                        tensor_signature)
 
 log = logging.getLogger("OmniHooks")
@@ -41,19 +43,15 @@ NODE_ID = "OmniHooks.SequenceParallel"
 NODE_TITLE = "Sequence Parallel"
 AUTO = "auto"
 # options rank 0 keeps to itself: its own wrappers and callbacks (they run around the call on rank 0) and our run
-LOCAL_ONLY_OPTIONS = ("wrappers", "callbacks", "omni_hooks.run", "omni_hooks.features")
+LOCAL_ONLY_OPTIONS = ("wrappers", "callbacks", RUN_KEY, FEATURES_KEY)
+#: the node's inputs that set a field of the config's group settings (``group.GroupSettings``) under another name
+GROUP_FIELDS = {"master_address": "host", "master_port": "port"}
 
 
-@dataclass(frozen=True)
-class SequenceParallelRequest:
-    """What the node's inputs ask for, before the model's head count resolves 'auto' (``resolve_degrees`` makes the
-    one ``SequenceParallelConfig`` of it): the group it runs on (changing it starts another group) and how each call
-    is split (changing that only builds another mesh in the same group)."""
-
-    group: sp_group.GroupSettings
-    ulysses_degree: int | None  # None: auto
-    ring_degree: int | None
-    cfg_parallel: bool = False
+def group_default(input_name: str):
+    """The default of the ``GroupSettings`` field ``input_name`` sets: where the node's schema takes it from."""
+    field = GROUP_FIELDS[input_name]
+    return next(f.default for f in dataclasses.fields(sp_group.GroupSettings) if f.name == field)
 
 
 def supported_families() -> str:
@@ -87,7 +85,8 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def resolve_devices(value: str, world_size: int, master_address: str = "127.0.0.1") -> tuple[str, ...]:
+def resolve_devices(value: str, world_size: int,
+                    master_address: str = group_default("master_address")) -> tuple[str, ...]:
     """The local ranks' devices: "auto" = the visible GPUs (at most ``world_size``), else ``world_size`` CPU ranks;
     or a comma-separated list ("cuda:0,cuda:1"), each entry a device of this machine. Ranks beyond the list are
     remote, which only a ``master_address`` other than loopback allows. ValueError naming the input and the fix."""
@@ -124,19 +123,22 @@ def resolve_devices(value: str, world_size: int, master_address: str = "127.0.0.
     return devices
 
 
-def resolve_degrees(request: SequenceParallelRequest, heads: int | None) -> SequenceParallelConfig:
-    """'auto': Ulysses when the head count divides the world size's, else ring attention. With ``cfg_parallel`` the
-    degrees share half the world (two cfg halves). ``heads`` None: not known (explicit degrees are not checked
-    against it). ValueError naming the input and the fix."""
-    world = request.group.world_size
-    cfg = 2 if request.cfg_parallel else 1
+def resolve_degrees(group: sp_group.GroupSettings, ulysses_degree: int | None, ring_degree: int | None,
+                    cfg_parallel: bool, heads: int | None) -> SequenceParallelConfig:
+    """The node's one frozen config: the ranks' ``group`` (changing it starts another group) and the degrees each
+    call is split by (changing them only builds another mesh in the same group). A degree None is 'auto': Ulysses
+    when the head count divides the world size's, else ring attention. With ``cfg_parallel`` the degrees share half
+    the world (two cfg halves). ``heads`` None: not known (explicit degrees are not checked against it). ValueError
+    naming the input and the fix."""
+    world = group.world_size
+    cfg = 2 if cfg_parallel else 1
     if world % cfg:
         raise ValueError(f"{NODE_TITLE}: cfg_parallel splits the ranks into two halves, so it needs an even "
                          f"world_size, got {world}; set world_size to {world + 1} or {world - 1}, or turn cfg_parallel "
                          "off")
     world //= cfg
     what = "world_size / 2 (cfg_parallel)" if cfg > 1 else "world_size"
-    u, r = request.ulysses_degree, request.ring_degree
+    u, r = ulysses_degree, ring_degree
     for name, degree in (("ulysses_degree", u), ("ring_degree", r)):
         if degree is not None and world % degree:
             raise ValueError(f"{NODE_TITLE}: {name} {degree} does not divide {what} {world}; set it to a divisor of "
@@ -153,7 +155,7 @@ def resolve_degrees(request: SequenceParallelRequest, heads: int | None) -> Sequ
     if u * r != world:
         raise ValueError(f"{NODE_TITLE}: ulysses_degree {u} x ring_degree {r} must equal {what} {world}; set one of "
                          "them to 'auto'")
-    config = SequenceParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg, group=request.group)
+    config = SequenceParallelConfig(ulysses_degree=u, ring_degree=r, cfg_degree=cfg, group=group)
     if heads is not None:
         check_heads(config, heads)
     return config
@@ -167,13 +169,19 @@ def check_heads(config: SequenceParallelConfig, heads: int) -> None:
                          f"{config.ulysses_degree} does not divide; set ulysses_degree to a divisor or 'auto'")
 
 
-def config_for(model, request: SequenceParallelRequest) -> SequenceParallelConfig:
-    """The node's one frozen config for ``model`` (its head count resolves 'auto'); ValueError naming the input."""
+def config_for(model, group: sp_group.GroupSettings, ulysses_degree: int | None, ring_degree: int | None,
+               cfg_parallel: bool = False) -> SequenceParallelConfig:
+    """``resolve_degrees`` for ``model`` (its head count resolves 'auto'); ValueError naming the node, and the input
+    or the model's family when it has no sequence plan."""
+    family = detect(model).family
+    if family.sequence_plan is None:
+        raise ValueError(f"{NODE_TITLE}: {family.display_name} is not supported yet{_refusal(family)}; "
+                         f"supported: {supported_families()}")
     try:
-        heads = _heads(model.model.diffusion_model, detect(model).model_family)
+        heads = _heads(model.model.diffusion_model, family)
     except ValueError:
         heads = None  # 'auto' degrees say so; explicit ones are checked against the model at the run
-    return resolve_degrees(request, heads)
+    return resolve_degrees(group, ulysses_degree, ring_degree, cfg_parallel, heads)
 
 
 def _heads(dm: torch.nn.Module, family: ModelFamily) -> int:
@@ -197,16 +205,16 @@ def _comfyui_root() -> Path:
 
 
 class SequenceParallelSession(ShardSession):
-    """One sampling run on rank 0. After ComfyUI's load (before offload places the weights: ``LOAD_ORDER``) it gets
-    the group and sends the weights if they changed; per call it sends the call, with the run's other features (the
-    workers run the same caches and offload) and the run's id, then installs the attention exchange."""
+    """Sequence Parallel's part of one sampling run on rank 0. After ComfyUI's load (before offload places the
+    weights: ``LOAD_ORDER``) it gets the group and sends the weights if they changed; per call it sends the call, with
+    the run's other features (the workers run the same caches and offload) and the run's id, then installs the
+    attention exchange."""
 
-    def __init__(self, patcher, feature: AppliedFeature):
-        super().__init__(patcher, feature)
+    def __init__(self, patcher, feature: AppliedFeature, detected: DetectedModel):
+        super().__init__(patcher, feature, detected)
         self.config: SequenceParallelConfig = feature.config  # the node's own object: the run reads it unchanged
-        self.family = detect(patcher).model_family
         self.group: sp_group.SequenceParallelGroup | None = None
-        self.degrees: tuple[int, int, int] | None = None  # (ulysses, ring, cfg)
+        self.sharded = False  # the model was split (the run's card then says how)
         self.run_id = uuid.uuid4().hex
         self.calls = 0
         self.steps = StepTotals()  # per sampler step on this rank: calls, seconds, bytes sent, skipped calls
@@ -220,33 +228,35 @@ class SequenceParallelSession(ShardSession):
 
     def _join(self, patcher) -> None:
         """The group of this run's config, holding the model's current weights."""
-        if self.family.sequence_plan is None:
-            raise ValueError(f"{self.feature.describe()}: {self.family.display_name} has no sequence plan yet"
-                             f"{_refusal(self.family)}; supported: {supported_families()}")
+        if self.detected.family.sequence_plan is None:
+            raise ValueError(f"{self.feature.describe()}: {self.detected.family.display_name} has no sequence plan yet"
+                             f"{_refusal(self.detected.family)}; supported: {supported_families()}")
         if self.group is None:
             self.group = sp_group.current_group(self.config.group, _comfyui_root())
             self.interface = str(self.group.interface)  # the card names where the ranks exchange
-        self.group.sync_weights(patcher, self.family.name)
+        self.group.sync_weights(patcher, self.detected.family.name)
 
     def install(self, diffusion_model: torch.nn.Module) -> None:
         self._join(self.patcher)
         config = self.config
-        check_heads(config, _heads(diffusion_model, self.family))
-        self.install_shard(diffusion_model, self.family, config, self.group.mesh(config))
-        self.degrees = (config.ulysses_degree, config.ring_degree, config.cfg_degree)
+        check_heads(config, _heads(diffusion_model, self.detected.family))
+        self.install_shard(diffusion_model, self.detected.family, config, self.group.mesh(config))
+        self.sharded = True
 
     def before_call(self, args: tuple, kwargs: dict, transformer_options: dict) -> None:
         if ATTENTION_OVERRIDE in transformer_options:
             raise ValueError(f"{self.feature.describe()}: another node already overrides attention on this model "
                              f"({transformer_options[ATTENTION_OVERRIDE]!r}); remove it or Sequence Parallel")
         sent = {k: v for k, v in transformer_options.items() if k not in LOCAL_ONLY_OPTIONS}
-        self.group.sync_weights(self.patcher, self.family.name)
+        self.group.sync_weights(self.patcher, self.detected.family.name)
         slot = lambda v: OPTIONS_SLOT if v is transformer_options else v  # noqa: E731
         call_args = tuple(slot(a) for a in args)
         call_kwargs = {k: slot(v) for k, v in kwargs.items()}
         # the run's features open the workers' run at its first call; later calls need not carry them
         features = tuple(transformer_options.get(FEATURES_KEY, ())) if self.calls == 0 else None
-        header = {"signature": tensor_signature((call_args, call_kwargs)), "degrees": self.degrees,
+        config = self.config
+        header = {"signature": tensor_signature((call_args, call_kwargs)),
+                  "degrees": (config.ulysses_degree, config.ring_degree, config.cfg_degree),
                   "weights": self.group.serial_of_weights, "run": self.run_id}
         try:
             answers = self.group.send_command("call", header, (call_args, call_kwargs, sent, features))
@@ -260,9 +270,10 @@ class SequenceParallelSession(ShardSession):
 
     def begin_call(self, context) -> None:
         super().begin_call(context)
-        if self.degrees is not None and self.degrees[2] > 1 and self.run.batch_part()[1] == 1:
+        cfg = self.config.cfg_degree
+        if self.sharded and cfg > 1 and self.run.batch_part()[1] == 1:
             batch = self.run.whole_call and call_batch(*self.run.whole_call)
-            self.calls_unsplit.append(f"a batch of {batch} does not split into cfg_degree {self.degrees[2]} equal "
+            self.calls_unsplit.append(f"a batch of {batch} does not split into cfg_degree {cfg} equal "
                                       "parts: the call ran on every rank with the sequence split only")
         self._call_start = (time.perf_counter(), self.run.stats.bytes_sent)
 
@@ -312,11 +323,12 @@ class SequenceParallelSession(ShardSession):
                 sp_group.close_group()
 
     def summary(self) -> dict[str, Any] | None:
-        if self.degrees is None:
+        if not self.sharded:
             return None
-        ulysses, ring, cfg = self.degrees
-        group = self.config.group
-        return {"world_size": group.world_size, "ulysses_degree": ulysses, "ring_degree": ring, "cfg_degree": cfg,
+        config = self.config
+        group = config.group
+        return {"world_size": group.world_size, "ulysses_degree": config.ulysses_degree,
+                "ring_degree": config.ring_degree, "cfg_degree": config.cfg_degree,
                 "backend": group.backend, "local_devices": list(group.devices), "interface": self.interface,
                 "calls": self.calls, "bytes_sent": self.run.stats.bytes_sent if self.run else 0,
                 **self._activity()}
@@ -372,10 +384,10 @@ class SequenceParallel(io.ComfyNode):
                                 "and join with the worker command (README)."),
                 io.Combo.Input("backend", options=[AUTO, "nccl", "gloo"], default=AUTO,
                                tooltip="torch.distributed backend. 'auto': NCCL on CUDA, gloo on CPU."),
-                io.String.Input("master_address", default="127.0.0.1",
+                io.String.Input("master_address", default=group_default("master_address"),
                                 tooltip="Where rank 0 listens. Keep 127.0.0.1 unless remote ranks join; only this "
                                 "address is used."),
-                io.Int.Input("master_port", default=0, min=0, max=65535,
+                io.Int.Input("master_port", default=group_default("master_port"), min=0, max=65535,
                              tooltip="Rank 0's port; 0 picks a free one (local ranks only)."),
                 io.Boolean.Input("cfg_parallel", default=False,
                                  tooltip="With cfg > 1: half the ranks compute the cond batch, the other half the "
@@ -390,28 +402,23 @@ class SequenceParallel(io.ComfyNode):
     @classmethod
     def execute(cls, model, world_size, ulysses_degree, ring_degree, devices, backend, master_address,
                 master_port, cfg_parallel=False) -> io.NodeOutput:
-        family = detect(model).model_family
-        if family.sequence_plan is None:
-            raise ValueError(f"{NODE_TITLE}: {family.display_name} is not supported yet{_refusal(family)}; "
-                             f"supported: {supported_families()}")
         local = resolve_devices(devices, world_size, master_address)
         if backend == AUTO:
             backend = "nccl" if local[0].startswith("cuda") else "gloo"
         if backend == "nccl" and any(not d.startswith("cuda") for d in local):
+            cpus = ", ".join(d for d in local if not d.startswith("cuda"))
             raise ValueError(f"{NODE_TITLE}: backend nccl needs a GPU for every rank, but devices {devices!r} has "
-                             f"{', '.join(d for d in local if not d.startswith('cuda'))}; set backend to gloo or 'auto', "
-                             "or list GPUs only")
+                             f"{cpus}; set backend to gloo or 'auto', or list GPUs only")
         if world_size > len(local) and master_port == 0:
             raise ValueError(f"{NODE_TITLE}: {world_size - len(local)} rank(s) are remote: set master_port so they "
                              "know where to join")
         sp_group.check_platform(backend)
-        request = SequenceParallelRequest(
-            sp_group.GroupSettings(world_size, backend, local, master_address, master_port),
+        config = config_for(  # every degree the model or the world cannot take, before any rank starts
+            model, sp_group.GroupSettings(world_size, backend, local, master_address, master_port),
             ulysses_degree=None if ulysses_degree == AUTO else int(ulysses_degree),
             ring_degree=None if ring_degree == AUTO else int(ring_degree), cfg_parallel=bool(cfg_parallel))
-        config = config_for(model, request)  # every degree the model or the world cannot take, before any rank starts
         feature = AppliedFeature(KIND, Category.SEQUENCE_PARALLEL, NODE_TITLE, cls.hidden.unique_id, config)
         return io.NodeOutput(attach_feature(model, feature))
 
 
-__all__ = ["SequenceParallel", "SequenceParallelRequest", "SequenceParallelSession", "config_for"]
+__all__ = ["SequenceParallel", "SequenceParallelSession", "config_for"]

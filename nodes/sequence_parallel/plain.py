@@ -4,7 +4,8 @@
 place among the raw bytes that follow, its dtype and shape); ``from_plain`` rebuilds it. What travels: None, bool,
 int, float, str, bytes, lists, tuples, dicts (any of these as keys), tensors, ``torch.dtype``, ``torch.device``,
 ``uuid.UUID``, and this pack's own dataclasses and enums (a feature's config) as their class's name inside the pack
-and their fields. A receiver rebuilds only dataclasses and enums of this pack's own modules; anything else is a ``PlainDataError`` naming it. Nothing here unpickles.
+and their fields. A receiver rebuilds only dataclasses and enums of this pack's own modules; anything else is a
+``PlainDataError`` naming it. Nothing here unpickles.
 """
 from __future__ import annotations
 
@@ -139,7 +140,8 @@ def from_plain(data: Any, tensor: Callable[[dict], torch.Tensor]) -> Any:
         if tag == "tuple":
             return tuple(from_plain(v, tensor) for v in _list(data["items"]))
         if tag == "dict":
-            return {_key(from_plain(k, tensor)): from_plain(v, tensor) for k, v in (_pair(i) for i in _list(data["items"]))}
+            pairs = (_pair(i) for i in _list(data["items"]))
+            return {_key(from_plain(k, tensor)): from_plain(v, tensor) for k, v in pairs}
         if tag == "bytes":
             return bytes.fromhex(data["hex"])
         if tag == "dtype":

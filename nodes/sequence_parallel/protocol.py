@@ -125,8 +125,8 @@ class CommandRefused(SequenceParallelError):
 class Command:
     """One message from rank 0. ``op``: "mesh", "load", "call" or "exit"; ``serial``: its number (1, 2, ...);
     ``header``: what every worker checks before any collective; ``payload``: the op's data (plain data, ``plain``;
-    its tensors as raw bytes). ``broadcast``: on a worker, the payload's tensors too large for the command, in the order rank 0
-    broadcasts them once every worker accepted it (``encode``)."""
+    its tensors as raw bytes). ``broadcast``: on a worker, the payload's tensors too large for the command, in the
+    order rank 0 broadcasts them once every worker accepted it (``encode``)."""
 
     op: str
     serial: int
@@ -412,7 +412,8 @@ def broadcast_tensors(tensors: list[torch.Tensor], device: torch.device | None =
     ``device``: where the backend exchanges (None: CPU for gloo, the current CUDA device for NCCL); a tensor held
     elsewhere is staged through it."""
     if device is None:
-        device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        device = (torch.device("cpu") if dist.get_backend() == "gloo"
+                  else torch.device("cuda", torch.cuda.current_device()))
     with torch.no_grad():
         for tensor in tensors:
             data = tensor.data

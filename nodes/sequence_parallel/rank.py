@@ -17,7 +17,7 @@ import torch
 
 from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequenceParallelMesh
 from ..caches import magcache, teacache  # noqa: F401  (they register the features a run's command may carry)
-from ..families import family_named
+from ..families import DetectedModel, detect, family_named
 from ..offload import node as offload_node  # noqa: F401  (registers CPU Offload's feature)
 from ..features import AppliedFeature, SamplingRun, run_call
 from .shard import KIND, ShardSession
@@ -35,7 +35,7 @@ class WorkerRank:
         self.meshes: dict[tuple[int, int, int], SequenceParallelMesh] = {}  # (ulysses, ring, cfg)
         self.weights_serial: int | None = None
         self.degrees: tuple[int, int, int] | None = None  # of the call being run
-        self.sampling: SamplingRun | None = None
+        self.sampling_run: SamplingRun | None = None
         self.run_id: str | None = None
 
     def prepare(self, command: Command) -> None:
@@ -72,7 +72,7 @@ class WorkerRank:
             kwargs = {k: options if _is_options_slot(v) else v for k, v in kwargs.items()}
             dm = self.patcher.model.diffusion_model
             with torch.inference_mode():
-                run_call(self.sampling, dm, dm.forward, args, kwargs, options)
+                run_call(self.sampling_run, dm, dm.forward, args, kwargs, options)
         elif command.op == "end":
             if command.header["run"] == self.run_id:
                 self.end_run(command.header["status"])
@@ -80,16 +80,17 @@ class WorkerRank:
     def _open_run(self, run_id: str, applied: tuple[AppliedFeature, ...]) -> None:
         self.end_run("success")
         comfy.model_management.load_models_gpu([self.patcher])
-        run = SamplingRun(patcher=self.patcher)
-        self.sampling, self.run_id = run, run_id
-        run.open(applied, factories={KIND: lambda patcher, feature: WorkerShardSession(self, patcher, feature)})
-        run.after_load(self.patcher, None)
+        sampling_run = SamplingRun(patcher=self.patcher, detected=detect(self.patcher))
+        self.sampling_run, self.run_id = sampling_run, run_id
+        sampling_run.open(applied, factories={KIND: lambda patcher, feature, detected: WorkerShardSession(
+            self, patcher, feature, detected)})
+        sampling_run.after_load(self.patcher, None)
 
     def end_run(self, status: str) -> None:
         """Close the current run's sessions (hooks removed, offload restored)."""
-        run, self.sampling, self.run_id = self.sampling, None, None
-        if run is not None:
-            run.close(status)
+        sampling_run, self.sampling_run, self.run_id = self.sampling_run, None, None
+        if sampling_run is not None:
+            sampling_run.close(status)
 
     def _build(self, command: Command) -> None:
         payload = command.payload
@@ -120,8 +121,8 @@ class WorkerShardSession(ShardSession):
     """A worker's side of the Sequence Parallel feature in a run: installed with the degrees and mesh of the call
     rank 0 sent."""
 
-    def __init__(self, worker: WorkerRank, patcher, feature: AppliedFeature):
-        super().__init__(patcher, feature)
+    def __init__(self, worker: WorkerRank, patcher, feature: AppliedFeature, detected: DetectedModel):
+        super().__init__(patcher, feature, detected)
         self.worker = worker
 
     def install(self, diffusion_model: torch.nn.Module) -> None:

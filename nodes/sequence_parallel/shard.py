@@ -21,11 +21,11 @@ OPTIONS_NAME = "transformer_options"
 
 
 class ShardSession(FeatureSession):
-    """One run of the Sequence Parallel feature on one rank. A subclass's ``install`` calls ``install_shard`` with
-    the call's degrees and mesh."""
+    """The Sequence Parallel feature's part of one sampling run on one rank. A subclass's ``install`` calls
+    ``install_shard`` with the call's degrees and mesh."""
 
-    def __init__(self, patcher, feature):
-        super().__init__(patcher, feature)
+    def __init__(self, patcher, feature, detected):
+        super().__init__(patcher, feature, detected)
         self.run = None
         self.plan = None
         self.installed_on: torch.nn.Module | None = None

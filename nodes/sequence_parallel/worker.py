@@ -12,7 +12,8 @@ starts ranks R..R+K-1 (rank R + torchrun's RANK, so ``--nnodes`` works too) on c
 torchrun's own rendezvous (its MASTER_ADDR, RANK, WORLD_SIZE) only places these processes; ComfyUI's group is the one
 at ``--join``. One rank without torchrun::
 
-    python <pack>/nodes/sequence_parallel/worker.py --join <ComfyUI host>:<port> --rank R --world-size N --comfyui <ComfyUI folder>
+    python <pack>/nodes/sequence_parallel/worker.py --join <ComfyUI host>:<port> --rank R --world-size N --comfyui
+    <ComfyUI folder>
 
 Every rank proves it holds the group's secret (README, 'Sequence Parallel on several machines'): a rank started by
 hand reads it from ``OMNIHOOKS_SP_SECRET`` or the file ``OMNIHOOKS_SP_SECRET_FILE`` names (readable by its owner only),
@@ -106,7 +107,8 @@ class _Parent:
         except ValueError:
             self.secret = b""
         if len(self.secret) < 16:
-            raise SystemExit("Sequence Parallel worker: --secret-from-parent, but stdin did not hold the group's secret")
+            raise SystemExit("Sequence Parallel worker: --secret-from-parent, but stdin did not hold the group's "
+                             "secret")
         self.gone = threading.Event()
         threading.Thread(target=self._watch, name="omnihooks-sp-parent", daemon=True).start()
 

@@ -9,7 +9,7 @@ from .interp import MagRatioTable
 
 MISSING_RATIOS = ("MagCache needs mag_ratios (the per-step magnitude ratios of this model's residual). Run once with "
                   "calibrate=True, take the recorded ratios from get_calibration_result(), and pass them as "
-                  "mag_ratios; or use a strategy that carries published ratios.")
+                  "mag_ratios.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +32,7 @@ class MagCacheConfig(StackCacheConfig):
     """
 
     threshold: float = 0.06
-    max_skip_steps: int = 3
+    max_skip_steps: int = 2
     retention_ratio: float = 0.2
     mag_ratios: Sequence[float] | Mapping[str, Sequence[float]] | None = None
     interleaved: bool = False

@@ -1,15 +1,11 @@
 """MagCache: the decision policy on top of the shared block-stack cache mechanics (``omni_hooks.stack_cache``).
 
-After vllm-omni ``vllm_omni/diffusion/cache/magcache/hook.py`` and diffusers ``hooks/mag_cache.py``
-(MagCache paper, Ma et al. 2025), on the model's own blocks (``BlockStack``):
-  * ``MagCacheHeadHook`` (on the first block, "mag_cache_leader_block_hook") decides per branch and, on a skip,
-    passes the block's inputs through; the residual is added exactly once, to the tail module's input (never at
-    every block: vllm-omni #5560 added it at each of Flux's 57 blocks);
-  * ``MagCacheBlockHook`` (on every other block, "mag_cache_block_hook") passes its inputs through on a skip;
-  * the tail hook stores each computed call's residual and, while calibrating, records the magnitude ratio, its
-    spread and the cosine distance to the previous residual, per branch.
-Every call advances the branch's step, whether it was computed or skipped, and a single-block stack is no exception
-(the step is taken at the head, not at a tail block that a skip bypasses).
+After vllm-omni ``vllm_omni/diffusion/cache/magcache/hook.py`` and diffusers ``hooks/mag_cache.py`` (MagCache paper,
+Ma et al. 2025), on the model's own blocks (``BlockStack``): the shared head hook decides per branch, a skip passes
+every block through and adds the cached residual once, at the tail; the tail stores each computed call's residual
+and, while calibrating, records the magnitude ratio, its spread and the cosine distance to the previous residual, per
+branch. Every call advances the branch's step, computed or skipped (the step is taken at the head, so a
+single-block stack is no exception).
 
 Decision per branch at step t of N (its own curve, nearest-interpolated to N): outside the start/end window or
 before the retention step ``int(retention_ratio * N + 0.5)`` compute (accumulators restart); else
@@ -17,30 +13,20 @@ before the retention step ``int(retention_ratio * N + 0.5)`` compute (accumulato
 ``err <= threshold`` and ``steps <= K`` (and a residual of the same shape is cached). The call is skipped only if
 every branch may reuse; a computed call restarts every branch's accumulators. Under the "auto" forecast the
 accumulated error is not weighed by the forecast's record (``ErrorPerMetric``), as TeaCache's change is: the
-per-step curve already tells where the residual moves, and weighing it lowered quality at the same number of
-evaluations on both benchmark models (docs/benchmarks.md).
+per-step curve already tells where the residual moves (docs/benchmarks.md).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
 from ..blockstack import BlockStack
 from ..context import CallContext
-from ..stack_cache import (
-    ActiveCall,
-    Decision,
-    StackBlockHook,
-    StackCacheRun,
-    StackHeadHook,
-    StackTailHook,
-)
-from ..stats import CacheRunStats
+from ..stack_cache import ActiveCall, Decision, StackCacheRun
+from ..stats import CALIBRATE, MAX_SKIPS, RETENTION, REUSE, THRESHOLD, WINDOW, CacheRunStats
 from .config import MagCacheConfig
 from .state import MagCacheState
-from .strategy import MagCacheStrategy, get_strategy
 
 log = logging.getLogger("omni_hooks")
 
@@ -64,65 +50,17 @@ def residual_change(current: torch.Tensor, previous: torch.Tensor) -> tuple[floa
     return float(values[0]), float(values[1]), float(values[2])
 
 
-class MagCacheHeadHook(StackHeadHook):
-    """MagCache's head-block hook: decides per branch, then runs the block or passes its inputs through.
-
-    With ``implicit_calls`` (standalone use, no host bracketing calls) a forward of the head block outside a call
-    opens one for the run's current context; the tail closes it.
-    """
-
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        run: MagCacheRun = self.run
-        if run.implicit_calls:
-            call = run._call
-            if call is not None and call.implicit:
-                run.end_call()  # an implicit call whose tail never ran (the forward raised): close it
-                call = None
-            if call is None:
-                branch = run.context or "default"
-                run.begin_call(CallContext(branches=[branch], labels=[branch]))
-                run._call.implicit = True
-        return super().new_forward(module, *args, **kwargs)
-
-
-class MagCacheBlockHook(StackBlockHook):
-    """MagCache's hook on every other block: passes its inputs through on a skipped call (never adds a residual)."""
-
-
-class MagCacheTailHook(StackTailHook):
-    """Stores or adds the residual (shared mechanics); closes an implicit call."""
-
-    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        args, kwargs = super().pre_forward(module, *args, **kwargs)
-        call = self.run._call
-        if call is not None and call.implicit and self.last:
-            self.run.end_call()
-        return args, kwargs
-
-
 class MagCacheRun(StackCacheRun):
-    """MagCache's hooks on one model for one sampling run (``begin_call``/``end_call``/``remove``)."""
+    """MagCache's hooks on one model for one sampling run: the host brackets each model call with
+    ``begin_call(CallContext)`` / ``end_call()``; ``remove()`` takes the hooks off."""
 
     hook_names = HOOK_NAMES
-    head_hook_cls = MagCacheHeadHook
-    block_hook_cls = MagCacheBlockHook
-    tail_hook_cls = MagCacheTailHook
 
-    def __init__(self, config: MagCacheConfig, stack: BlockStack, stats: CacheRunStats | None = None,
-                 implicit_calls: bool = False):
-        super().__init__(stack, MagCacheState, config, stats or CacheRunStats(
-            kind="magcache", model=config.model_label, threshold=config.threshold, notes=list(config.notes)))
+    def __init__(self, config: MagCacheConfig, stack: BlockStack, stats: CacheRunStats | None = None):
+        super().__init__(stack, MagCacheState, config, stats or CacheRunStats("magcache", config))
         self.config: MagCacheConfig = config
-        self.implicit_calls = implicit_calls
-        self.context: str | None = None
         # calibration lists of branches whose generation ended (fallback counting), by branch label
         self._emitted: dict[str, dict[str, list[float]]] = {}
-
-    # -- standalone use ---------------------------------------------------------------------------------------------
-
-    def set_context(self, name: str | None) -> None:
-        """The branch implicit calls belong to (diffusers' ``cache_context("cond")``); None = "default"."""
-        self.context = name
 
     # -- step position ----------------------------------------------------------------------------------------------
 
@@ -166,16 +104,16 @@ class MagCacheRun(StackCacheRun):
             st.step_index = step
             if cfg.calibrate:
                 call.head_measures[key] = st.previous_residual  # the tail compares the new residual with it
-                decisions.append(Decision("calibrate"))
+                decisions.append(Decision(CALIBRATE))
                 continue
             n = total or step + 1
             if not cfg.in_window(step, n):
                 st.reset_accumulators()
-                decisions.append(Decision("window"))
+                decisions.append(Decision(WINDOW))
                 continue
             if step < int(cfg.retention_ratio * n + 0.5):
                 st.reset_accumulators()
-                decisions.append(Decision("retention"))
+                decisions.append(Decision(RETENTION))
                 continue
             ratios = cfg.ratio_table.for_branch(label, n)
             gamma = ratios[step] if step < len(ratios) else 1.0
@@ -183,11 +121,11 @@ class MagCacheRun(StackCacheRun):
             st.accumulated_steps += 1
             st.accumulated_err += abs(1.0 - st.accumulated_ratio)
             if cfg.threshold <= 0 or st.accumulated_err > cfg.threshold:
-                reason = "threshold"
+                reason = THRESHOLD
             elif st.accumulated_steps > cfg.max_skip_steps:
-                reason = "max-skips"
+                reason = MAX_SKIPS
             else:
-                reason = "reuse"
+                reason = REUSE
             decisions.append(Decision(reason, st.accumulated_err))
         return decisions
 
@@ -245,21 +183,11 @@ class MagCacheRun(StackCacheRun):
         super().remove()
 
 
-def apply_mag_cache_hook(module: torch.nn.Module, config: MagCacheConfig, strategy: MagCacheStrategy | None = None,
-                         stats: CacheRunStats | None = None, implicit_calls: bool = True) -> MagCacheRun:
-    """Install MagCache on ``module``'s block stack and return the run that drives it.
+def apply_mag_cache_hook(stack: BlockStack, config: MagCacheConfig,
+                         stats: CacheRunStats | None = None) -> MagCacheRun:
+    """Install MagCache on a block stack and return the run that drives it (``begin_call``/``end_call``/``remove``).
 
-    ``strategy`` says how ``module`` maps to a ``BlockStack``; None looks it up by the module's class in the strategy
-    registry (ValueError listing the registered ones). With ``implicit_calls`` every forward of the module is one
-    call of the current context (``run.set_context``); a host that knows branches and steps calls
-    ``run.begin_call(CallContext(...))`` / ``run.end_call()`` around each model call instead. Installing on a module
-    that already has a cache's forward override raises RuntimeError and changes nothing.
-    """
-    if strategy is None:
-        strategy = get_strategy(module)
-    stack = strategy.build_stack(module)
-    run = MagCacheRun(config, stack, stats or CacheRunStats(kind="magcache", model=strategy.name,
-                                                            threshold=config.threshold),
-                      implicit_calls=implicit_calls)
+    RuntimeError, changing nothing, when a block already has another hook that overrides its forward (a cache)."""
+    run = MagCacheRun(config, stack, stats)
     run.install()
     return run

@@ -12,7 +12,7 @@ KeepResidentFn = Callable[[str, torch.Tensor], bool]
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """How ``apply_layerwise_offload`` places a block stack.
+    """How block-level offload places a block stack (``LayerwiseOffloadRun``), and how many blocks it takes.
 
     * ``prefetch_blocks`` (P >= 0): while block i computes, the next P blocks (in list order, wrapping around to the
       head of the stack for the next call) are copied ahead into device slots. The device holds ``1 + P`` block slots,
@@ -26,12 +26,13 @@ class OffloadConfig:
     * ``offload_buffers``: offload the blocks' buffers too (False: buffers are left where they are).
     * ``measure_waits``: on a device with streams, time how long the computation waits for copies (CUDA timing events,
       read without blocking); without streams every copy is synchronous and timed on the host.
-    * ``blocks_to_offload`` / ``vram_budget_bytes`` / ``model_label`` / ``block_count``: what a host's planner reads
-      to choose the blocks it hands to ``apply_layerwise_offload`` (None: as many as the free memory needs; None: the
-      memory the host reports free) and what its statistics call the model; the run itself does not read them.
+    * ``blocks_to_offload`` (None: as many as the device's memory needs) and ``vram_budget_bytes`` (None: the memory
+      the host reports free): the caller's planner reads them to choose the blocks it gives the run (the last
+      ``blocks_to_offload`` of the stack; in this pack ``nodes/offload/placement.py``).
 
-    Frozen: built once by the caller and read unchanged by the run (``LayerwiseOffloadRun.config``). What tensors
-    stay in place (``keep_resident``) is a function of the caller's, passed to the run beside the config.
+    Frozen: built once by the caller and read unchanged by the run (``LayerwiseOffloadRun.config``) and its planner.
+    What tensors stay in place (``keep_resident``) is a function of the caller's, passed to the run beside the
+    config. Raises ValueError naming the field for a value no run can use.
     """
 
     prefetch_blocks: int = 1
@@ -41,17 +42,18 @@ class OffloadConfig:
     measure_waits: bool = True
     blocks_to_offload: int | None = None
     vram_budget_bytes: int | None = None
-    model_label: str = ""
-    block_count: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.prefetch_blocks, bool) or not isinstance(self.prefetch_blocks, int) \
-                or self.prefetch_blocks < 0:
-            raise ValueError(f"apply_layerwise_offload: prefetch_blocks must be an integer >= 0, "
-                             f"got {self.prefetch_blocks!r}")
+        for name in ("prefetch_blocks", "blocks_to_offload"):
+            value = getattr(self, name)
+            if value is None and name == "blocks_to_offload":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                auto = " or None (auto)" if name == "blocks_to_offload" else ""
+                raise ValueError(f"{name} must be an integer >= 0{auto}, got {value!r}")
         if self.pin_memory not in (None, True, False):
-            raise ValueError(f"apply_layerwise_offload: pin_memory must be None (auto), True or False, "
-                             f"got {self.pin_memory!r}")
-        if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 0:
-            raise ValueError(f"apply_layerwise_offload: pinned_budget_bytes must be >= 0 or None (auto), "
-                             f"got {self.pinned_budget_bytes!r}")
+            raise ValueError(f"pin_memory must be None (auto), True or False, got {self.pin_memory!r}")
+        for name in ("pinned_budget_bytes", "vram_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 or None (auto), got {value!r}")

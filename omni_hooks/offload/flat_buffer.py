@@ -201,7 +201,7 @@ def unpackable_reason(tensor: torch.Tensor) -> str | None:
 def _check_packable(tensor: torch.Tensor, name: str, where: str) -> None:
     problem = unpackable_reason(tensor)
     if problem:
-        raise ValueError(f"apply_layerwise_offload: {where} tensor {name!r} {problem}, which cannot be offloaded as "
+        raise ValueError(f"block offload: {where} tensor {name!r} {problem}, which cannot be offloaded as "
                          "plain bytes; leave it in place with keep_resident")
 
 

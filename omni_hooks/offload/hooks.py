@@ -66,7 +66,7 @@ class LayerwiseOffloadHook(ModelHook):
 
 
 class LayerwiseOffloadRun:
-    """Block-level offload of one block stack; created by ``apply_layerwise_offload``.
+    """Block-level offload of one block stack (``apply_layerwise_offload`` makes and applies one).
 
     While applied, a block's offloaded tensors are views into a device slot or 0-element placeholders; every other
     tensor of the model is left where it is (the caller puts non-block modules and ``keep_resident`` tensors on the
@@ -80,8 +80,7 @@ class LayerwiseOffloadRun:
         self.config = config  # the caller's frozen config, read unchanged
         self.device = _resolve_device(device)
         self.layouts = _layouts(self.blocks, keep_resident, config.offload_buffers)
-        self.prefetch_blocks = config.prefetch_blocks
-        slot_count = min(len(self.blocks), 1 + self.prefetch_blocks)
+        slot_count = min(len(self.blocks), 1 + config.prefetch_blocks)
         slot_bytes = max(layout.nbytes for layout in self.layouts)
         pin, budget, notes = _pinning_policy(self.device, config)
         sizes = [pinned_size(layout.nbytes) for layout in self.layouts]
@@ -90,7 +89,7 @@ class LayerwiseOffloadRun:
             notes.append(f"{self._pin_plan.count(False)} of {len(self.blocks)} blocks stay pageable (pinned-memory "
                          f"budget {budget} bytes)")
         self._stats = OffloadStats(
-            device=str(self.device), blocks=len(self.blocks), prefetch_blocks=self.prefetch_blocks,
+            device=str(self.device), blocks=len(self.blocks), config=config,
             slots=slot_count, slot_bytes=slot_bytes, device_bytes=slot_count * slot_bytes,
             offloaded_bytes=sum(layout.nbytes for layout in self.layouts), pinned_bytes=0, pinned_blocks=0,
             kept_resident_bytes=sum(layout.kept_bytes for layout in self.layouts),
@@ -120,7 +119,7 @@ class LayerwiseOffloadRun:
         """Pack every block into its master copy, release it from wherever it was, register the hooks and load the
         stack's head. On any error everything done so far is undone and the error propagates."""
         if self._applied:
-            raise RuntimeError("apply_layerwise_offload: this run is already applied")
+            raise RuntimeError("LayerwiseOffloadRun: this run is already applied")
         self._applied = True
         try:
             for index, (layout, pin) in enumerate(zip(self.layouts, self._pin_plan)):
@@ -268,7 +267,7 @@ class LayerwiseOffloadRun:
         """The blocks prefetched while ``index`` computes: the next P in list order, wrapping around."""
         count = len(self.blocks)
         ahead = []
-        for step in range(1, self.prefetch_blocks + 1):
+        for step in range(1, self.config.prefetch_blocks + 1):
             nxt = (index + step) % count
             if nxt == index or nxt in ahead:
                 break
@@ -277,7 +276,7 @@ class LayerwiseOffloadRun:
 
     def _load_head(self) -> None:
         """Make the head blocks (0 .. max(P, 1) - 1) bound, copying those that are not on the device."""
-        head = list(range(min(max(self.prefetch_blocks, 1), len(self.blocks))))
+        head = list(range(min(max(self.config.prefetch_blocks, 1), len(self.blocks))))
         for index in head:
             if self._slot_of[index] is None:
                 self._load(index, protect=set(head))
@@ -343,7 +342,7 @@ def _resolve_device(device: torch.device | str) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"apply_layerwise_offload: device {device} was asked for, but CUDA is not available")
+            raise ValueError(f"block offload: device {device} was asked for, but CUDA is not available")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -352,21 +351,21 @@ def _resolve_device(device: torch.device | str) -> torch.device:
 def _layouts(blocks: list[torch.nn.Module], keep_resident: KeepResidentFn | None,
              offload_buffers: bool) -> list[BlockLayout]:
     if not blocks:
-        raise ValueError("apply_layerwise_offload: needs at least one block")
+        raise ValueError("block offload: needs at least one block")
     if len({id(b) for b in blocks}) != len(blocks):
-        raise ValueError("apply_layerwise_offload: a block appears twice in the block list")
+        raise ValueError("block offload: a block appears twice in the block list")
     owner: dict[int, int] = {}
     layouts = []
     for index, block in enumerate(blocks):
         where = f"block {index} ({type(block).__name__})"
         registry = block.__dict__.get(REGISTRY_ATTR)
         if registry is not None and registry.get_hook(HOOK_NAME) is not None:
-            raise ValueError(f"apply_layerwise_offload: {where} is already offloaded; remove the other run first")
+            raise ValueError(f"block offload: {where} is already offloaded; remove the other run first")
         layout = BlockLayout.of(block, keep_resident, offload_buffers, where)
         for packed in layout.tensors:
             first = owner.setdefault(id(packed.tensor), index)
             if first != index:
-                raise ValueError(f"apply_layerwise_offload: {where} tensor {packed.name!r} is shared with block "
+                raise ValueError(f"block offload: {where} tensor {packed.name!r} is shared with block "
                                  f"{first}; shared tensors cannot be offloaded per block (keep_resident them)")
         layouts.append(layout)
     return layouts
@@ -379,7 +378,7 @@ def _pinning_policy(device: torch.device, config: OffloadConfig) -> tuple[bool, 
         return False, 0, notes
     if device.type != "cuda":
         if config.pin_memory:
-            raise ValueError(f"apply_layerwise_offload: pin_memory=True needs a CUDA device, got {device}")
+            raise ValueError(f"block offload: pin_memory=True needs a CUDA device, got {device}")
         return False, 0, notes
     budget = config.pinned_budget_bytes
     if budget is None:

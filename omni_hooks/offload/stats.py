@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import OffloadConfig
+
 GIB = 1024 ** 3
 
 
@@ -11,8 +13,8 @@ GIB = 1024 ** 3
 class OffloadStats:
     """Counters of one ``LayerwiseOffloadRun``, updated as blocks run.
 
-    Placement (fixed when the run is applied):
-      ``blocks``, ``prefetch_blocks``, ``slots`` (= min(blocks, 1 + prefetch_blocks)), ``slot_bytes`` (one slot,
+    ``config`` is the run's config, read as it is (``prefetch_blocks``). Placement (fixed when the run is applied):
+      ``blocks``, ``slots`` (= min(blocks, 1 + prefetch_blocks)), ``slot_bytes`` (one slot,
       sized for the largest block), ``device_bytes`` (all slots: what the blocks hold on the device),
       ``offloaded_bytes`` (the CPU master copies), ``pinned_bytes`` / ``pinned_blocks`` (of those, page-locked),
       ``pin_failures`` (per block whose page-locking failed: its index, the error, whether its memory was
@@ -31,7 +33,7 @@ class OffloadStats:
 
     device: str
     blocks: int
-    prefetch_blocks: int
+    config: OffloadConfig
     slots: int
     slot_bytes: int
     device_bytes: int
@@ -51,6 +53,10 @@ class OffloadStats:
     pin_failures: list[tuple[int, str, bool]] = field(default_factory=list)
     locked_host_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def prefetch_blocks(self) -> int:
+        return self.config.prefetch_blocks
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -1,10 +1,8 @@
 """TeaCache: skip the block stack while the modulated input has changed little since the last computed step."""
 from ..context import CallContext
-from .config import TeaCacheConfig
+from .config import RECOMMENDED, TeaCacheConfig
 from .hook import (
     ModulatedInput,
-    TeaCacheBlockHook,
-    TeaCacheHook,
     TeaCacheRun,
     apply_teacache_hook,
     fit_coefficients,
@@ -13,11 +11,10 @@ from .hook import (
 from .state import TeaCacheState
 
 __all__ = [
+    "RECOMMENDED",
     "CallContext",
     "ModulatedInput",
-    "TeaCacheBlockHook",
     "TeaCacheConfig",
-    "TeaCacheHook",
     "TeaCacheRun",
     "TeaCacheState",
     "apply_teacache_hook",

@@ -1,9 +1,12 @@
 """TeaCache configuration."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..cache_config import StackCacheConfig
+
+RECOMMENDED = -1.0  # a ``threshold`` that means: the coefficients' ``recommended_threshold``
 
 
 @dataclass(frozen=True)
@@ -13,21 +16,28 @@ class TeaCacheConfig(StackCacheConfig):
     ``coefficients`` map the relative L1 change of the modulated input to an estimate of the relative change of the
     transformer output: ``f(x) = c0*x^4 + c1*x^3 + c2*x^2 + c3*x + c4`` (highest degree first, numpy.poly1d order).
     ``|f(rel)|`` is accumulated per branch; while the sum stays below ``threshold`` (the node's ``rel_l1_thresh``)
-    the block stack is skipped. ``threshold == 0`` is allowed and means "never skip" (unlike vllm-omni, which rejects
-    it): that is the setting that proves the hooks change nothing.
+    the block stack is skipped. ``threshold == 0`` means "never skip": the setting that proves the hooks change
+    nothing. ``threshold == RECOMMENDED`` (-1, the default) becomes ``recommended_threshold``, the one published (or
+    calibrated) with the coefficients.
     Steps ``< ret_steps`` and, with ``force_last_step``, the last step are always computed, and so is every step
     outside the start/end window. ``signal`` names which modulated input the coefficients were fitted on (the
     caller's extractor picks it; "default" for most models). ``calibrate`` computes every step and records (input
     change, output change) pairs for fitting coefficients.
     """
 
-    threshold: float = 0.2
+    threshold: float = RECOMMENDED
     coefficients: tuple[float, ...] = (0.0, 0.0, 0.0, 1.0, 0.0)
     ret_steps: int = 1
     force_last_step: bool = True
     signal: str = "default"
+    recommended_threshold: float = 0.2
 
     def __post_init__(self) -> None:
+        if self.threshold == RECOMMENDED:
+            object.__setattr__(self, "threshold", self.recommended_threshold)
+        elif not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold) and self.threshold >= 0):
+            raise ValueError(f"threshold must be {RECOMMENDED:g} (recommended) or a finite number >= 0, got "
+                             f"{self.threshold}")
         super().__post_init__()
         object.__setattr__(self, "coefficients", tuple(float(c) for c in self.coefficients))
         if len(self.coefficients) != 5:

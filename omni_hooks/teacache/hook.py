@@ -1,8 +1,7 @@
 """TeaCache: the decision policy on top of the shared block-stack cache mechanics (``omni_hooks.stack_cache``).
 
-After vllm-omni ``vllm_omni/diffusion/cache/teacache/hook.py`` (algorithm: TeaCache paper, Liu et al. 2024) with one
-structural change: instead of re-implementing each model's forward in an extractor, the hooks sit on the model's own
-blocks (``BlockStack``), so the model's forward runs unchanged and only the modulated input is model-specific.
+The algorithm is the TeaCache paper's (Liu et al. 2024). The hooks sit on the model's own blocks (``BlockStack``), so
+the model's forward runs unchanged; only the modulated input it measures is model-specific (``ModulatedInput``).
 
 Decision per branch: the relative L1 change of the modulated input since the previous call of that branch is mapped
 through the rescale polynomial and accumulated; while the sum stays below ``threshold`` the branch may reuse. Under
@@ -20,8 +19,8 @@ import torch
 from ..blockstack import BlockStack
 from ..context import CallContext
 from ..forecast import ALTERNATING_COHERENCE
-from ..stack_cache import ActiveCall, Decision, StackBlockHook, StackCacheRun, StackHeadHook
-from ..stats import CacheRunStats
+from ..stack_cache import ActiveCall, Decision, StackCacheRun
+from ..stats import CALIBRATE, FIRST, FORCED, MEASURE, REUSE, SHAPE, THRESHOLD, WINDOW, CacheRunStats
 from .config import TeaCacheConfig
 from .state import TeaCacheState
 
@@ -48,27 +47,17 @@ def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     return (current - previous).abs().mean() / (previous.abs().mean() + 1e-8)
 
 
-class TeaCacheHook(StackHeadHook):
-    """TeaCache's head-block hook (registered as "teacache"): measures, decides, runs or skips the block."""
-
-
-class TeaCacheBlockHook(StackBlockHook):
-    """TeaCache's hook on every other block: passes inputs through on a skipped call."""
-
-
 class TeaCacheRun(StackCacheRun):
-    """TeaCache's hooks on one model for one sampling run (``begin_call``/``end_call``/``remove``)."""
+    """TeaCache's hooks on one model for one sampling run: the host brackets each model call with
+    ``begin_call(CallContext)`` / ``end_call()``; ``remove()`` takes the hooks off."""
 
     hook_names = HOOK_NAMES
-    head_hook_cls = TeaCacheHook
-    block_hook_cls = TeaCacheBlockHook
     weighs_metric_by_forecast = True
     coherence_floor = ALTERNATING_COHERENCE  # its change metric does not choose skips by reuse's error
 
     def __init__(self, config: TeaCacheConfig, stack: BlockStack, modulated_input: ModulatedInput,
                  stats: CacheRunStats | None = None):
-        super().__init__(stack, TeaCacheState, config, stats or CacheRunStats(
-            kind="teacache", model=config.model_label, threshold=config.threshold, notes=list(config.notes)),
+        super().__init__(stack, TeaCacheState, config, stats or CacheRunStats("teacache", config),
                          capture_module=modulated_input.capture)
         self.config: TeaCacheConfig = config
         self.modulated_input = modulated_input
@@ -83,9 +72,9 @@ class TeaCacheRun(StackCacheRun):
             return None
         cfg = self.config
         if info.step < cfg.ret_steps or (cfg.force_last_step and info.step >= info.total_steps - 1):
-            return "forced"
+            return FORCED
         if not cfg.in_window(info.step, info.total_steps):
-            return "window"
+            return WINDOW
         return None
 
     def decide_branches(self, call: ActiveCall, head: torch.nn.Module, args: tuple, kwargs: dict,
@@ -104,17 +93,17 @@ class TeaCacheRun(StackCacheRun):
             signals.append(m)
             prev = st.previous_modulated_input
             if cfg.calibrate:
-                reasons.append("calibrate")
+                reasons.append(CALIBRATE)
                 if prev is not None and prev.shape == m.shape:
                     measured[i] = relative_l1(m, prev)
             elif st.cnt == 0 or prev is None:
-                reasons.append("first")
+                reasons.append(FIRST)
             elif prev.shape != m.shape or st.residual_input_shape != hidden[i * size:(i + 1) * size].shape:
-                reasons.append("shape")
+                reasons.append(SHAPE)
             elif forced:
                 reasons.append(forced)
             else:
-                reasons.append("measure")
+                reasons.append(MEASURE)
                 measured[i] = relative_l1(m, prev)
         rels = self.measured_floats(call, measured)  # one host sync (and, under SP, the mean over ranks)
         metrics: list[float | None] = [None] * len(states)
@@ -128,8 +117,8 @@ class TeaCacheRun(StackCacheRun):
             states[i].unweighted_metric = states[i].accumulated_rel_l1_distance
             weight = self.metric_weight(states[i])
             metrics[i] = states[i].accumulated_rel_l1_distance * weight
-            reasons[i] = "reuse" if metrics[i] < cfg.threshold else "threshold"
-            if reasons[i] == "threshold" and states[i].unweighted_metric < cfg.threshold:
+            reasons[i] = REUSE if metrics[i] < cfg.threshold else THRESHOLD
+            if reasons[i] == THRESHOLD and states[i].unweighted_metric < cfg.threshold:
                 self.stats.computed_sooner(weight)
         for st, m in zip(states, signals):
             st.previous_modulated_input = m.detach()

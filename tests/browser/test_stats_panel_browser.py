@@ -78,7 +78,8 @@ def page(browser, comfy_server):
 
 def open_comfy(page, url: str) -> None:
     page.goto(url)
-    page.wait_for_function("() => window.app && window.app.graph && window.comfyAPI && window.comfyAPI.api", timeout=60000)
+    page.wait_for_function("() => window.app && window.app.graph && window.comfyAPI && window.comfyAPI.api",
+                           timeout=60000)
     page.wait_for_function(
         "() => window.app.extensionManager && window.app.extensions.some(e => e.name === 'OmniHooks.CacheStats')",
         timeout=60000)
@@ -140,7 +141,8 @@ def route_run(comfy, prompt_id: str) -> dict:
 
 
 def wait_for_run(page, run_id: str, timeout: float = 30000) -> None:
-    page.wait_for_selector(f".omni-run-view[data-run='{run_id}'] .omni-status:not(.omni-status-running)", timeout=timeout)
+    page.wait_for_selector(f".omni-run-view[data-run='{run_id}'] .omni-status:not(.omni-status-running)",
+                           timeout=timeout)
 
 
 def set_sidebar_width(page, width: int) -> int:
@@ -156,7 +158,8 @@ def set_sidebar_width(page, width: int) -> int:
     page.wait_for_function("""(w) => {
         const panel = document.querySelector('.omni-hooks-panel'), plot = document.querySelector('.omni-plot');
         return Math.abs(panel.getBoundingClientRect().width - w) < 2 && (!plot
-            || Math.abs(plot.getBoundingClientRect().width - (document.querySelector('.omni-body').clientWidth - 16)) < 2);
+            || Math.abs(plot.getBoundingClientRect().width
+                        - (document.querySelector('.omni-body').clientWidth - 16)) < 2);
     }""", arg=width, timeout=5000)
     return width
 
@@ -235,8 +238,10 @@ def test_a_live_run_step_by_step_then_every_number_and_reason_and_after_reload(p
     when = view.locator(".omni-meta-when").inner_text()
     assert re.match(r"threshold 1 · \d\d:\d\d:\d\d, \d+(\.\d+)? s success$", when), when
     # headline numbers, as the route has them
-    assert view.locator(".omni-stat-reused .omni-stat-value").inner_text() == f"{summary['reused']}/{summary['evaluations']}"
-    assert view.locator(".omni-stat-speedup .omni-stat-value").inner_text() == speedup_text(summary["estimated_speedup"])
+    reused = view.locator(".omni-stat-reused .omni-stat-value").inner_text()
+    assert reused == f"{summary['reused']}/{summary['evaluations']}"
+    speedup = view.locator(".omni-stat-speedup .omni-stat-value").inner_text()
+    assert speedup == speedup_text(summary["estimated_speedup"])
     assert view.locator(".omni-stat-saved .omni-stat-value").inner_text().startswith("~")
     assert "each reused evaluation counted at the mean computed one" in view.locator(".omni-basis").inner_text()
     # per step: one lane per distinct strip, each cell coloured by its reason, a legend for exactly those reasons
@@ -259,7 +264,8 @@ def test_a_live_run_step_by_step_then_every_number_and_reason_and_after_reload(p
     assert plot.locator(".omni-threshold").count() == 1
     assert view.locator(".omni-threshold-label").inner_text() == "threshold 1"
     assert plot.locator(".omni-threshold-value").text_content() == "1"  # on the y axis, where the line starts
-    assert plot.locator(".omni-y-tick").count() >= 3 and plot.locator(".omni-x-tick").all_text_contents()[-1] == str(STEPS)
+    assert plot.locator(".omni-y-tick").count() >= 3
+    assert plot.locator(".omni-x-tick").all_text_contents()[-1] == str(STEPS)
     # recent runs: time and workflow
     item = page.locator(f".omni-run[data-run='{run['run_id']}']")
     assert re.search(r"cache stats demo · teacache · \d\d:\d\d:\d\d", item.inner_text())
@@ -275,7 +281,8 @@ def test_a_live_run_step_by_step_then_every_number_and_reason_and_after_reload(p
     wait_for_run(page, run["run_id"])
     page.wait_for_selector(f".omni-run-view[data-run='{run['run_id']}'] .omni-strip", timeout=10000)
     view = page.locator(f".omni-run-view[data-run='{run['run_id']}']")
-    assert view.locator(".omni-stat-reused .omni-stat-value").inner_text() == f"{summary['reused']}/{summary['evaluations']}"
+    reused = view.locator(".omni-stat-reused .omni-stat-value").inner_text()
+    assert reused == f"{summary['reused']}/{summary['evaluations']}"
     assert view.locator(".omni-cell").count() == sum(len(r) for r in lanes.values())
 
 
@@ -289,8 +296,9 @@ def test_the_panel_fits_narrow_and_wide_sidebars(page, comfy):
             const body = document.querySelector('.omni-body'), b = body.getBoundingClientRect();
             const inside = (sel) => [...document.querySelectorAll(sel)].every(e => {
                 const r = e.getBoundingClientRect(); return r.left >= b.left - 0.5 && r.right <= b.right + 0.5; });
-            return {overflowX: body.scrollWidth - body.clientWidth, plot: inside('.omni-plot'), strips: inside('.omni-strip'),
-                    labels: inside('.omni-plot text'), panel: document.querySelector('.omni-hooks-panel').getBoundingClientRect().width};
+            return {overflowX: body.scrollWidth - body.clientWidth, plot: inside('.omni-plot'),
+                    strips: inside('.omni-strip'), labels: inside('.omni-plot text'),
+                    panel: document.querySelector('.omni-hooks-panel').getBoundingClientRect().width};
         }""")
         assert geometry["overflowX"] <= 0 and geometry["plot"] and geometry["strips"] and geometry["labels"], geometry
         screenshot(page, f"stats_panel_width_{width}.png")
@@ -303,7 +311,12 @@ def test_badges_are_keyed_by_workflow_and_node_and_say_running_while_running(pag
     page.evaluate("""() => {
         window.__omniBadges = [];
         const node = window.app.graph.getNodeById(10);
-        const read = () => { for (const b of node.badges) { const x = typeof b === 'function' ? b() : b; if (x.text) window.__omniBadges.push(x.text); } };
+        const read = () => {
+            for (const b of node.badges) {
+                const x = typeof b === 'function' ? b() : b;
+                if (x.text) window.__omniBadges.push(x.text);
+            }
+        };
         window.__omniBadgeTimer = setInterval(read, 20);
     }""")
     prompt_id = queue_in_page(page)
@@ -333,7 +346,8 @@ def test_recent_runs_open_their_run_and_select_its_node(page, comfy):
     page.evaluate("() => window.app.canvas.deselectAll?.()")
     # the second workflow is on the canvas: clicking its run selects its node
     page.locator(f".omni-run[data-run='{second['run_id']}']").click()
-    page.wait_for_function(f"() => Object.keys(window.app.canvas.selected_nodes || {{}}).map(String).includes('{APPLY_ID}')", timeout=5000)
+    page.wait_for_function(
+        f"() => Object.keys(window.app.canvas.selected_nodes || {{}}).map(String).includes('{APPLY_ID}')", timeout=5000)
     # an older run of another workflow: shown, named, and "show latest" goes back
     older = page.locator(f".omni-run[data-run='{first['run_id']}']")
     assert "first workflow" in older.inner_text()
@@ -413,7 +427,8 @@ def assert_card_fits_and_follows_the_theme(page, kind: str, name: str) -> None:
                     const r = e.getBoundingClientRect(); return r.left >= b.left - 0.5 && r.right <= b.right + 0.5; });
                 const css = (v) => getComputedStyle(document.documentElement).getPropertyValue(v).trim();
                 const probe = document.createElement('div'); document.body.append(probe);
-                probe.style.color = css('--p-text-color'); const expected = getComputedStyle(probe).color; probe.remove();
+                probe.style.color = css('--p-text-color');
+                const expected = getComputedStyle(probe).color; probe.remove();
                 return {overflowX: body.scrollWidth - body.clientWidth, inside,
                         text: getComputedStyle(card.querySelector('.omni-card-headline')).color, expected};
             }""", kind)
@@ -427,11 +442,13 @@ def test_a_run_with_cpu_offload_alone_shows_its_card_live_and_after_reload(page,
     """No cache: no reuse numbers, strips or threshold; the offload's card says why it changed nothing (the server
     runs on the CPU, so there is nothing to offload to): no tiles or strip to show, the fields folded away."""
     open_panel(page)
-    _, run = run_in_page(page, comfy, feature_graph([("OmniHooks.CPUOffload", OFFLOAD_INPUTS)], steps=4), "offload only")
+    _, run = run_in_page(page, comfy, feature_graph([("OmniHooks.CPUOffload", OFFLOAD_INPUTS)], steps=4),
+                         "offload only")
     assert run["kind"] == "offload" and run["summary"] is None
     (offload,) = [f["summary"] for f in run["features"]]
     reason = offload["unchanged_reason"]
-    assert reason.startswith("nothing to offload to: ComfyUI runs this model on the CPU") and "changes nothing" in reason
+    assert reason.startswith("nothing to offload to: ComfyUI runs this model on the CPU")
+    assert "changes nothing" in reason
     wait_for_run(page, run["run_id"])
     view = page.locator(f".omni-run-view[data-run='{run['run_id']}']")
     for absent in (".omni-headline", ".omni-strips", ".omni-plot", ".omni-threshold", ".omni-warnings"):
@@ -466,7 +483,8 @@ def test_a_cache_with_cpu_offload_reads_as_one_run(page, comfy):
     view = page.locator(f".omni-run-view[data-run='{run['run_id']}']")
     assert " · teacache + offload · " in f" {view.locator('.omni-meta-what').inner_text()} "
     assert view.locator(".omni-features .omni-section-title").text_content() == "Other features in this run"
-    assert card_of(page, run["run_id"], "offload").locator(".omni-card-headline").inner_text().startswith("nothing to offload to")
+    headline = card_of(page, run["run_id"], "offload").locator(".omni-card-headline").inner_text()
+    assert headline.startswith("nothing to offload to")
     set_sidebar_width(page, 360)
     shot = screenshot(page, "stats_panel_cache_and_offload.png")
     if os.environ.get("OMNIHOOKS_UPDATE_DOCS"):
@@ -487,7 +505,8 @@ def test_a_sequence_parallel_run_shows_its_card_live_and_after_reload(page, comf
     card = card_of(page, run["run_id"], "sequence_parallel")
     headline = card.locator(".omni-card-headline").inner_text()
     devices = f" ({', '.join(sp['local_devices'])})" if sp["local_devices"] else ""
-    assert headline.startswith(f"2 ranks{devices}, ulysses {sp['ulysses_degree']} × ring {sp['ring_degree']}; "), headline
+    degrees = f"ulysses {sp['ulysses_degree']} × ring {sp['ring_degree']}"
+    assert headline.startswith(f"2 ranks{devices}, {degrees}; "), headline
     decided = sum(s["decided"] for s in sp["steps"])
     assert f"every rank agreed on {decided} cache decisions, {run['summary']['reused']} skipped" in headline
     tiles = dict(zip(card.locator(".omni-tile .omni-stat-label").all_inner_texts(),
@@ -531,20 +550,25 @@ def test_a_10000_evaluation_run_is_drawn_binned_with_its_features(page):
 
     store = pack_module("nodes.stats_store")
     stats_mod = pack_module("omni_hooks.stats")
-    stats = stats_mod.CacheRunStats(kind="magcache", model="Wan 2.1 T2V 1.3B", threshold=0.06)
+    config = pack_module("omni_hooks.magcache").MagCacheConfig(mag_ratios=[1.0], model_label="Wan 2.1 T2V 1.3B")
+    stats = stats_mod.CacheRunStats("magcache", config)
     for i in range(10_000):
         reason = "retention" if i < 2000 else ("reuse" if i % 3 else "max-skips" if i % 2 else "threshold")
         computed = reason != "reuse"
         stats.record(stats_mod.EvaluationRecord(step=i, total_steps=10_000, computed=computed, seconds=0.001,
-                     branches=[stats_mod.BranchDecision(b, computed, reason, (i % 7) / 100, 0.06) for b in ("cond", "uncond")]))
+                     branches=[stats_mod.BranchDecision(b, computed, reason, (i % 7) / 100, 0.06)
+                               for b in ("cond", "uncond")]))
     header = {"run_id": "run-long", "prompt_id": "p-long", "node_id": "21", "node_title": "MagCache long",
               "workflow_id": None, "sampler_node_id": "4", "kind": "magcache", "model": stats.model, "threshold": 0.06,
               "started_at": time.time(), "status": "success", "finished_at": time.time() + 60}
-    features = [{"kind": "offload", "node_id": "30", "node_title": "CPU Offload", "summary": {"moved_bytes": 123456789, "prefetch_hits": 0.97}}]
+    features = [{"kind": "offload", "node_id": "30", "node_title": "CPU Offload",
+                 "summary": {"moved_bytes": 123456789, "prefetch_hits": 0.97}}]
     entry = store.bounded_entry(header, stats, {"features": features, "world_size": 2})
     assert entry["detail"] == "timeline"
-    steps = [{**{k: header[k] for k in ("run_id", "prompt_id", "node_id", "node_title", "workflow_id", "kind", "model", "threshold", "started_at")},
-              **stats_mod.json_safe({"step": e.step, "total_steps": 10_000, "computed": e.computed, "seconds": e.seconds,
+    fields = ("run_id", "prompt_id", "node_id", "node_title", "workflow_id", "kind", "model", "threshold", "started_at")
+    steps = [{**{k: header[k] for k in fields},
+              **stats_mod.json_safe({"step": e.step, "total_steps": 10_000, "computed": e.computed,
+                                     "seconds": e.seconds,
                                      "branches": [vars(b) for b in e.branches]})} for e in stats.evaluations]
     open_panel(page)
     elapsed = page.evaluate("""async ([steps, entry]) => {
@@ -630,8 +654,9 @@ def test_an_offloading_runs_card_keeps_its_tiles_and_strip_inside_narrow_and_wid
     from omnitest.pack import pack_module
 
     store = pack_module("nodes.stats_store")
+    config = pack_module("omni_hooks.offload").OffloadConfig(prefetch_blocks=1)
     stats = pack_module("omni_hooks.offload.stats").OffloadStats(
-        device="cuda:0", blocks=24, prefetch_blocks=1, slots=2, slot_bytes=470 << 20, device_bytes=940 << 20,
+        device="cuda:0", blocks=24, config=config, slots=2, slot_bytes=470 << 20, device_bytes=940 << 20,
         offloaded_bytes=24 * (470 << 20), pinned_bytes=24 * (470 << 20), pinned_blocks=24, kept_resident_bytes=0,
         uses_streams=True, block_calls=24 * 18, hits=24 * 18 - 1, sync_loads=1, prefetches=24 * 18 - 1,
         copies=24 * 18, bytes_moved=18 * 24 * (470 << 20), copy_wait_seconds=0.31)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from omnitest.cache_nodes import apply_teacache, save_identity_calibrations
+from omnitest.pack import drift_report
 
 pytestmark = pytest.mark.host
 
@@ -148,9 +149,9 @@ def test_every_familys_model_passes_the_check_on_this_host(env, case_name):
     from omnitest.pack import pack_module
 
     case = env.tiny.build_case(case_name)
-    family = pack_module("nodes.families").detect(case.patcher).model_family
+    family = pack_module("nodes.families").detect(case.patcher).family
     assert family.expects is not None
-    report = env.drift.check_patcher(case.patcher, sequence_parallel=family.sequence_plan is not None)
+    report = drift_report(case.patcher, sequence_parallel=family.sequence_plan is not None)
     assert [f.what for f in report.differences] == [] and [f.what for f in report.undecided] == []
 
 
@@ -160,10 +161,10 @@ def test_a_plan_input_whose_type_changed_is_named(env, monkeypatch):
 
     case = env.tiny.build_case("wan21_t2v")
     rope_table_as_pair(monkeypatch)
-    report = env.drift.check_patcher(case.patcher, sequence_parallel=True)
+    report = drift_report(case.patcher, sequence_parallel=True)
     assert [f.what for f in report.differences] == [
         "'freqs' at 'blocks.*' is a tuple of 2, the plan has one spec for a tensor"]
-    assert env.drift.check_patcher(case.patcher, sequence_parallel=False).differences == []
+    assert drift_report(case.patcher, sequence_parallel=False).differences == []
 
 
 def test_a_block_stack_that_moved_is_named(env):

@@ -37,10 +37,10 @@ def env(user_dir):
         log: list[str] = []
         instances: list["ToySession"] = []
 
-        def __init__(self, patcher, feature):
+        def __init__(self, patcher, feature, detected):
             if feature.config.fail_in_factory:
                 raise RuntimeError("toy factory failed")
-            super().__init__(patcher, feature)
+            super().__init__(patcher, feature, detected)
             self.calls = 0
             self.block_runs = 0
             self.blocks: list[torch.nn.Module] = []

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from omnitest.cache_nodes import apply_magcache, apply_teacache, save_identity_calibrations
+from omnitest.pack import drift_report
 
 pytestmark = pytest.mark.host
 
@@ -71,7 +72,7 @@ def calibrate(env, wan, node, name):
 @pytest.mark.parametrize("kind", PASS_THROUGH)
 def test_a_pass_through_wrapper_passes_the_check(env, wan, kind):
     with env.pack.installed(kind):
-        report = env.drift.check_patcher(wan.patcher, sequence_parallel=False)
+        report = drift_report(wan.patcher, sequence_parallel=False)
     assert report.differences == [] and report.undecided == []
 
 
@@ -105,7 +106,7 @@ def test_both_calibration_nodes_run_on_blocks_another_pack_wrapped(env, wan, kin
 @pytest.mark.parametrize("kind", list(CHANGES))
 def test_a_wrapper_that_changes_the_call_is_named_with_what_it_changes(env, wan, kind):
     with env.pack.installed(kind):
-        report = env.drift.check_patcher(wan.patcher, sequence_parallel=False)
+        report = drift_report(wan.patcher, sequence_parallel=False)
     assert report.differences == []
     (finding,) = [f.what for f in report.undecided]
     assert finding.startswith("blocks.* (WanAttentionBlock.forward) takes *args and **kwargs, which OmniHooks does "
@@ -118,8 +119,9 @@ def test_a_wrapper_that_changes_the_call_makes_the_cache_compute_every_step_and_
         baseline = env.tiny.sample(wan, steps=STEPS)
         got = env.tiny.sample(wan, model=CACHES["teacache"](wan.patcher), steps=STEPS)
         summary = env.stats.recent_runs(1)[0]["summary"]
-        with pytest.raises(env.drift.ModelDriftError, match=r"^TeaCache Calibrate \(node #7\): cannot calibrate, the model could "
-                                                            r"not be fully checked before the run: .*_drops_argument"):
+        with pytest.raises(env.drift.ModelDriftError,
+                           match=r"^TeaCache Calibrate \(node #7\): cannot calibrate, the model could not be fully "
+                                 r"checked before the run: .*_drops_argument"):
             calibrate(env, wan, env.teacache.TeaCacheCalibrate, "never written")
     assert torch.equal(got, baseline)
     assert summary["reused"] == 0 and summary["computed"] == STEPS

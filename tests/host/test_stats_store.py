@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -45,7 +46,9 @@ def finished_run(store, evaluations: int, threshold: float = 0.2, metric: float 
     from omnitest.pack import pack_module
 
     stats_mod = pack_module("omni_hooks.stats")
-    stats = stats_mod.CacheRunStats(kind="teacache", model="tiny", threshold=threshold)
+    config = pack_module("omni_hooks.cache_config").StackCacheConfig(threshold=threshold, model_label="tiny") \
+        if math.isfinite(threshold) else SimpleNamespace(model_label="tiny", threshold=threshold, notes=())
+    stats = stats_mod.CacheRunStats("teacache", config)
     feature = applied("teacache", "cache", "Apply TeaCache", "10")
     header = store.run_started(feature)
     for i in range(evaluations):

@@ -48,7 +48,7 @@ class FakeHostRegistry:
         self.unregistered.append(pointer)
         return 0
 
-    # -- for the tests --------------------------------------------------------------------------------------------------
+    # -- for the tests -------------------------------------------------------------------------------------------------
 
     def is_page_locked(self, tensor: torch.Tensor) -> bool:
         pointer = tensor.data_ptr()

@@ -43,3 +43,9 @@ def class_clone(node_cls, hidden_inputs: dict):
 def run_node(node_cls, node_id: str = "7", **inputs):
     """Execute a V3 node the way ComfyUI's executor does (class clone with hidden inputs); returns its outputs."""
     return class_clone(node_cls, {"UNIQUE_ID": node_id}).EXECUTE_NORMALIZED(**inputs).args
+
+
+def drift_report(patcher, sequence_parallel: bool = False):
+    """``nodes.families.drift.check_model`` for a MODEL: its detected family against its diffusion model."""
+    family = pack_module("nodes.families").detect(patcher).family
+    return pack_module("nodes.families.drift").check_model(family, patcher.model.diffusion_model, sequence_parallel)

@@ -10,8 +10,9 @@
 and runs ``<sys.executable> main.py --cpu --listen 127.0.0.1 --port <free port> --base-directory <base>
 --disable-api-nodes`` (+ ``--database-url`` in the base dir, so nothing is written into the checkout's user/, and
 ``OMP_NUM_THREADS=1`` unless ``threads=None``) from the ComfyUI checkout. Startup waits for
-``GET /system_stats``; every failure message carries the tail of the server log. The process is always stopped: ``stop()``/``close()``/``with``, an ``atexit``
-hook, and on Linux ``PR_SET_PDEATHSIG`` (the server gets SIGTERM if the test process dies).
+``GET /system_stats``; every failure message carries the tail of the server log. The process is always stopped:
+``stop()``/``close()``/``with``, an ``atexit`` hook, and on Linux ``PR_SET_PDEATHSIG`` (the server gets SIGTERM if the
+test process dies).
 
 ``ComfyClient`` is a small HTTP + websocket client: ``queue(prompt) -> prompt_id`` (``PromptRejected`` on HTTP 400),
 ``wait(prompt_id) -> RunResult`` (every websocket message of the run + ``/history``), ``run(prompt)`` (both),
@@ -54,7 +55,8 @@ def _find_pack_root() -> Path:
     for candidate in (PACK_ROOT, *PACK_ROOT.parents):
         if (candidate / "__init__.py").is_file() and (candidate / "pyproject.toml").is_file():
             return candidate
-    raise RuntimeError(f"cannot find the pack root (a folder with __init__.py and pyproject.toml) at or above {PACK_ROOT}")
+    raise RuntimeError(f"cannot find the pack root (a folder with __init__.py and pyproject.toml) at or above "
+                       f"{PACK_ROOT}")
 
 
 REPO_ROOT = _find_pack_root()
@@ -645,7 +647,8 @@ class ComfyClient:
         history = self.history(prompt_id, timeout=10.0)
         return RunResult(prompt_id, self.client_id, messages, history, self.output_dir, client=self)
 
-    def run(self, prompt: Mapping[str, Any], *, timeout: float = 120.0, check: bool = True, **queue_kwargs) -> RunResult:
+    def run(self, prompt: Mapping[str, Any], *, timeout: float = 120.0, check: bool = True,
+            **queue_kwargs) -> RunResult:
         """queue + wait; with ``check`` raises ``PromptFailed`` unless the prompt succeeded."""
         result = self.wait(self.queue(prompt, **queue_kwargs), timeout=timeout)
         if check and not result.ok:

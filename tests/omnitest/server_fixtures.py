@@ -6,9 +6,9 @@ Fixtures:
 * ``comfy`` (function): a connected ``ComfyClient`` with its own client_id; afterwards the queue is cleared and a
   still-running prompt interrupted, so one failed test does not leave work behind for the next.
 
-Test modules in tests/server and tests/browser set ``pytestmark = pytest.mark.server`` and never import comfy (the server runs out of process).
-When no ComfyUI checkout is found, the root conftest skips ``server`` tests before these fixtures run; the fixtures
-skip as well, so nothing is ever started without a checkout.
+Test modules in tests/server and tests/browser set ``pytestmark = pytest.mark.server`` and never import comfy (the
+server runs out of process). When no ComfyUI checkout is found, the root conftest skips ``server`` tests before these
+fixtures run; the fixtures skip as well, so nothing is ever started without a checkout.
 """
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def family_plan_applied(case: TinyCase, ulysses: int, ring: int) -> Iterator[tup
     from omnitest.pack import pack_module
 
     sp = pack_module("omni_hooks.sequence_parallel")
-    family = pack_module("nodes.families").detect(case.patcher).model_family
+    family = pack_module("nodes.families").detect(case.patcher).family
     dm = case.diffusion_model
     plan = family.sequence_plan(dm)
     runtime = sp.apply_sequence_parallel(dm, sp.SequenceParallelConfig(ulysses_degree=ulysses, ring_degree=ring),

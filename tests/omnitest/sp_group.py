@@ -16,8 +16,7 @@ def with_sequence_parallel(case, devices: tuple[str, ...] = ("cpu", "cpu"), port
     node = pack_module("nodes.sequence_parallel.node")
     features = pack_module("nodes.features")
     settings = pack_module("nodes.sequence_parallel.group").GroupSettings(world_size, "gloo", devices, LOOPBACK, port)
-    request = node.SequenceParallelRequest(settings, ulysses_degree=None, ring_degree=None)
-    config = node.config_for(case.patcher, request)
+    config = node.config_for(case.patcher, settings, ulysses_degree=None, ring_degree=None)
     feature = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "1", config)
     return features.attach_feature(case.patcher, feature)
 

@@ -240,7 +240,8 @@ def _lumina2_inputs(g: torch.Generator) -> _Inputs:
 
 def _hidream_inputs(g: torch.Generator) -> _Inputs:
     # cross_attn = T5 [1, L, 32]; conditioning_llama3 = [1, n_llama_layers, L2, 48]; pooled_output [1, 32].
-    pos, neg = _pair(g, 8, 32, lambda: {"pooled_output": _randn(g, 1, 32), "conditioning_llama3": _randn(g, 1, 2, 6, 48)})
+    pos, neg = _pair(g, 8, 32, lambda: {"pooled_output": _randn(g, 1, 32),
+                                        "conditioning_llama3": _randn(g, 1, 2, 6, 48)})
     return pos, neg, torch.zeros(1, 16, 8, 8), None
 
 
@@ -476,7 +477,8 @@ def _build_patcher(spec: _Spec, seed: int) -> comfy.model_patcher.ModelPatcher:
 
     cpu = torch.device("cpu")
     unet_dtype = torch.float32
-    manual_cast_dtype = comfy.model_management.unet_manual_cast(unet_dtype, cpu, model_config.supported_inference_dtypes)
+    manual_cast_dtype = comfy.model_management.unet_manual_cast(unet_dtype, cpu,
+                                                                model_config.supported_inference_dtypes)
     model_config.set_inference_dtype(unet_dtype, manual_cast_dtype)
 
     model = model_config.get_model({}, "")

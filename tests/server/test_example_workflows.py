@@ -12,8 +12,9 @@ same graph, every sampler gets exactly one cache node (Apply TeaCache / Apply Ma
 itself (a calibrate node samples the loader's model directly), queuing the API graph must fail only because the
 model files are missing, and each example's video output (CreateVideo, SaveVideo) runs with the inputs it ships. One
 set of files serves every host of the matrix: the checks read this server's node definitions and model what its
-frontend makes of a saved workflow (``omnitest.workflows``). The Wan 2.2 A14B example must keep the layout of ComfyUI's own Wan 2.2 14B T2V template
-(served by the server from the installed comfyui-workflow-templates package) with one Apply MagCache per expert.
+frontend makes of a saved workflow (``omnitest.workflows``). The Wan 2.2 A14B example must keep the layout of ComfyUI's
+own Wan 2.2 14B T2V template (served by the server from the installed comfyui-workflow-templates package) with one Apply
+MagCache per expert.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ MODEL_INPUTS = {"unet_name": "diffusion_models", "ckpt_name": "checkpoints", "te
 MODEL_SUFFIXES = (".safetensors", ".gguf", ".pt", ".pth", ".ckpt", ".sft")
 
 # the usual ComfyUI file names (those of ComfyUI's own Wan 2.1, Wan 2.2 14B and Flux dev templates), per input
-WAN21_FILES = {"unet_name": ["wan2.1_t2v_1.3B_fp16.safetensors"], "clip_name": ["umt5_xxl_fp8_e4m3fn_scaled.safetensors"],
+WAN21_FILES = {"unet_name": ["wan2.1_t2v_1.3B_fp16.safetensors"],
+               "clip_name": ["umt5_xxl_fp8_e4m3fn_scaled.safetensors"],
                "vae_name": ["wan_2.1_vae.safetensors"]}
 EXPECTED = {
     "teacache_wan21_t2v": WAN21_FILES,

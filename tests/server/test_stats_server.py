@@ -82,7 +82,8 @@ def test_an_overflowing_metric_is_sent_and_served_as_strict_json(comfy):
     assert any("not a finite number" in w for w in run_event["summary"]["warnings"])
     listed = strict_json(comfy.get("/omni_hooks/runs", {"limit": 100}).text)["runs"]
     assert run_event["run_id"] in [r["run_id"] for r in listed]  # the history still loads with it among them
-    assert strict_json(comfy.get(f"/omni_hooks/runs/{run_event['run_id']}").text)["evaluations"] == run_event["evaluations"]
+    entry = strict_json(comfy.get(f"/omni_hooks/runs/{run_event['run_id']}").text)
+    assert entry["evaluations"] == run_event["evaluations"]
 
 
 def test_a_run_names_its_node_title_and_workflow(comfy):

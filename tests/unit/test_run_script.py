@@ -51,7 +51,8 @@ def test_run_tests_runs_the_web_tests_and_then_pytest(tmp_path, node_dir):
     version = subprocess.run([str(Path(node_dir) / "node"), "--version"], capture_output=True, text=True).stdout
     env = {**os.environ, **host_env(), "OMNIHOOKS_VENV": str(fake_venv(tmp_path)),
            "PATH": f"{node_dir}:{os.environ['PATH']}"}
-    result = subprocess.run([str(ROOT / "run"), "tests", "-q", "-p", "no:cacheprovider", "tests/unit/test_stats_json.py"],
+    result = subprocess.run([str(ROOT / "run"), "tests", "-q", "-p", "no:cacheprovider",
+                             "tests/unit/test_stats_json.py"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode == 0, f"node {version}: {out[-3000:]}"
@@ -64,12 +65,15 @@ def test_a_failing_web_test_fails_the_run_after_pytest_ran(tmp_path):
     if not node_dirs():
         pytest.skip("no node on PATH")
     copy = tmp_path / "repo"
-    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".venv", ".git", ".hosts", "test-artifacts", "__pycache__"))
+    shutil.copytree(ROOT, copy,
+                    ignore=shutil.ignore_patterns(".venv", ".git", ".hosts", "test-artifacts", "__pycache__"))
     (copy / "tests" / "web" / "zz_fails.test.mjs").write_text(
         'import { test } from "node:test";\nimport assert from "node:assert";\n'
         'test("fails on purpose", () => assert.equal(1, 2));\n')
     env = {**os.environ, **host_env(), "OMNIHOOKS_VENV": str(fake_venv(tmp_path))}
-    result = subprocess.run([str(copy / "run"), "tests", "-q", "-p", "no:cacheprovider", "tests/unit/test_stats_json.py"],
+    result = subprocess.run([str(copy / "run"), "tests", "-q", "-p", "no:cacheprovider",
+                             "tests/unit/test_stats_json.py"],
                             cwd=copy, env=env, capture_output=True, text=True, timeout=300)
     out = result.stdout + result.stderr
-    assert result.returncode != 0 and re.search(r"\d+ passed", out) and "web panel logic tests FAILED" in out, out[-3000:]
+    assert result.returncode != 0 and re.search(r"\d+ passed", out), out[-3000:]
+    assert "web panel logic tests FAILED" in out, out[-3000:]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -15,11 +16,13 @@ def strict(value) -> str:
 
 
 def run_with(threshold: float, metrics: list[float | None], reasons: list[str] | None = None) -> CacheRunStats:
-    stats = CacheRunStats(kind="teacache", model="test", threshold=threshold)
+    # the three fields of a cache config the statistics read (a real config refuses a threshold that is not finite)
+    stats = CacheRunStats("teacache", SimpleNamespace(model_label="test", threshold=threshold, notes=()))
     for i, metric in enumerate(metrics):
         reason = reasons[i] if reasons else ("reuse" if i % 2 else "threshold")
         computed = reason != "reuse"
-        stats.record(EvaluationRecord(step=i, total_steps=len(metrics), computed=computed, seconds=0.1 if computed else 0.001,
+        stats.record(EvaluationRecord(step=i, total_steps=len(metrics), computed=computed,
+                                      seconds=0.1 if computed else 0.001,
                                       branches=[BranchDecision("cond", computed, reason, metric, threshold),
                                                 BranchDecision("uncond", computed, reason, None, threshold)]))
     return stats

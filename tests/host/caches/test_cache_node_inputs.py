@@ -65,7 +65,8 @@ def test_the_variant_lists_offer_only_files_the_cache_can_use(env):
 
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_non_finite_tuning_values_are_refused_at_execute_naming_node_and_input(env, value):
-    with pytest.raises(ValueError, match=r"^Apply TeaCache: rel_l1_thresh must be a finite number"):
+    with pytest.raises(ValueError, match=r"^Apply TeaCache: rel_l1_thresh must be -1 \(recommended\) or a finite "
+                                         r"number"):
         env.run(env.teacache.ApplyTeaCache, model=env.case.patcher, rel_l1_thresh=value, start_percent=0.0,
                 end_percent=1.0, cache_device="compute device", model_variant="calibration: usable")
     with pytest.raises(ValueError, match=r"^Apply MagCache: threshold must be a finite number"):

@@ -1,6 +1,6 @@
-"""Calibration files (nodes/caches/calibration_files.py) and the calibrate nodes' name check (nodes/caches/inputs.py): linked
-names, errors that name the file or folder, a variant list of loadable files only, saves that refuse non-finite data
-and keep the previous file, an up-front writability check, and a fingerprint that follows the file's contents."""
+"""Calibration files (nodes/caches/calibration_files.py) and the calibrate nodes' name check (nodes/caches/inputs.py):
+linked names, errors that name the file or folder, a variant list of loadable files only, saves that refuse non-finite
+data and keep the previous file, an up-front writability check, and a fingerprint that follows the file's contents."""
 from __future__ import annotations
 
 import json

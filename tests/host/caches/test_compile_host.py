@@ -4,7 +4,6 @@ Backend "eager" exercises dynamo's tracing (graph breaks, guards) without needin
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.host
 

@@ -75,7 +75,7 @@ def module_fingerprint(dm: torch.nn.Module):
 def test_detects_the_family(env, case):
     # which variant and coefficients each family's models get: tests/host/families/test_families_host.py
     detected = env.detect(case.patcher)
-    assert detected.family == case.family, detected.describe()
+    assert detected.family.name == case.family, detected.describe()
     stack = detected.build_stack(case.diffusion_model)
     assert len(stack.blocks) >= 2
 

@@ -28,7 +28,8 @@ def env(user_dir):
         teacache = node_module
 
         @staticmethod
-        def apply(model, rel_l1_thresh=0.0, variant="calibration: " + IDENTITY, start=0.0, end=1.0, device="compute device"):
+        def apply(model, rel_l1_thresh=0.0, variant="calibration: " + IDENTITY, start=0.0, end=1.0,
+                  device="compute device"):
             return run_node(node_module.ApplyTeaCache, model=model, rel_l1_thresh=rel_l1_thresh,
                             start_percent=start, end_percent=end, cache_device=device, model_variant=variant)[0]
 

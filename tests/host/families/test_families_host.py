@@ -10,7 +10,6 @@ weight of the model, once. The supported-families text of errors, tooltips and t
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 
@@ -285,10 +284,10 @@ def test_a_tiny_model_matches_exactly_its_family(families, name):
     base_model = case.patcher.model
     assert [f.name for f in families.FAMILIES if f.matches(base_model, base_model.diffusion_model)] == [case.family]
     detected = families.detect(case.patcher)
-    assert detected.family == case.family and detected.model_family is families.family_named(case.family)
+    assert detected.family is families.family_named(case.family)
     for kind in ("teacache", "magcache"):
         key = detected.auto_choice(kind).key
-        assert key is None or key in detected.model_family.auto_keys[kind]
+        assert key is None or key in detected.family.auto_keys[kind]
     if detected.auto_choice("teacache").key is None:
         assert detected.auto_choice("teacache").notes, "a model without TeaCache coefficients must say what to do"
 
@@ -299,7 +298,7 @@ def test_a_tiny_model_matches_exactly_its_family(families, name):
 def test_the_decision_tree_names_the_variant_and_both_recommendations(families, name):
     family, variant, teacache_key, magcache_key = VARIANTS[name][1]
     detected = families.detect(real_size(name))
-    assert (detected.family, detected.variant, detected.auto_choice("teacache").key,
+    assert (detected.family.name, detected.variant, detected.auto_choice("teacache").key,
             detected.auto_choice("magcache").key) == (family, variant, teacache_key, magcache_key)
     if teacache_key is None:
         assert detected.auto_choice("teacache").notes
@@ -375,7 +374,7 @@ def test_the_stack_and_the_resident_modules_hold_every_weight_once(families, sou
     everything = _weights(dm)
     assert not in_stack.keys() & resident.keys(), sorted(everything[i] for i in in_stack.keys() & resident.keys())
     missing = sorted(everything[i] for i in everything.keys() - in_stack.keys() - resident.keys())
-    assert not missing, f"{detected.family}: weights neither in the block stack nor resident: {missing[:8]}"
+    assert not missing, f"{detected.family.name}: weights neither in the block stack nor resident: {missing[:8]}"
 
 
 # -- the supported-families text -------------------------------------------------------------------------------------
@@ -385,7 +384,8 @@ def test_tooltips_errors_and_the_readme_name_every_family(families):
 
     text = families.supported_families()
     assert text == ", ".join(f.display_name for f in families.FAMILIES)
-    for node in (pack_module("nodes.caches.teacache").ApplyTeaCache, pack_module("nodes.caches.magcache").ApplyMagCache):
+    for node in (pack_module("nodes.caches.teacache").ApplyTeaCache,
+                 pack_module("nodes.caches.magcache").ApplyMagCache):
         model_input = next(i for i in node.define_schema().inputs if i.id == "model")
         assert text in model_input.tooltip
     readme = (PACK_ROOT / "README.md").read_text(encoding="utf-8")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from omnitest.cache_nodes import apply_magcache, apply_teacache, save_identity_calibrations
+from omnitest.pack import drift_report
 
 pytestmark = pytest.mark.host
 
@@ -152,15 +153,12 @@ def test_with_reference_images_a_cached_and_an_offloaded_run_equal_a_plain_run(c
 
 def test_the_drift_check_reaches_the_layers_inside_the_language_model(case, monkeypatch):
     """The family reads the layers' x and past_key_value: a layer forward without past_key_value is drift."""
-    from omnitest.pack import pack_module
-
-    drift = pack_module("nodes.families.drift")
-    assert drift.check_patcher(case.patcher, sequence_parallel=False).differences == []
+    assert drift_report(case.patcher, sequence_parallel=False).differences == []
     layer_cls = type(case.diffusion_model.language_model.layers[0])
 
     def forward(self, x, attention_mask=None, freqs_cis=None, optimized_attention=None):
         raise AssertionError("never called")
 
     monkeypatch.setattr(layer_cls, "forward", forward)
-    found = [f.what for f in drift.check_patcher(case.patcher, sequence_parallel=False).differences]
+    found = [f.what for f in drift_report(case.patcher, sequence_parallel=False).differences]
     assert found and all("language_model.layers" in what and "past_key_value" in what for what in found), found

@@ -63,7 +63,8 @@ def test_auto_says_to_calibrate(env):
     with pytest.raises(ValueError, match=r"(?i)no TeaCache coefficients are published for MiniMax-H3: run "
                                          r"TeaCache Calibrate"):
         apply_teacache(env, -1.0, "auto")
-    with pytest.raises(ValueError, match=r"(?i)no MagCache curves are published for MiniMax-H3: run MagCache Calibrate"):
+    with pytest.raises(ValueError,
+                       match=r"(?i)no MagCache curves are published for MiniMax-H3: run MagCache Calibrate"):
         apply_magcache(env, 0.1, "auto")
 
 

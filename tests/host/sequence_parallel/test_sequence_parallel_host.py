@@ -29,7 +29,7 @@ def _with_sp(node, case, world_size=2):
     from omnitest.pack import pack_module
 
     group = pack_module("nodes.sequence_parallel.group").GroupSettings(world_size, "gloo", ("cpu",) * world_size)
-    config = node.config_for(case.patcher, node.SequenceParallelRequest(group, ulysses_degree=None, ring_degree=None))
+    config = node.config_for(case.patcher, group, ulysses_degree=None, ring_degree=None)
 
     features = pack_module("nodes.features")
     feature = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "1", config)

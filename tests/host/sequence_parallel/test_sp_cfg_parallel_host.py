@@ -28,7 +28,7 @@ def rank_wan_cfg_parallel(heads: int, ulysses: int, ring: int):
     case = build_case("wan21_t2v", unet_overrides={"num_heads": heads})
     reference = sample(case, cfg=CFG)
     dm = case.diffusion_model
-    plan = families.detect(case.patcher).model_family.sequence_plan(dm)
+    plan = families.detect(case.patcher).family.sequence_plan(dm)
     config = sp.SequenceParallelConfig(ulysses_degree=ulysses, ring_degree=ring, cfg_degree=2)
     runtime = sp.apply_sequence_parallel(dm, config, plan)
     parts = []
@@ -65,20 +65,21 @@ def sp_node():
     group.close_group()
 
 
-def _settings(node, world_size: int, cfg_parallel: bool, ulysses=None, ring=None):
+def _settings(node, world_size: int, cfg_parallel: bool, ulysses=None, ring=None) -> tuple:
+    """``resolve_degrees``' arguments before ``heads``: CPU ranks of ``world_size``, the degrees and cfg_parallel."""
     from omnitest.pack import pack_module
 
     group = pack_module("nodes.sequence_parallel.group").GroupSettings(world_size, "gloo", ("cpu",) * world_size)
-    return node.SequenceParallelRequest(group, ulysses_degree=ulysses, ring_degree=ring, cfg_parallel=cfg_parallel)
+    return group, ulysses, ring, cfg_parallel
 
 
 def test_cfg_parallel_degrees_share_half_the_world(sp_node):
-    config = sp_node.resolve_degrees(_settings(sp_node, 4, True), heads=2)
+    config = sp_node.resolve_degrees(*_settings(sp_node, 4, True), heads=2)
     assert (config.ulysses_degree, config.ring_degree, config.cfg_degree) == (2, 1, 2)
-    config = sp_node.resolve_degrees(_settings(sp_node, 2, True), heads=1)
+    config = sp_node.resolve_degrees(*_settings(sp_node, 2, True), heads=1)
     assert (config.ulysses_degree, config.ring_degree, config.cfg_degree) == (1, 1, 2)
     with pytest.raises(ValueError, match="even world_size"):
-        sp_node.resolve_degrees(_settings(sp_node, 3, True), heads=2)
+        sp_node.resolve_degrees(*_settings(sp_node, 3, True), heads=2)
     with pytest.raises(ValueError, match=r"world_size / 2 \(cfg_parallel\)"):
-        sp_node.resolve_degrees(_settings(sp_node, 4, True, ulysses=2, ring=2), heads=2)
+        sp_node.resolve_degrees(*_settings(sp_node, 4, True, ulysses=2, ring=2), heads=2)
 

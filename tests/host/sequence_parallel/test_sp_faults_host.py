@@ -331,13 +331,14 @@ def test_worker_under_torchrun_refuses_a_fixed_rank(sp):
     from omnitest.pack import pack_module
 
     with pytest.raises(SystemExit):
-        pack_module("nodes.sequence_parallel.worker").parse_args(["--join", "127.0.0.1:1", "--rank", "1", "--world-size", "3"],
-                                                  {"RANK": "0", "WORLD_SIZE": "2"})
+        pack_module("nodes.sequence_parallel.worker").parse_args(
+            ["--join", "127.0.0.1:1", "--rank", "1", "--world-size", "3"], {"RANK": "0", "WORLD_SIZE": "2"})
 
 
 def test_timeouts_come_from_the_environment_and_a_bad_value_names_its_variable(sp):
     _, _, protocol = sp
-    timeouts = protocol.Timeouts.from_env({"OMNIHOOKS_SP_COLLECTIVE_TIMEOUT_S": "2.5", "OMNIHOOKS_SP_JOIN_TIMEOUT_S": "7"})
+    timeouts = protocol.Timeouts.from_env({"OMNIHOOKS_SP_COLLECTIVE_TIMEOUT_S": "2.5",
+                                           "OMNIHOOKS_SP_JOIN_TIMEOUT_S": "7"})
     assert (timeouts.collective_s, timeouts.join_s, timeouts.ack_s) == (2.5, 7.0, protocol.Timeouts().ack_s)
     for bad in ("soon", "0", "-1"):
         with pytest.raises(ValueError, match="OMNIHOOKS_SP_ACK_TIMEOUT_S"):

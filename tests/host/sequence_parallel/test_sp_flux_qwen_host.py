@@ -61,7 +61,7 @@ def test_auto_degrees_read_the_head_count(case, overrides, heads):
     node = pack_module("nodes.sequence_parallel.node")
     families = pack_module("nodes.families")
     built = build_case(case, unet_overrides=overrides)
-    assert node._heads(built.diffusion_model, families.detect(built.patcher).model_family) == heads
+    assert node._heads(built.diffusion_model, families.detect(built.patcher).family) == heads
 
 
 def test_an_unsupported_family_is_refused_with_the_supported_ones():

@@ -59,7 +59,7 @@ def test_auto_degrees_read_the_head_count(case_name, one_head):
     node = pack_module("nodes.sequence_parallel.node")
     families = pack_module("nodes.families")
     built = build_case(case_name, unet_overrides=ONE_HEAD[case_name] if one_head else None)
-    family = families.detect(built.patcher).model_family
+    family = families.detect(built.patcher).family
     assert node._heads(built.diffusion_model, family) == (1 if one_head else 2)
 
 

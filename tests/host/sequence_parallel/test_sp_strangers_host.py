@@ -141,7 +141,7 @@ def test_fifty_slow_connections_during_the_start_neither_delay_it_nor_add_thread
     deadline is set beyond the test, so that only not waiting on them lets the start go on."""
     from omnitest.tiny_models import sample
 
-    group, control = sp["group"], sp["control"]
+    control = sp["control"]
     case, reference = wan
     monkeypatch.setattr(control, "HELLO_S", 600.0)
     accept = control.ControlServer.accept_waiting

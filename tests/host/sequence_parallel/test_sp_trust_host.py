@@ -108,10 +108,10 @@ def test_the_group_rank_0_signs_is_read_back_and_one_another_key_signed_is_not(s
 def test_a_command_holds_plain_data_only_and_a_malformed_one_is_refused(sp):
     import torch
 
-    protocol, plain, features = sp["protocol"], sp["plain"], __import__("omnitest.pack").pack.pack_module("nodes.features")
+    protocol, plain = sp["protocol"], sp["plain"]
+    features = __import__("omnitest.pack").pack.pack_module("nodes.features")
     node = sp["node"]
-    request = node.SequenceParallelRequest(sp["group"].GroupSettings(2, "gloo", ("cpu", "cpu")), 1, None, True)
-    config = node.resolve_degrees(request, heads=2)
+    config = node.resolve_degrees(sp["group"].GroupSettings(2, "gloo", ("cpu", "cpu")), 1, None, True, heads=2)
     applied = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "3", config)
     payload = {"features": (applied,), "dtype": torch.bfloat16, "uuid": __import__("uuid").uuid4(),
                "keys": {1: "a", (2, 3): None}, "values": [float("inf"), -0.0, 2 ** 70, b"\x00"]}
@@ -265,8 +265,7 @@ def test_a_group_starts_and_computes_while_strangers_knock_and_a_pickle_sits_in_
     monkeypatch.setattr(control.ControlServer, "accept_waiting", accept_with_strangers)
     case = build_case("wan21_t2v")
     reference = sample(case)
-    config = node.config_for(case.patcher, node.SequenceParallelRequest(group.GroupSettings(2, "gloo", ("cpu", "cpu")),
-                                                                          None, None))
+    config = node.config_for(case.patcher, group.GroupSettings(2, "gloo", ("cpu", "cpu")), None, None)
     features = __import__("omnitest.pack").pack.pack_module("nodes.features")
     feature = features.AppliedFeature(node.KIND, features.Category.SEQUENCE_PARALLEL, node.NODE_TITLE, "1", config)
     model = features.attach_feature(case.patcher, feature)

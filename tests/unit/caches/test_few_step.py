@@ -10,15 +10,16 @@ from omni_hooks.few_step import FewStepRule
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.teacache import ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
-from .test_magcache import TOY, ToyDiT, computed, run_steps, toy_stack
+from .test_magcache import ToyDiT, computed, run_steps, toy_stack
 
 SIGNAL = ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["t"])
 
 
 def magcache(model, steps, rule):
     # ratios of 1 and a generous threshold: without a rule every step after the first may reuse (K bounds the run)
-    return apply_mag_cache_hook(model, MagCacheConfig(threshold=10.0, max_skip_steps=steps, retention_ratio=0.0,
-                                                      mag_ratios=[1.0] * steps, few_step=rule), TOY)
+    return apply_mag_cache_hook(toy_stack(model), MagCacheConfig(threshold=10.0, max_skip_steps=steps,
+                                                                  retention_ratio=0.0, mag_ratios=[1.0] * steps,
+                                                                  few_step=rule))
 
 
 def teacache(model, steps, rule):

@@ -12,7 +12,7 @@ from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from omni_hooks.forecast import (ACCUMULATED_GAPS, ALTERNATING_COHERENCE, AUTO, COHERENCE_RANGE, FORECAST,
                                  FORECAST_FALLBACK, MAX_ORDER, WEIGHT_RANGE, ErrorPerMetric, OrderScores,
                                  ResidualHistory, accumulation, history_limit, lagrange_weights)
-from omni_hooks.magcache import MagCacheConfig, MagCacheStrategy, apply_mag_cache_hook
+from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
 X = TensorArg("x", 0)
@@ -50,7 +50,6 @@ def stack_of(model: Model) -> BlockStack:
                       skip_block=skip_returning(X))
 
 
-TOY = MagCacheStrategy("toy", build_stack=stack_of)
 BASE = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3)
 
 
@@ -188,7 +187,7 @@ def test_a_non_finite_forecast_falls_back_to_the_last_residual_and_says_so():
 def residual_bytes(order: int, steps: int) -> int:
     model = Model(quadratic)
     config = MagCacheConfig(threshold=0.0, mag_ratios=[1.0] * steps, forecast_order=order)
-    run = apply_mag_cache_hook(model, config, strategy=TOY, implicit_calls=False)
+    run = apply_mag_cache_hook(stack_of(model), config)
     sample(model, run, torch.zeros(2, 4, 3, dtype=torch.float64), sigmas=SIGMAS[:steps], branches=("c", "u"))
     return run.cache_bytes(), run.stats.cache_bytes
 
@@ -218,7 +217,7 @@ def test_magcache_forecasts_too():
     model = Model(quadratic)
     config = MagCacheConfig(threshold=1.0, max_skip_steps=2, retention_ratio=0.4, mag_ratios=[1.0] * len(SIGMAS),
                             forecast_order=2)
-    run = apply_mag_cache_hook(model, config, strategy=TOY, implicit_calls=False)
+    run = apply_mag_cache_hook(stack_of(model), config)
     got = sample(model, run, x)
     skipped = [i for i, e in enumerate(run.stats.evaluations) if not e.computed]
     assert skipped and all(reasons(run)[i] == FORECAST for i in skipped)
@@ -292,7 +291,7 @@ def test_the_scores_need_order_plus_two_residuals_and_cache_bytes_count_them():
     one = 4 * 3 * 8
     model = Model(quadratic)
     config = MagCacheConfig(threshold=0.0, mag_ratios=[1.0] * len(SIGMAS), forecast_order=AUTO)
-    run = apply_mag_cache_hook(model, config, strategy=TOY, implicit_calls=False)
+    run = apply_mag_cache_hook(stack_of(model), config)
     sample(model, run, torch.zeros(2, 4, 3, dtype=torch.float64), branches=("c", "u"))
     assert run.cache_bytes() == run.stats.cache_bytes == 2 * (MAX_ORDER + 2) * one
 
@@ -472,7 +471,7 @@ def test_magcache_auto_never_weighs_its_error():
     model = Model(kinked)
     config = MagCacheConfig(threshold=0.3, mag_ratios=[0.97] * len(KINK_SIGMAS), retention_ratio=0.1,
                             max_skip_steps=4, forecast_order=AUTO)
-    run = apply_mag_cache_hook(model, config, strategy=TOY, implicit_calls=False)
+    run = apply_mag_cache_hook(stack_of(model), config)
     sample(model, run, torch.zeros(1, 4, 3, dtype=torch.float64), sigmas=KINK_SIGMAS)
     st = run.branch_state("c")
     assert run.metric_weight(st) == 1.0 and st.error_per_metric.count == 0

@@ -2,27 +2,23 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
 
-from omni_hooks import HookPhase, HookRegistry, ModelHook, module_has_active_hooks
+from omni_hooks import HookPhase, module_has_active_hooks
 from omnitest.hooks import count_calls_on
 from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from omni_hooks.magcache import (
     CallContext,
     MagCacheConfig,
-    MagCacheStrategy,
     MagRatioTable,
     apply_mag_cache_hook,
-    get_strategy,
     interleave,
     nearest_interp,
-    register_strategy,
-    registered_strategies,
     residual_change,
     split_interleaved,
-    unregister_strategy,
 )
 from omni_hooks.teacache import ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
@@ -77,15 +73,23 @@ def stack_of(model) -> BlockStack:
                       clone_head_input=False)
 
 
-STRATEGY = MagCacheStrategy("toy", build_stack=stack_of)
+RUNS: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
 
 
 def apply(model, **config):
-    return apply_mag_cache_hook(model, MagCacheConfig(**config), STRATEGY)
+    """MagCache on a toy ``Stack``; ``value`` brackets each call of the model as a call of the branch "default"
+    without a step (the run counts the branch's calls, starting afresh after ``num_inference_steps``)."""
+    RUNS[model] = run = apply_mag_cache_hook(stack_of(model), MagCacheConfig(**config))
+    return run
 
 
 def value(model, v: float) -> float:
-    return model(torch.tensor([[v]])).item()
+    run = RUNS[model]
+    run.begin_call(CallContext(branches=["default"], labels=["default"]))
+    try:
+        return model(torch.tensor([[v]])).item()
+    finally:
+        run.end_call()
 
 
 # -- 5.9: ported -------------------------------------------------------------------------------------------------------
@@ -225,9 +229,6 @@ def toy_stack(model: ToyDiT) -> BlockStack:
                       skip_block=skip_returning(X))
 
 
-TOY = MagCacheStrategy("toy-dit", build_stack=toy_stack)
-
-
 def run_steps(model, run, steps, x, branches=("cond",), labels=None):
     outputs = []
     for step in range(steps):
@@ -241,7 +242,7 @@ def run_steps(model, run, steps, x, branches=("cond",), labels=None):
 
 
 def explicit(model, **config):
-    return apply_mag_cache_hook(model, MagCacheConfig(**config), TOY, implicit_calls=False)
+    return apply_mag_cache_hook(toy_stack(model), MagCacheConfig(**config))
 
 
 def computed(run):
@@ -422,9 +423,9 @@ class ScaledModel(torch.nn.Module):
 
 def test_calibration_measures_ratio_spread_and_cosine_distance():
     model = ScaledModel()
-    strategy = MagCacheStrategy("scaled", build_stack=lambda m: BlockStack(
-        blocks=list(m.blocks), tail=m.tail, head_hidden=X, tail_hidden=TAIL, skip_block=skip_returning(X)))
-    run = apply_mag_cache_hook(model, MagCacheConfig(calibrate=True), strategy, implicit_calls=False)
+    stack = BlockStack(blocks=list(model.blocks), tail=model.tail, head_hidden=X, tail_hidden=TAIL,
+                       skip_block=skip_returning(X))
+    run = apply_mag_cache_hook(stack, MagCacheConfig(calibrate=True))
     scales = [2.0, 1.0, 0.5, -0.5]
     x = torch.randn(1, 4, 6)
     for step, s in enumerate(scales):
@@ -452,39 +453,7 @@ def test_residual_change_matches_a_direct_computation():
     assert math.isfinite(residual_change(torch.ones(3), torch.ones(3))[1])
 
 
-# -- strategies, registry, composition ---------------------------------------------------------------------------------
-
-def test_strategy_registry_by_class_name():
-    with pytest.raises(ValueError, match="no MagCache strategy is registered for ToyDiT"):
-        apply_mag_cache_hook(ToyDiT(), MagCacheConfig(mag_ratios=[1.0]))
-    register_strategy(ToyDiT, TOY)
-    try:
-        assert "ToyDiT" in registered_strategies()
-
-        class SubDiT(ToyDiT):
-            pass
-
-        assert get_strategy(SubDiT()) is TOY
-        with pytest.raises(ValueError, match="already registered"):
-            register_strategy("ToyDiT", MagCacheStrategy("other", build_stack=toy_stack))
-        model = ToyDiT()
-        run = apply_mag_cache_hook(model, MagCacheConfig(mag_ratios=[1.0] * 4, threshold=1.0, retention_ratio=0.0))
-        for _ in range(4):
-            model(torch.randn(1, 5, 8), torch.ones(1))
-        assert computed(run) == [True, False, False, False]
-    finally:
-        unregister_strategy(ToyDiT)
-    assert "ToyDiT" not in registered_strategies()
-
-
-def test_strategy_config_carries_its_curve_and_defaults():
-    strategy = MagCacheStrategy("s", build_stack=toy_stack, mag_ratios=[1.0, 1.0, 0.9, 0.8], interleaved=True,
-                                defaults={"threshold": 0.24, "max_skip_steps": 5})
-    cfg = strategy.config(retention_ratio=0.1)
-    assert (cfg.threshold, cfg.max_skip_steps, cfg.retention_ratio) == (0.24, 5, 0.1)
-    assert cfg.ratio_table.for_branch("uncond", 2) == [1.0, 0.8]
-    assert strategy.config(threshold=0.0).threshold == 0.0
-
+# -- composition -------------------------------------------------------------------------------------------------------
 
 def test_remove_restores_every_module_exactly():
     model = ToyDiT()

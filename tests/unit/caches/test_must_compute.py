@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from omni_hooks.magcache import MagCacheConfig, MagCacheStrategy, apply_mag_cache_hook
+from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
 X = TensorArg("x", 0)
@@ -65,9 +65,8 @@ def test_a_call_the_stack_must_compute_is_computed_and_says_why(cache):
         run = apply_teacache_hook(stack_of(model), TeaCacheConfig(1e9, ALWAYS_REUSE), ModulatedInput(
             compute=lambda block, args, kwargs, captured: X.get(args, kwargs)))
     else:
-        run = apply_mag_cache_hook(model, MagCacheConfig(threshold=1e9, mag_ratios=(1.0,) * len(FILLS),
-                                                  max_skip_steps=99, retention_ratio=0.0),
-                                   MagCacheStrategy(name="fills", build_stack=stack_of))
+        run = apply_mag_cache_hook(stack_of(model), MagCacheConfig(threshold=1e9, mag_ratios=(1.0,) * len(FILLS),
+                                                                   max_skip_steps=99, retention_ratio=0.0))
     decisions = run_steps(model, run)
     run.remove()
     assert decisions[0] == (True, "first")

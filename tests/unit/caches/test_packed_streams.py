@@ -8,7 +8,6 @@ import torch
 
 from omni_hooks import module_has_active_hooks
 from omni_hooks.blockstack import BlockStack, PackedStreams, TensorArg, pack_streams, skip_returning
-from omni_hooks.magcache import MagCacheConfig, MagCacheStrategy, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
 ALWAYS_REUSE = (0.0, 0.0, 0.0, 0.0, 0.0)
@@ -108,17 +107,3 @@ def test_threshold_zero_is_bit_identical_and_a_reuse_adds_each_streams_share_at_
     assert residual.shape == (2, 5 * 8 + 3 * 4)
     run.remove()
     assert not any(module_has_active_hooks(m) for m in (*model.blocks, model.video_out, model.audio_out))
-
-
-def test_magcache_closes_its_implicit_call_at_the_last_tail():
-    model = TwoStreamDiT()
-    vx, ax = inputs()
-    run = apply_mag_cache_hook(model, MagCacheConfig(threshold=0.0, mag_ratios=(1.0,) * 4),
-                               MagCacheStrategy(name="two streams", build_stack=stack_of))
-    with torch.no_grad():
-        first = model(vx, ax, torch.full((2,), 1.0))
-    assert run._call is None  # closed by the audio tail, after both streams were stored
-    assert run.stats.computed == 1
-    assert run.branch_state(list(run.states.contexts())[0]).previous_residual.shape == (2, 5 * 8 + 3 * 4)
-    assert torch.equal(first, TwoStreamDiT()(vx, ax, torch.full((2,), 1.0)))
-    run.remove()

@@ -96,7 +96,7 @@ def test_residency_never_exceeds_one_plus_prefetch_while_a_block_computes(prefet
 
 
 def test_a_block_off_the_device_holds_zero_element_placeholders_and_fails_loudly():
-    model, x = ToyStack(), toy_inputs()
+    model, _ = ToyStack(), toy_inputs()
     handle = apply_layerwise_offload(model.blocks, "cpu", prefetch_blocks=1)
     try:
         block = model.blocks[2]
@@ -264,7 +264,7 @@ def test_remove_keeps_other_hooks_on_the_blocks():
 
 
 def test_a_failed_apply_undoes_what_it_did():
-    model, x = ToyStack(depth=4), toy_inputs()
+    model, _ = ToyStack(depth=4), toy_inputs()
     before, dicts = snapshot(model), module_dict_keys(model)
     handle = LayerwiseOffloadRun(model.blocks, "cpu", OffloadConfig())
     # a same-named hook appearing after validation makes registration fail on block 2, after every block was packed
@@ -328,7 +328,7 @@ def test_the_original_block_storage_is_released_when_offloaded():
         handle.remove()
 
 
-# -- options ------------------------------------------------------------------------------------------------------------
+# -- options -----------------------------------------------------------------------------------------------------------
 
 def test_keep_resident_leaves_chosen_tensors_in_place_and_counts_them():
     model, x = ToyStack(), toy_inputs()
@@ -418,7 +418,7 @@ def test_compiled_model_with_offload_matches_eager():
         torch._dynamo.reset()
 
 
-# -- stats ----------------------------------------------------------------------------------------------------------------
+# -- stats -------------------------------------------------------------------------------------------------------------
 
 def test_stats_summary_is_json_safe_numbers():
     model, x = ToyStack(), toy_inputs()
@@ -444,7 +444,7 @@ def test_plan_pinning_spends_the_budget_in_list_order():
     assert plan_pinning([4], 0) == [False]
 
 
-# -- errors ---------------------------------------------------------------------------------------------------------------
+# -- errors ------------------------------------------------------------------------------------------------------------
 
 def test_bad_arguments_raise_clear_errors_and_change_nothing():
     model = ToyStack()

@@ -11,7 +11,7 @@ import torch
 
 from omni_hooks import HookRegistry
 from omni_hooks.context import CallContext
-from omni_hooks.magcache import MagCacheConfig, MagCacheStrategy, apply_mag_cache_hook
+from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.offload import HOOK_NAME, apply_layerwise_offload
 from omni_hooks.teacache import ModulatedInput, TeaCacheConfig, apply_teacache_hook
 from omnitest.offload_toys import ToyStack, toy_block_stack, toy_inputs
@@ -33,8 +33,7 @@ def apply_teacache(model: ToyStack):
 
 def apply_magcache(model: ToyStack):
     config = MagCacheConfig(mag_ratios=[1.0] * STEPS, threshold=1.0, retention_ratio=0.0, max_skip_steps=2)
-    return apply_mag_cache_hook(model, config, MagCacheStrategy("toy-offload", build_stack=toy_block_stack),
-                                implicit_calls=False)
+    return apply_mag_cache_hook(toy_block_stack(model), config)
 
 
 CACHES = {"teacache": apply_teacache, "magcache": apply_magcache}

@@ -7,7 +7,6 @@ import torch
 
 from omni_hooks.context import CallContext, RankView
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
-from omni_hooks.magcache.strategy import MagCacheStrategy
 from omni_hooks.teacache import ModulatedInput, TeaCacheConfig, apply_teacache_hook
 from omnitest.toy_dit import ToyDiT, toy_inputs, toy_stack
 
@@ -71,11 +70,10 @@ def test_teacache_asks_once_per_call_and_decides_on_the_mean_over_ranks():
 
 
 def test_a_verdict_forced_by_a_peer_is_recorded_as_other_rank_and_restarts_the_accumulators():
-    strategy = MagCacheStrategy("toy-dit", build_stack=toy_stack)
     model = ToyDiT()
     peers = PretendPeers(peer_computes_from=3)
-    cache = apply_mag_cache_hook(model, MagCacheConfig(threshold=1.0, max_skip_steps=10, retention_ratio=0.0,
-                                                       mag_ratios=[1.0] * 6), strategy, implicit_calls=False)
+    cache = apply_mag_cache_hook(toy_stack(model), MagCacheConfig(threshold=1.0, max_skip_steps=10,
+                                                                  retention_ratio=0.0, mag_ratios=[1.0] * 6))
     evaluations = run(model, cache, peers)
     assert peers.verdicts == [True, False, False, False, False, False]  # what this rank wanted
     assert [e.computed for e in evaluations] == [True, False, False, True, True, True]

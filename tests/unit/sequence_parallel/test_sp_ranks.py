@@ -13,7 +13,6 @@ import torch.distributed as dist
 from omni_hooks.context import CallContext
 from omni_hooks.forecast import AUTO
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
-from omni_hooks.magcache.strategy import MagCacheStrategy
 from omni_hooks.offload import apply_layerwise_offload
 from omni_hooks.sequence_parallel import (
     ActiveSite,
@@ -433,14 +432,13 @@ def rank_magcache(ulysses: int, ring: int):
     rank = dist.get_rank()
     # rank 0's curve would let it skip from the retention steps on; the others' would make them compute late on
     ratios = [1.0] * STEPS if rank == 0 else [1.0] * (STEPS // 2) + [0.8] * (STEPS - STEPS // 2)
-    strategy = MagCacheStrategy("toy-dit", build_stack=toy_stack)
     config = dict(threshold=0.1, max_skip_steps=2, retention_ratio=0.2, mag_ratios=ratios)
     model = ToyDiT()
     sp = apply_sequence_parallel(model, degrees(ulysses, ring), sp_plan())
-    run = apply_mag_cache_hook(model, MagCacheConfig(**config), strategy, implicit_calls=False)
+    run = apply_mag_cache_hook(toy_stack(model), MagCacheConfig(**config))
     outputs = sample(model, run, sp)
     alone = ToyDiT()
-    local_run = apply_mag_cache_hook(alone, MagCacheConfig(**config), strategy, implicit_calls=False)
+    local_run = apply_mag_cache_hook(toy_stack(alone), MagCacheConfig(**config))
     sample(alone, local_run, None)
     return dict(pattern=[e.computed for e in run.stats.evaluations],
                 local=[e.computed for e in local_run.stats.evaluations],
