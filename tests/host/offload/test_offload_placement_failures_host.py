@@ -55,9 +55,11 @@ def wan(env):
 def gpu(env, wan, monkeypatch):
     """The offload target is "cpu:0", with VRAM for the slots and every kept block: the kept blocks are completed
     there (promoted) and the offloaded ones streamed. ComfyUI pins as it does with a GPU; CUDA's registry of
-    page-locked memory is the stand-in, which the pack's pinning uses too (on every block)."""
+    page-locked memory is the stand-in, which the pack's pinning uses too (on every block). Every model is unloaded
+    before the stand-in comes and before it goes, so that ComfyUI unpins with the registry it pinned with."""
     import comfy.model_management as mm
 
+    mm.unload_all_models()
     monkeypatch.setattr(env.node, "offload_target", lambda patcher: torch.device("cpu", 0))
     per_block = block_bytes(wan.diffusion_model.blocks[0])
     free = int(mm.minimum_inference_memory()) + (LAYERS + 2) * per_block
@@ -68,7 +70,8 @@ def gpu(env, wan, monkeypatch):
     if hasattr(mm, "MAX_PINNED_MEMORY"):  # ComfyUI 0.3.75 and newer: pinning on, as with an NVIDIA GPU
         monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1 << 40)
     monkeypatch.setattr(env.library.hooks, "_pinning_policy", lambda device, config: (True, 1 << 40, []))
-    return registry
+    yield registry
+    mm.unload_all_models()
 
 
 def partial_load_bytes(wan) -> int:
