@@ -161,7 +161,7 @@ def encode(command: Command) -> tuple[bytes, list[torch.Tensor]]:
         if tensor.numel() * tensor.element_size() > BROADCAST_BYTES:
             broadcast.append(tensor.detach())
             return {**described, "broadcast": len(broadcast) - 1}
-        inline.append(tensor.detach().cpu().contiguous())
+        inline.append(tensor.detach().cpu().clone(memory_format=torch.contiguous_format))  # dense, even stride 0
         return {**described, "inline": len(inline) - 1}
 
     document = {"op": command.op, "serial": command.serial, "header": to_plain(command.header, slot),

@@ -31,7 +31,9 @@ def test_a_commands_tensors_come_back_equal_and_in_place(protocol):
     torch.manual_seed(0)
     args = (torch.randn(2, 3), protocol.OPTIONS_SLOT, torch.tensor(3.5, dtype=torch.bfloat16))
     kwargs = {"context": [torch.arange(5), torch.zeros(0, 4)], "mask": torch.tensor([True, False]), "name": "x"}
-    options = {"sigmas": torch.randn(7).to(torch.float16)[::2], "uuids": ["a", "b"]}
+    # a sampler's timestep expanded from one value (uni_pc): one element, stride 0, which torch calls contiguous
+    options = {"sigmas": torch.randn(7).to(torch.float16)[::2], "uuids": ["a", "b"],
+               "timestep": torch.tensor(0.25).expand(1)}
     command = protocol.Command("call", 3, {"serial": 3}, (args, kwargs, options, (1, 2)))
     data, broadcast = protocol.encode(command)
     assert broadcast == []  # every tensor small enough to travel in the command
@@ -39,7 +41,7 @@ def test_a_commands_tensors_come_back_equal_and_in_place(protocol):
     got = protocol.decode(data)
     assert (got.op, got.serial, got.header) == ("call", 3, {"serial": 3})
     sent, received = _tensors(command.payload), _tensors(got.payload)
-    assert len(received) == len(sent) == 6
+    assert len(received) == len(sent) == 7
     for a, b in zip(sent, received):
         assert (b.dtype, b.shape) == (a.dtype, a.shape) and torch.equal(a, b), (a, b)
     assert got.payload[0][1] == protocol.OPTIONS_SLOT and got.payload[1]["name"] == "x"
