@@ -14,7 +14,8 @@ Shapes are written ``[B, L, H, D]`` (batch, tokens, heads, head dim), the canoni
   takes its heads of them without communication, attends with them (their keys added once, at ring step 0), and
   the heads of their output are all-gathered over the Ulysses group.
 * Padding (``auto_pad``): the padded keys are cut off before attention, so padding needs no attention mask and works
-  with mask-blind kernels; padded query rows give values the gather hook drops.
+  with mask-blind kernels; padded query rows give values the gather hook drops (with Ulysses alone they are cut too,
+  so the host function sees the very queries and keys of one process, and their rows are zeros).
 * Split keys (``SequenceParallelCrossAttention``: queries every rank holds whole, keys and values of a split sequence,
   e.g. a short stream attending to a long one): Ulysses exchanges the keys and values for heads as above, each rank
   attends with its heads of the queries and the heads of the output are all-gathered; across a ring each rank attends
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .comm import Communicator
+from .sharding import pad_to
 
 if TYPE_CHECKING:
     from .run import ActiveSite, SequenceParallelRun
@@ -394,9 +396,9 @@ class SequenceParallelAttention:
         mask_joint = mask_split = None
         if mask is not None:
             mask_joint, mask_split = self._exchange_mask(mask, heads, local_heads, split)
-        if ring.size == 1:
+        if ring.size == 1:  # every key and query of the sequence is here: the padded ones are left out of both
             keep = segment if valid_keys is None else valid_keys(0)
-            ki, vi = ki[:, :keep], vi[:, :keep]
+            qi, ki, vi = qi[:, :keep], ki[:, :keep], vi[:, :keep]
             if mask is not None:
                 kwargs = {**kwargs, "mask": join(mask_joint, mask_split[..., :keep], -1)}
             out = func(*(from_canonical(t, heads_first) for t in (join(qj, qi), join(kj, ki), join(vj, vi))),
@@ -410,7 +412,7 @@ class SequenceParallelAttention:
                 key_bias=None if mask is None else additive_key_bias(mask_split, bias_dtype),
                 joint_bias=None if mask is None or not joint else additive_key_bias(mask_joint, bias_dtype))
         out_joint, out_sharded = split(out)
-        out_sharded = sequence_to_heads(ulysses, out_sharded)
+        out_sharded = sequence_to_heads(ulysses, pad_to(out_sharded, 1, segment))  # padded queries' rows: zeros
         if joint:
             out_joint = ulysses.all_gather(out_joint.contiguous(), 2, JOINT_KIND)
         return from_canonical(join(out_joint, out_sharded), out_heads_first)
