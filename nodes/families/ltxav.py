@@ -19,22 +19,22 @@ share it, narrowed to this rank's token range by ``TokenRange`` without expandin
 * audio self-attention ``audio_attn1`` and both text cross-attentions: local (every rank holds their keys);
 * audio-to-video ``audio_to_video_attn`` (video queries, audio keys): local, every rank holds the whole audio;
 * video-to-audio ``video_to_audio_attn`` (audio queries, video keys): a ``SequenceParallelCrossAttention`` site:
-  with Ulysses the video keys and values are exchanged for heads and the audio output's heads all-gathered (the
-  output is bit-identical to one process); across a ring the partial attentions over each rank's keys are
-  all-gathered and merged.
+  with Ulysses the video keys and values are exchanged for heads, each rank attends with its heads over the whole
+  video as one process does, and the audio output's heads are all-gathered; across a ring the partial attentions over
+  each rank's keys are all-gathered and merged.
 
 ``norm_out``'s output is gathered (as LTX-Video's); the audio output is every rank's own. The caches keep reading the
 block's ``(video shard, audio)`` as one packed stream, their measurements averaged and their verdict agreed over the
 ranks (``RankAgreement``).
 
-Why the audio is not split: it is short. At 25 latent frames a second a clip has about 25 audio tokens a second
-against thousands of video tokens a second (a 720p frame is 920 tokens), and the audio blocks are narrower (2048
-against 4096 channels): measured on CPU with LTX-2 19B's shapes, the audio's share of a block is under 2% of its
-time at 480p and smaller above (docs/benchmarks.md), the most that splitting it could save, while a split audio
-stream would add an exchange to every audio self-attention and audio-to-video attention and a gather of the audio
-output. Whole, an audio stream of any length (none, or fewer tokens than ranks) needs nothing. Refused at the call,
-before any exchange, naming the fix: an LTXVAddGuide with a strength or an attention mask (its self-attention mask
-spans the whole video sequence).
+Why the audio is not split: it is short, about 25 tokens a second against thousands of video tokens a second (a 720p
+frame is 880), so the work every rank repeats by holding it whole is small. Counted on ComfyUI's own block at LTX-2
+19B's widths, the work that grows with the audio tokens is under 1% of a block's for 480p and 720p clips of 2 to 10 s
+(docs/benchmarks.md, ``benchmarks/bench_ltx2_audio_share.py``), the most a split could save; a split audio stream
+would add three exchanges to every block (its self-attention, the video's attention to it, its output) to save it.
+Whole, an audio stream of any length (none, or fewer tokens than ranks) needs nothing of its own. Refused at the call,
+before any exchange, naming the fix: an LTXVAddGuide below strength 1 or with an attention mask (its self-attention
+mask spans the whole video sequence).
 
 ComfyUI before 0.33 has no LTX-2: the class is probed from its module only when that module is loaded, so nothing
 matches there.

@@ -371,8 +371,9 @@ class SequenceParallel(io.ComfyNode):
         return io.Schema(
             node_id=NODE_ID, display_name=display_name(NODE_TITLE), category=CATEGORY,
             description=("Samples this MODEL across several GPUs (or CPU processes): each rank computes its share of "
-                         "the tokens, attention is exchanged exactly. Place between the loader (and LoRAs) and the "
-                         f"sampler. Supported: {supported_families()}."),
+                         "the image or video tokens (the text, and LTX-2's audio, stay whole on every rank), "
+                         "attention is exchanged exactly. Place between the loader (and LoRAs) and the sampler. "
+                         f"Supported: {supported_families()}."),
             inputs=[
                 io.Model.Input("model"),
                 io.Int.Input("world_size", default=2, min=2, max=64,

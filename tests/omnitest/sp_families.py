@@ -96,6 +96,9 @@ INPUT_VARIANTS: dict[str, Callable[[TinyCase], None]] = {
     "ltx2_image_to_video": _ltx2_image_to_video,
     "ltx2_guide": _ltx2_guide(1.0),
     "ltx2_guide_half": _ltx2_guide(0.5),
+    # Kandinsky 5: 3 x 3 x 3 tokens (the last shard padded); one latent frame of 5 x 5 (the forward's image path)
+    "kandinsky5_odd": lambda case: setattr(case, "latent", torch.zeros(1, 16, 3, 6, 6)),
+    "kandinsky5_one_frame": lambda case: setattr(case, "latent", torch.zeros(1, 16, 10, 10)),
 }
 
 
