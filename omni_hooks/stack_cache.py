@@ -430,11 +430,14 @@ class StackTailHook(ModelHook):
     """
 
     phase = HookPhase.CACHING
+    #: the tail's hidden is what it returns (``ReturnedHidden``): the hook acts in ``post_forward``
+    on_output = False
 
     def __init__(self, run: StackCacheRun, part: int = 0, parts: int = 1):
         self.run = run
         self.part = part
         self.parts = parts
+        self.on_output = isinstance(run.stack.tails()[part][1], ReturnedHidden)
 
     @property
     def last(self) -> bool:
@@ -445,9 +448,9 @@ class StackTailHook(ModelHook):
         call = run._call
         if call is None or call.head_input is None or call.tail_part != self.part:
             return args, kwargs
-        where = run.stack.tails()[self.part][1]
-        if isinstance(where, ReturnedHidden):
+        if self.on_output:
             return args, kwargs
+        where = run.stack.tails()[self.part][1]
         if self.parts == 1:
             head_input, call.head_input = call.head_input, None
             if call.skipping:
@@ -473,9 +476,11 @@ class StackTailHook(ModelHook):
 
 
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        if not self.on_output:
+            return output
         run = self.run
         call = run._call
-        if call is None or call.head_input is None or not isinstance(run.stack.tail_hidden, ReturnedHidden):
+        if call is None or call.head_input is None:
             return output
         head_input, call.head_input = call.head_input, None
         if call.skipping:

@@ -86,3 +86,4 @@ def test_threshold_zero_is_bit_identical_and_a_reuse_replaces_the_last_blocks_ou
     assert run.branch_state("c").previous_residual.shape == (2, 12, 8)
     run.remove()
     assert not any(module_has_active_hooks(m) for m in (*model.blocks, model.out))
+
