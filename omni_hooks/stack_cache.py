@@ -474,7 +474,6 @@ class StackTailHook(ModelHook):
             call.head_input, call.reused, call.tail_outputs = None, None, []
         return args, kwargs
 
-
     def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
         if not self.on_output:
             return output

@@ -177,7 +177,7 @@ class SequenceParallelRun:
                              "earlier, or name the shard_group it was split with")
         return record.padded_len // self.world_size if part == "shard" else record.original_len
 
-    # -- attention sites -------------------------------------------------------------------------------------
+    # -- attention sites ------------------------------------------------------------------------------------------
 
     @property
     def active_site(self) -> ActiveSite | None:
