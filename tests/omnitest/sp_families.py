@@ -84,9 +84,15 @@ def _ltx2_guide(strength: float) -> Callable[[TinyCase], None]:
     return change
 
 
+def _guiding_frame_index(case: TinyCase) -> None:
+    """HunyuanVideo I2V "v2 (replace)": the first latent frame guides (``guiding_frame_index``)."""
+    case.positive[0][1]["guiding_frame_index"] = 0
+
+
 #: Named changes to a case's inputs (names, not functions, cross to the ranks).
 INPUT_VARIANTS: dict[str, Callable[[TinyCase], None]] = {
     "text_mask": _text_mask, "denoise_mask": _denoise_mask, "keyframes": _keyframes,
+    "guiding_frame_index": _guiding_frame_index,
     # LTX-2: 32 video tokens and 5 audio (the case's own), 27 and 5 (the last shard padded), 27 and 1 (fewer audio
     # tokens than ranks), 27 video tokens alone (a video-only call), 2 x 4 x 4 video tokens alone
     "ltx2_odd": lambda case: _ltx2_latent(case, 3, 3, 5),
@@ -205,10 +211,10 @@ def assert_plan_equals_one_process(rank_pool, case_name: str, unet_overrides: Op
     return [exchanged for *_, exchanged in results]
 
 
-def rank_refused_then_in_step(case_name: str, refused: str, then: str):
+def rank_refused_then_in_step(case_name: str, refused: str, then: Optional[str] = None):
     """On every rank: the error of a run with the inputs of variant ``refused`` under the family's plan (Ulysses over
-    2 ranks), the bytes this rank had sent when it was raised, and whether a run with variant ``then`` afterwards,
-    under the same plan, is bit-identical to one process (the group is still in step)."""
+    2 ranks), the bytes this rank had sent when it was raised, and a run with variant ``then`` (None: the case's own
+    inputs) afterwards under the same plan and in one process (the group is still in step when they agree)."""
     from omnitest.comfy_path import use_comfyui_in_process
 
     use_comfyui_in_process()
@@ -217,7 +223,8 @@ def rank_refused_then_in_step(case_name: str, refused: str, then: str):
     case = build_case(case_name)
     after = dataclasses.replace(case, positive=copy.deepcopy(case.positive), negative=copy.deepcopy(case.negative))
     INPUT_VARIANTS[refused](case)
-    INPUT_VARIANTS[then](after)
+    if then is not None:
+        INPUT_VARIANTS[then](after)
     reference = sample(after)
     message = ""
     with family_plan_applied(case, 2, 1) as (clone, runtime, _family):
@@ -227,5 +234,5 @@ def rank_refused_then_in_step(case_name: str, refused: str, then: str):
             message = str(exc)
         sent = runtime.stats.bytes_sent
         runtime.reset()
-        in_step = bool(torch.equal(sample(after, clone), reference))
-    return message, sent, in_step
+        got = sample(after, clone)
+    return message, sent, got, reference
