@@ -67,7 +67,7 @@ def wan(env):
 
 
 def last_entry(env) -> dict:
-    return last_entry(env)
+    return env.stats.recent_runs(1)[0]
 
 
 def reasons(entry: dict) -> list[str]:
