@@ -425,11 +425,11 @@ _SPECS: dict[str, _Spec] = {
         "patch_size": (1, 2, 2), "num_text_blocks": 1, "num_visual_blocks": 2, "axes_dims": (8, 12, 12),
     }, _kandinsky5_inputs, 5.0, requires=("comfy.model_base", "Kandinsky5")),
     # Kandinsky 5 image: Kandinsky5Image's matcher only accepts the released model_dim 2560 (80 heads of 32), so the
-    # case has that width, with one text and one visual block and a narrow feed-forward (80M parameters)
+    # case has that width, with one text and two visual blocks and a narrow feed-forward (135M parameters)
     "kandinsky5_image": _Spec("kandinsky5", "Kandinsky5Image", "Kandinsky5Image", {
         "image_model": "kandinsky5", "in_visual_dim": 16, "out_visual_dim": 16, "in_text_dim": 32,
         "in_text_dim2": 32, "time_dim": 32, "model_dim": 2560, "ff_dim": 64, "visual_embed_dim": 64,
-        "patch_size": (1, 2, 2), "num_text_blocks": 1, "num_visual_blocks": 1, "axes_dims": (8, 12, 12),
+        "patch_size": (1, 2, 2), "num_text_blocks": 1, "num_visual_blocks": 2, "axes_dims": (8, 12, 12),
     }, _kandinsky5_image_inputs, 5.0, requires=("comfy.model_base", "Kandinsky5Image")),
     # MiniMax-H3 (ComfyUI 0.33): 6 x rope_inv_freq_len rotary dims fit the head dim
     "minimax_h3": _Spec("minimax_h3", "MiniMaxH3", "MiniMaxH3", {

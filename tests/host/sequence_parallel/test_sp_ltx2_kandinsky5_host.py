@@ -88,6 +88,13 @@ def test_kandinsky5_on_two_ranks_equals_one_process(rank_pool, case_name, inputs
     check(results, ulysses, bit_identical=case_name == "kandinsky5")
 
 
+def test_kandinsky5_of_one_visual_block_splits_and_gathers_at_it(rank_pool):
+    """One block is the stack's head and its last: its split and its gather are on the same module."""
+    results = rank_pool(2).run(rank_calls_against_one_process, "kandinsky5", {"num_visual_blocks": 1}, 2, 1, None,
+                               KANDINSKY5_VIDEO, timeout=TIMEOUT_S)
+    check(results, 2)
+
+
 def test_ltx2_with_a_guide_below_strength_1_is_refused_on_every_rank_before_any_exchange(rank_pool):
     for message, sent, got, reference in rank_pool(2).run(rank_refused_then_in_step, "ltxav", "ltx2_guide_half",
                                                           "ltx2_odd", timeout=TIMEOUT_S):
