@@ -139,8 +139,9 @@ def ltx2_volume_table() -> None:
     print(f"\nLTX-2 19B-sized: {LTX2['video']} video tokens ({LTX2['heads']} heads x {LTX2['video_head']}, split), "
           f"{LTX2['audio']} audio tokens ({LTX2['heads']} heads x {LTX2['audio_head']}, whole on every rank), bf16, "
           f"{LTX2['blocks']} blocks, batch 1; bytes sent by one rank per model evaluation\n")
-    print("| ranks | layout (U x R) | video self-attention per block (MB) | the audio's attention to the video per block (MB) | "
-          "output gather (MB) | per evaluation, all blocks (GB) | of which the audio's |")
+    print("| ranks | layout (U x R) | video self-attention per block (MB) | "
+          "the audio's attention to the video per block (MB) | output gather (MB) | per evaluation, all blocks (GB) | "
+          "of which the audio's |")
     print("|---|---|---|---|---|---|---|")
     for u, r in LAYOUTS[:5]:
         config = SequenceParallelConfig(ulysses_degree=u, ring_degree=r)

@@ -1,16 +1,16 @@
 """The Sequence Parallel node's run in ComfyUI: time per sampling step at 1 rank vs N ranks, side by side in one run.
 
-ComfyUI in this process (rank 0) samples a Wan 2.1, LTX-2 (video and audio) or Kandinsky 5 model (``--model``; the
-last two need ComfyUI 0.33) built from ComfyUI's own classes (random weights of a chosen size) with ComfyUI's KSampler, once without the node and through the node's session (Ulysses, ring, CFG parallel) at
-each ``--ranks`` (the pack starts N - 1 local worker processes, sends them the weights, and every call is split across
-the ranks). Rounds are interleaved; the table gives the median round (and the best); the first run of each (worker
-start, weight transfer) is a warm-up and not timed. "control" is rank 0's time in the group's commands (encoding and
-sending the call, waiting for every worker's answer: the control path alone), per model call; "sent per step" is what
-rank 0 sent through torch.distributed per step (the model's exchanges and the cache agreement, the card's
-``bytes_sent``; a call's large tensors over the broadcast size count too). "added per call" is the
-median step's time over 1 rank's, divided by the model calls per step: at a tiny shape (``--dim 256 --layers 1
---frames 1 --size 8``) compute is near zero and it is what the control path, the call's setup on every rank and the
-model's own exchanges cost per model call.
+ComfyUI in this process (rank 0) samples a Wan 2.1, LTX-2 (video and audio) or Kandinsky 5 model (``--model``; the last
+two need ComfyUI 0.33) built from ComfyUI's own classes (random weights of a chosen size) with ComfyUI's KSampler, once
+without the node and through the node's session (Ulysses, ring, CFG parallel) at each ``--ranks`` (the pack starts N - 1
+local worker processes, sends them the weights, and every call is split across the ranks). Rounds are interleaved; the
+table gives the median round (and the best); the first run of each (worker start, weight transfer) is a warm-up and not
+timed. "control" is rank 0's time in the group's commands (encoding and sending the call, waiting for every worker's
+answer: the control path alone), per model call; "sent per step" is what rank 0 sent through torch.distributed per step
+(the model's exchanges and the cache agreement, the card's ``bytes_sent``; a call's large tensors over the broadcast
+size count too). "added per call" is the median step's time over 1 rank's, divided by the model calls per step: at a
+tiny shape (``--dim 256 --layers 1 --frames 1 --size 8``) compute is near zero and it is what the control path, the
+call's setup on every rank and the model's own exchanges cost per model call.
 
 CPU (default): gloo ranks, one thread each (every exchange a gloo collective). CUDA (``--devices cuda``, at least N
 GPUs): NCCL ranks; adds rank 0's peak memory (``torch.cuda.max_memory_allocated``) and each GPU's memory in use after

@@ -121,7 +121,7 @@ def test_auto_degrees_read_every_attention_sites_heads(case_name, heads):
 
     node = pack_module("nodes.sequence_parallel.node")
     built = build_case(case_name)
-    family = pack_module("nodes.families").detect(built.patcher).model_family
+    family = pack_module("nodes.families").detect(built.patcher).family
     assert node._heads(built.diffusion_model, family) == heads
     if case_name == "ltxav":
         built = build_case(case_name, unet_overrides={"audio_num_attention_heads": 1, "audio_attention_head_dim": 32})
