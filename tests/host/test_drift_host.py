@@ -182,9 +182,9 @@ def test_a_plan_input_of_ltx2_or_kandinsky5_that_changed_is_named(env, monkeypat
 
     case = env.tiny.build_case(case_name)
     getattr(drift_models, drift)(monkeypatch)
-    report = env.drift.check_patcher(case.patcher, sequence_parallel=True)
+    report = drift_report(case.patcher, sequence_parallel=True)
     assert [f.what for f in report.differences] == found
-    assert env.drift.check_patcher(case.patcher, sequence_parallel=False).differences == []
+    assert drift_report(case.patcher, sequence_parallel=False).differences == []
 
 
 def test_a_block_stack_that_moved_is_named(env):
