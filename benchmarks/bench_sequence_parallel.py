@@ -1,11 +1,15 @@
-"""Sequence parallelism: what each exchange sends at Wan 14B size, and a CPU run of the toy DiT at 1 vs 2 ranks.
+"""Sequence parallelism: what each exchange sends at Wan 14B and LTX-2 19B size, and a CPU run of the toy DiT at 1 vs 2
+ranks.
 
 1. Communication volume per rank and model evaluation for Ulysses, ring and the hybrid on a Wan 2.1 14B-sized
    sequence (720p, 81 frames: 75600 tokens, 40 heads of 128, bf16, 40 blocks, batch 1). The numbers are the
    implementation's own accounting (``CommStats``): the real split/gather hooks and attention entry run on "meta"
    tensors over a simulated mesh, whose collectives count the bytes they would send and move nothing. The rank tests
    check that a simulated mesh counts exactly what a real gloo exchange sends. One attention call per block: Wan's
-   cross-attention reads the replicated text and sends nothing.
+   cross-attention reads the replicated text and sends nothing. The same for LTX-2 19B (720p, 121 frames: 14080 video
+   tokens, 32 heads of 128; 121 audio tokens, 32 heads of 64; 48 blocks): per block the video's self-attention and
+   the audio's attention to the video (its keys split with the video, its queries whole), whose exchange is the one
+   the audio adds.
 2. The toy DiT of the tests (tests/omnitest/toy_dit.py, scaled up) on CPU: one process vs two gloo processes
    (Ulysses 2, ring 2), one thread each, interleaved rounds, best of ``--repeats``.
 
@@ -26,6 +30,7 @@ import torch  # noqa: E402
 
 from omni_hooks.sequence_parallel import (  # noqa: E402
     SequenceParallelConfig,
+    SequenceParallelCrossAttention,
     SequenceParallelInput,
     SequenceParallelMesh,
     SequenceParallelOutput,
@@ -93,6 +98,76 @@ def wan_volume_table() -> None:
         print(f"| {u * r} | {label} {u} x {r} | {sent('ulysses_all_to_all') / WAN['blocks'] / 1e6:.1f} | "
               f"{sent('ring_hop') / WAN['blocks'] / 1e6:.1f} | {sent('output_all_gather') / 1e6:.1f} | "
               f"{sent('cache_agreement')} | {sp.stats.bytes_sent / GB:.2f} |")
+
+
+LTX2 = {"video": 14080, "audio": 121, "heads": 32, "video_head": 128, "audio_head": 64, "blocks": 48}
+
+
+class CrossAttentionStandIn(torch.nn.Module):
+    """LTX-2's video-to-audio attention: the audio's queries ``[B, La, H·Da]`` over keys/values of the video's tokens
+    projected to the audio's width."""
+
+    def forward(self, q, kv, heads, options):
+        return options["attention_override"](sdpa_attention, q, kv, kv, heads)
+
+
+class LTX2Shaped(torch.nn.Module):
+    def __init__(self, blocks: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Module() for _ in range(blocks))
+        for block in self.blocks:
+            block.attn1 = SelfAttentionStandIn()
+            block.video_to_audio_attn = CrossAttentionStandIn()
+        self.norm_out = torch.nn.Identity()
+
+    def forward(self, vx, ax, options):
+        audio_width = LTX2["heads"] * LTX2["audio_head"]
+        for block in self.blocks:
+            vx = block.attn1(vx, LTX2["heads"], options)
+            ax = block.video_to_audio_attn(ax, vx[..., :audio_width], LTX2["heads"], options)
+        return self.norm_out(vx)
+
+
+LTX2_PLAN = {"": {"vx": SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True)},
+             "blocks.*.attn1": SequenceParallelSelfAttention(),
+             "blocks.*.video_to_audio_attn": SequenceParallelCrossAttention(),
+             "norm_out": SequenceParallelOutput(gather_dim=1, expected_dims=3)}
+
+
+def ltx2_volume_table() -> None:
+    video_width, audio_width = LTX2["heads"] * LTX2["video_head"], LTX2["heads"] * LTX2["audio_head"]
+    print(f"\nLTX-2 19B-sized: {LTX2['video']} video tokens ({LTX2['heads']} heads x {LTX2['video_head']}, split), "
+          f"{LTX2['audio']} audio tokens ({LTX2['heads']} heads x {LTX2['audio_head']}, whole on every rank), bf16, "
+          f"{LTX2['blocks']} blocks, batch 1; bytes sent by one rank per model evaluation\n")
+    print("| ranks | layout (U x R) | video self-attention per block (MB) | "
+          "the audio's attention to the video per block (MB) | output gather (MB) | per evaluation, all blocks (GB) | "
+          "of which the audio's |")
+    print("|---|---|---|---|---|---|---|")
+    for u, r in LAYOUTS[:5]:
+        config = SequenceParallelConfig(ulysses_degree=u, ring_degree=r)
+        model = LTX2Shaped(LTX2["blocks"])
+        sp = apply_sequence_parallel(model, config, LTX2_PLAN, mesh=SequenceParallelMesh.simulated_for(config, 0))
+        vx = torch.empty(1, LTX2["video"], video_width, dtype=torch.bfloat16, device="meta")
+        ax = torch.empty(1, LTX2["audio"], audio_width, dtype=torch.bfloat16, device="meta")
+        cross = []
+
+        def count_cross(module, args, output):  # the bytes of each audio-to-video call
+            cross.append(sp.stats.bytes_sent - cross_start[0])
+
+        cross_start = [0]
+        handles = [block.video_to_audio_attn.register_forward_pre_hook(
+            lambda *_: cross_start.__setitem__(0, sp.stats.bytes_sent)) for block in model.blocks]
+        handles += [block.video_to_audio_attn.register_forward_hook(count_cross) for block in model.blocks]
+        assert model(vx, ax, {"attention_override": sp.attention}).shape == vx.shape
+        for handle in handles:
+            handle.remove()
+        remove_sequence_parallel(model, LTX2_PLAN)
+        gather = sp.stats.by_kind["output_all_gather"].bytes_sent
+        total = sp.stats.bytes_sent
+        label = "Ulysses" if r == 1 else "ring" if u == 1 else "hybrid"
+        print(f"| {u * r} | {label} {u} x {r} | {(total - sum(cross) - gather) / LTX2['blocks'] / 1e6:.1f} | "
+              f"{sum(cross) / LTX2['blocks'] / 1e6:.2f} | {gather / 1e6:.1f} | {total / GB:.2f} | "
+              f"{100 * sum(cross) / total:.1f}% |")
 
 
 # -- the toy DiT on CPU ----------------------------------------------------------------------------------------------
@@ -174,6 +249,7 @@ def main() -> None:
     parser.add_argument("--volume-only", action="store_true")
     opts = parser.parse_args()
     wan_volume_table()
+    ltx2_volume_table()
     if not opts.volume_only:
         toy_table(opts.rounds, opts.repeats)
 

@@ -54,6 +54,14 @@ class PackedStreams:
         return pack_streams(TensorArg(self.name, self.index).get(args, kwargs))
 
 
+@dataclass(frozen=True)
+class ReturnedHidden:
+    """A stack's ``tail_hidden`` read from what its ``tail`` returns (one tensor) rather than from its arguments: the
+    stack's last block is then its own tail. For a model whose forward reshapes the stack's output before it calls
+    the next module (Kandinsky 5 folds its tokens back into the latent grid), so that no module receives the tokens
+    as the blocks made them. A cache stores the residual from that output and, on a skip, replaces it."""
+
+
 SkipFn = Callable[[torch.nn.Module, tuple, dict], Any]
 
 
@@ -63,13 +71,14 @@ class BlockStack:
 
     ``blocks[0]`` is the head block (caches decide there). ``skip_block(block, args, kwargs)`` returns what ``block``
     would return if it were the identity on its streams. The tail's image-stream input must have the same shape as
-    the head's image-stream input for a residual to be reusable; caches check that and fall back to computing.
+    the head's image-stream input for a residual to be reusable; caches check that and fall back to computing. With
+    ``tail_hidden`` a ``ReturnedHidden``, ``tail`` is the last block and its output is read instead.
     """
 
     blocks: Sequence[torch.nn.Module]
     tail: torch.nn.Module
     head_hidden: TensorArg | PackedStreams
-    tail_hidden: TensorArg
+    tail_hidden: TensorArg | ReturnedHidden
     skip_block: SkipFn
     # Blocks that modify their input in place need the head input cloned before they run.
     clone_head_input: bool = True
@@ -86,6 +95,9 @@ class BlockStack:
             raise ValueError("A BlockStack needs at least one block")
         if self.stream_tails and not isinstance(self.head_hidden, PackedStreams):
             raise ValueError("A BlockStack with stream_tails reads its head hidden as PackedStreams")
+        if isinstance(self.tail_hidden, ReturnedHidden) and (self.stream_tails or self.tail is not self.blocks[-1]):
+            raise ValueError("A BlockStack whose tail_hidden is ReturnedHidden has its last block as tail and no "
+                             "stream_tails")
 
     def tails(self) -> list[tuple[torch.nn.Module, TensorArg]]:
         """Every module that receives a stream of the stack's output, with where, in call order."""

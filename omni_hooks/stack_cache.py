@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .base import BaseState, HookPhase, HookRegistry, ModelHook, StateManager, remove_hook_and_restore
-from .blockstack import BlockStack
+from .blockstack import BlockStack, ReturnedHidden
 from .context import CallContext
 from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
@@ -425,14 +425,19 @@ class StackTailHook(ModelHook):
 
     A stack of packed streams has one tail per stream (``part`` of ``parts``, called in that order): each gets its
     stream's share of the reused hidden on a skip; on a compute the last one stores the residual of all of them.
+    A stack whose ``tail_hidden`` is ``ReturnedHidden`` has its last block as tail: the hook acts on that block's
+    output instead of its input.
     """
 
     phase = HookPhase.CACHING
+    #: the tail's hidden is what it returns (``ReturnedHidden``): the hook acts in ``post_forward``
+    on_output = False
 
     def __init__(self, run: StackCacheRun, part: int = 0, parts: int = 1):
         self.run = run
         self.part = part
         self.parts = parts
+        self.on_output = isinstance(run.stack.tails()[part][1], ReturnedHidden)
 
     @property
     def last(self) -> bool:
@@ -442,6 +447,8 @@ class StackTailHook(ModelHook):
         run = self.run
         call = run._call
         if call is None or call.head_input is None or call.tail_part != self.part:
+            return args, kwargs
+        if self.on_output:
             return args, kwargs
         where = run.stack.tails()[self.part][1]
         if self.parts == 1:
@@ -466,6 +473,19 @@ class StackTailHook(ModelHook):
                 run.store_residual(call.head_input, torch.cat(call.tail_outputs, dim=1))
             call.head_input, call.reused, call.tail_outputs = None, None, []
         return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        if not self.on_output:
+            return output
+        run = self.run
+        call = run._call
+        if call is None or call.head_input is None:
+            return output
+        head_input, call.head_input = call.head_input, None
+        if call.skipping:
+            return run.reused_hidden(head_input)
+        run.store_residual(head_input, output)
+        return output
 
 
 class StackCaptureHook(ModelHook):

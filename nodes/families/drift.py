@@ -9,7 +9,8 @@ loaded diffusion model, without calling it and without changing anything:
   * the diffusion model's forward (the DIFFUSION_MODEL call) likewise;
   * with Sequence Parallel: the family's plan is valid, every split point names modules of this model, every input it
     names is a parameter of that module's forward, and each declared plan input probe yields the type (tensor, or a
-    list of as many tensors as the plan has specs) and dims the plan's specs expect.
+    list of as many tensors as the plan has specs) and dims the plan's specs expect, or, for an input of the host's
+    own kind (``SequenceParallelObjectInput``), a value whose length the family's function reads.
 
 A difference is drift: the run stops with a ``ModelDriftError`` before any hook is installed or any rank exchanges
 anything. A forward taking ``*args`` / ``**kwargs`` the family does not expect is followed when it is a wrapper that
@@ -26,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ...omni_hooks.sequence_parallel.plan import (ModuleForwardMetadata, ReplicatedTokens, resolve_submodules,
-                                                 unwrap_module, validate_sp_plan)
+from ...omni_hooks.sequence_parallel.plan import (ModuleForwardMetadata, ReplicatedTokens, SequenceParallelObjectInput,
+                                                 resolve_submodules, unwrap_module, validate_sp_plan)
 from . import ModelFamily, pass_through
 from .base import ForwardParameters, dotted_attribute
 
@@ -219,6 +220,14 @@ def _check_plan(report: DriftReport, family: ModelFamily, dm: torch.nn.Module) -
 
 def type_mismatch(spec: Any, value: Any) -> str | None:
     """How ``value`` differs from what plan input ``spec`` (one spec, or a list of them) splits; None if it fits."""
+    if isinstance(spec, SequenceParallelObjectInput):
+        try:
+            length = spec.tokens(value)
+        except Exception as e:  # the host changed the object the family reads
+            return f"is a {type(value).__name__} whose length the plan cannot read ({type(e).__name__}: {e})"
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
+            return f"is a {type(value).__name__} whose length the plan reads as {length!r}, not a token count"
+        return None
     if isinstance(spec, (list, tuple)):
         if isinstance(value, torch.Tensor):
             return f"is a tensor, the plan has a list of {len(spec)} specs"

@@ -5,23 +5,28 @@
 the text and the time), patchifies the latent into ``visual_embed`` [B, T, H, W, D], flattens it to [B, N, D] and
 runs ``visual_transformer_blocks`` (``block(visual_embed, text_embed, time_embed, freqs=...)`` -> visual_embed; self
 attention over the video tokens, cross attention to the text). It then reshapes the tokens back to the grid and calls
-``out_layer(visual_embed, time_embed)``, the tail: its input is read and written as the [B, N, D] tokens
-(``GridTokens``), so a residual has the head input's shape.
+``out_layer(visual_embed, time_embed)``. No module receives the tokens as the blocks made them, so the stack's last
+block is its own tail (``ReturnedHidden``): a cache stores and reuses the residual of that block's output.
 
-Sequence Parallel: none. The stack's output is reshaped to the latent grid inside the forward, between the last block
-and the final layer, where there is no module to gather split tokens back at.
+Sequence Parallel: the tokens are split at the first visual block, before its caches (the stack starts there), the
+RoPE table ``freqs`` [1, N, 1, D/2, 2, 2] at every visual block, and the last visual block's output is gathered
+before the forward reshapes it to the grid, after its caches (which see, store and reuse this rank's shard: the
+gather is ``outside_caches``). Self-attention of the visual blocks is exchanged; their cross-attention to the text
+keeps the text keys every rank holds and runs locally. The text blocks run whole on every rank: their
+self-attention is over the text only (its own 1-D RoPE table ``freqs_text``), which every rank holds. Video and
+image (one latent frame) split alike; a token count the world size does not divide pads the last shard.
 
 ComfyUI before 0.33 has no Kandinsky 5: the class is probed from its module only when that module is loaded.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import comfy.model_base
 import torch
 
-from ...omni_hooks.blockstack import ArgsKwargs, BlockStack, TensorArg, skip_returning
+from ...omni_hooks.blockstack import BlockStack, ReturnedHidden, TensorArg, skip_returning
+from ...omni_hooks.sequence_parallel import SequenceParallelInput, SequenceParallelOutput, SequenceParallelSelfAttention
 from ...omni_hooks.teacache import ModulatedInput
 from .base import Expectations, ForwardParameters, ModelFamily, Variant, calibrate_first, call_arg
 
@@ -30,20 +35,6 @@ _MODULE = "comfy.ldm.kandinsky5.model"
 # model_dim of the released video checkpoints (Kandinsky 5.0 Video Lite 2B, Pro 19B); the image model is 2560
 _VIDEO_SIZES = {1792: "Lite", 4096: "Pro"}
 
-@dataclass(frozen=True)
-class GridTokens:
-    """A [B, T, H, W, D] grid argument read as its [B, T*H*W, D] tokens (and written back as the grid)."""
-
-    name: str
-    index: int
-
-    def get(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        return TensorArg(self.name, self.index).get(args, kwargs).flatten(1, -2)
-
-    def replace(self, args: tuple, kwargs: dict, value: torch.Tensor) -> ArgsKwargs:
-        where = TensorArg(self.name, self.index)
-        return where.replace(args, kwargs, value.reshape(where.get(args, kwargs).shape))
-
 
 def _model_module():
     return sys.modules.get(_MODULE)
@@ -51,9 +42,9 @@ def _model_module():
 
 def _stack(dm: torch.nn.Module) -> BlockStack:
     # the blocks return new tensors (addcmul), so the head input needs no copy
-    return BlockStack(blocks=list(dm.visual_transformer_blocks), tail=dm.out_layer, head_hidden=VISUAL,
-                      tail_hidden=GridTokens("visual_embed", 0), skip_block=skip_returning(VISUAL),
-                      clone_head_input=False)
+    blocks = list(dm.visual_transformer_blocks)
+    return BlockStack(blocks=blocks, tail=blocks[-1], head_hidden=VISUAL, tail_hidden=ReturnedHidden(),
+                      skip_block=skip_returning(VISUAL), clone_head_input=False)
 
 
 def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
@@ -68,6 +59,35 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
         shift, scale, _gate = k5.get_shift_scale_gate(self_attn_params)
         return k5.apply_scale_shift_norm(block.self_attention_norm, x, scale, shift)
     return ModulatedInput(compute=compute)
+
+
+_ROPE_GROUP = "kandinsky5_rope"
+
+
+def _sequence_plan(dm: torch.nn.Module) -> dict:
+    split_tokens = {"visual_embed": SequenceParallelInput(split_dim=1, expected_dims=3, auto_pad=True,
+                                                          outside_caches=True)}
+    # both before the caches: one block's split specs must agree on it, and a model of one block takes both at once
+    split_table = {"freqs": SequenceParallelInput(split_dim=1, expected_dims=6, auto_pad=True, shard_group=_ROPE_GROUP,
+                                                  outside_caches=True)}
+    gather_tokens = SequenceParallelOutput(gather_dim=1, expected_dims=3, outside_caches=True)
+    last = len(dm.visual_transformer_blocks) - 1
+    if last == 0:  # one spec per module id: the only block takes the split, and "*" names it for the gather
+        blocks = {"visual_transformer_blocks.0": {**split_tokens, **split_table},
+                  "visual_transformer_blocks.*": gather_tokens}
+    else:
+        blocks = {"visual_transformer_blocks.0": split_tokens, "visual_transformer_blocks.*": split_table,
+                  f"visual_transformer_blocks.{last}": gather_tokens}
+    return {**blocks, "visual_transformer_blocks.*.self_attention": SequenceParallelSelfAttention()}
+
+
+def _freqs_probe(dm: torch.nn.Module) -> torch.Tensor:
+    """The visual blocks' ``freqs``: the RoPE table of a one-frame 2x2-patch latent, made by the model's own method."""
+    return dm.rope_encode_3d(1, 4, 4, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
+    return [block.self_attention for block in dm.visual_transformer_blocks]
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
@@ -88,12 +108,12 @@ FAMILY = ModelFamily(
     # the text side (its own blocks, outside the stack), the embeddings and the final layer
     resident=("time_embeddings", "text_embeddings", "pooled_text_embeddings", "visual_embeddings",
               "text_transformer_blocks", "out_layer"),
-    sequence_refusal=("its block stack's output is reshaped to the latent grid inside the forward, between the last "
-                      "block and the final layer, where split tokens cannot be gathered back; the caches and CPU "
-                      "Offload work on it"),
+    sequence_plan=_sequence_plan, attention_sites=_attention_sites,
     expects=Expectations(
         blocks={"visual_transformer_blocks": ForwardParameters(
             ("visual_embed", "text_embed", "time_embed", "freqs", "transformer_options"),
             positions={"visual_embed": 0, "time_embed": 2})},
         call=ForwardParameters(("x", "timestep", "context", "y", "time_dim_replace", "transformer_options",
-                                "**kwargs"))))
+                                "**kwargs")),
+        plan_inputs={("visual_transformer_blocks.*", "freqs"): _freqs_probe,
+                     ("visual_transformer_blocks.0", "freqs"): _freqs_probe}))

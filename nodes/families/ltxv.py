@@ -49,7 +49,7 @@ def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
 
 # Sequence parallelism. _forward patchifies the latent, computes the RoPE table ``pe`` from the full pixel coordinates
 # (keyframe indices, when given, are written into those coordinates first, so guide tokens get their positions before
-# anything is split), embeds the tokens (``patchify_proj``) and runs the blocks. ``pe`` is, by host (see _pe_spec):
+# anything is split), embeds the tokens (``patchify_proj``) and runs the blocks. ``pe`` is, by host (see rope_spec):
 # the pair (cos, sin), each [B, L, inner]; one rotation table [B, 1, L, inner/2, 2, 2]; or the pair (rotation table
 # [B, L, heads, head_dim/2, 2, 2], split-layout flag), made by the model's own method.
 # The tokens are split at ``patchify_proj``'s output; ``pe`` and the timestep projection (one row per sample, or one
@@ -62,29 +62,36 @@ _TOKENS_GROUP = "ltxv_tokens"
 _GUIDE_MASK = "self_attention_mask"
 
 
-def _per_token(expected_dims: int) -> SequenceParallelInput:
-    return SequenceParallelInput(split_dim=1, expected_dims=expected_dims, auto_pad=True, shard_group=_TOKENS_GROUP,
+def per_token(expected_dims: int, shard_group: str) -> SequenceParallelInput:
+    """A block input with one value per video token in dim 1 (or one for all of them), split before any cache on the
+    block, its length recorded for ``shard_group``."""
+    return SequenceParallelInput(split_dim=1, expected_dims=expected_dims, auto_pad=True, shard_group=shard_group,
                                  outside_caches=True, broadcast_length_one=True)
 
 
-def _pe_spec(dm: torch.nn.Module):
-    """The plan's spec for the blocks' ``pe``, after the layout this host's RoPE function makes (``_pe_probe``)."""
-    pe = _pe_probe(dm)
+def rope_spec(pe, shard_group: str):
+    """The plan's spec for a RoPE table ``pe`` over the video tokens, in the layout of this host's RoPE function (a
+    sample made as the model makes it), split as ``per_token``."""
     if isinstance(pe, torch.Tensor):  # one rotation table, the tokens in dim 2 (applied with Flux's apply_rope1)
-        return SequenceParallelInput(split_dim=2, expected_dims=6, auto_pad=True, shard_group=_TOKENS_GROUP,
+        return SequenceParallelInput(split_dim=2, expected_dims=6, auto_pad=True, shard_group=shard_group,
                                      outside_caches=True)
     if isinstance(pe[1], torch.Tensor):  # (cos, sin)
-        return [_per_token(3), _per_token(3)]
-    return [_per_token(6), None]  # (rotation table, split-layout flag): the flag is left alone
+        return [per_token(3, shard_group), per_token(3, shard_group)]
+    return [per_token(6, shard_group), None]  # (rotation table, split-layout flag): the flag is left alone
+
+
+def guide_mask_refusal(model: str) -> SequenceParallelRefusedInput:
+    """The refusal of the blocks' guide self-attention mask (LTXVAddGuide with a strength or an attention_mask)."""
+    return SequenceParallelRefusedInput(
+        f"Sequence Parallel: {model} with an LTXVAddGuide whose strength is not 1 or that has an attention_mask "
+        "is not supported (the guide's self-attention mask spans the whole token sequence); fix: set the guide's "
+        "strength to 1 and leave its attention_mask unconnected, or remove Sequence Parallel from this workflow")
 
 
 def _sequence_plan(dm: torch.nn.Module) -> dict:
-    blocks = {"pe": _pe_spec(dm), "timestep": _per_token(3)}
+    blocks = {"pe": rope_spec(_pe_probe(dm), _TOKENS_GROUP), "timestep": per_token(3, _TOKENS_GROUP)}
     if _GUIDE_MASK in inspect.signature(type(dm.transformer_blocks[0]).forward).parameters:
-        blocks[_GUIDE_MASK] = SequenceParallelRefusedInput(
-            "Sequence Parallel: LTX-Video with an LTXVAddGuide whose strength is not 1 or that has an attention_mask "
-            "is not supported (the guide's self-attention mask spans the whole token sequence); fix: set the guide's "
-            "strength to 1 and leave its attention_mask unconnected, or remove Sequence Parallel from this workflow")
+        blocks[_GUIDE_MASK] = guide_mask_refusal("LTX-Video")
     return {
         "patchify_proj": {0: SequenceParallelInput(split_dim=1, expected_dims=3, split_output=True, auto_pad=True)},
         "transformer_blocks.*": blocks,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from pathlib import Path
@@ -185,13 +186,15 @@ def config_for(model, group: sp_group.GroupSettings, ulysses_degree: int | None,
 
 
 def _heads(dm: torch.nn.Module, family: ModelFamily) -> int:
-    """The attention head count: ``num_heads`` of the model or of its ``params`` (Wan, Flux) or its ``n_heads``
-    (Z-Image's NextDiT), else of its first attention site (``num_heads`` or ``heads``, e.g. Qwen-Image's ``attn``)."""
+    """The attention head count a Ulysses degree must divide: ``num_heads`` of the model or of its ``params`` (Wan,
+    Flux) or its ``n_heads`` (Z-Image's NextDiT), else the greatest common divisor of its attention sites' counts
+    (``num_heads`` or ``heads`` of each, e.g. Qwen-Image's ``attn``; LTX-2's video and audio heads)."""
     heads = (getattr(dm, "num_heads", None) or getattr(getattr(dm, "params", None), "num_heads", None)
              or getattr(dm, "n_heads", None))
     sites = family.attention_sites(dm) if heads is None and family.attention_sites is not None else []
     if sites:
-        heads = getattr(sites[0], "num_heads", None) or getattr(sites[0], "heads", None)
+        counts = [getattr(site, "num_heads", None) or getattr(site, "heads", None) for site in sites]
+        heads = math.gcd(*counts) if all(isinstance(c, int) for c in counts) else None
     if not isinstance(heads, int):
         raise ValueError(f"{NODE_TITLE}: cannot read the head count of {type(dm).__name__}; set ulysses_degree and "
                          "ring_degree instead of 'auto'")
@@ -368,8 +371,9 @@ class SequenceParallel(io.ComfyNode):
         return io.Schema(
             node_id=NODE_ID, display_name=display_name(NODE_TITLE), category=CATEGORY,
             description=("Samples this MODEL across several GPUs (or CPU processes): each rank computes its share of "
-                         "the tokens, attention is exchanged exactly. Place between the loader (and LoRAs) and the "
-                         f"sampler. Supported: {supported_families()}."),
+                         "the image or video tokens (the text, and LTX-2's audio, stay whole on every rank), "
+                         "attention is exchanged exactly. Place between the loader (and LoRAs) and the sampler. "
+                         f"Supported: {supported_families()}."),
             inputs=[
                 io.Model.Input("model"),
                 io.Int.Input("world_size", default=2, min=2, max=64,

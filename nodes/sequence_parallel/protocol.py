@@ -410,16 +410,17 @@ def broadcast_tensors(tensors: list[torch.Tensor], device: torch.device | None =
     """Broadcast each tensor from rank 0 into the same-shaped tensor on every other rank, in order (collective).
 
     ``device``: where the backend exchanges (None: CPU for gloo, the current CUDA device for NCCL); a tensor held
-    elsewhere is staged through it."""
+    elsewhere, or not contiguous (a view into a larger tensor, such as a stream of an audio-video latent), is staged
+    through a contiguous copy there."""
     if device is None:
         device = (torch.device("cpu") if dist.get_backend() == "gloo"
                   else torch.device("cuda", torch.cuda.current_device()))
     with torch.no_grad():
         for tensor in tensors:
             data = tensor.data
-            if data.device == device:
+            if data.device == device and data.is_contiguous():
                 dist.broadcast(data, src=0)
             else:
-                staged = data.to(device)
+                staged = data.to(device).contiguous()
                 dist.broadcast(staged, src=0)
                 data.copy_(staged)

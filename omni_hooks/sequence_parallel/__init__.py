@@ -25,6 +25,7 @@ from .attention import (
     ring_attention,
     sdpa_attention,
     sequence_to_heads,
+    split_keys_attention,
 )
 from .cache_sync import GroupAgreement
 from .comm import CommRecord, CommStats, Communicator
@@ -32,6 +33,7 @@ from .config import SequenceParallelConfig
 from .hooks import (
     SequenceParallelBatchHook,
     SequenceParallelGatherHook,
+    SequenceParallelGatherOutsideCachesHook,
     SequenceParallelSelfAttentionHook,
     SequenceParallelSplitHook,
     SequenceParallelSplitOutsideCachesHook,
@@ -42,8 +44,10 @@ from .mesh import RankGroup, SequenceParallelMesh, group_layout
 from .plan import (
     ModuleForwardMetadata,
     ReplicatedTokens,
+    SequenceParallelCrossAttention,
     SequenceParallelInput,
     SequenceParallelModelPlan,
+    SequenceParallelObjectInput,
     SequenceParallelOutput,
     SequenceParallelPartialInput,
     SequenceParallelRefusedInput,
@@ -69,10 +73,13 @@ __all__ = [
     "SequenceParallelAttention",
     "SequenceParallelBatchHook",
     "SequenceParallelConfig",
+    "SequenceParallelCrossAttention",
     "SequenceParallelGatherHook",
+    "SequenceParallelGatherOutsideCachesHook",
     "SequenceParallelInput",
     "SequenceParallelMesh",
     "SequenceParallelModelPlan",
+    "SequenceParallelObjectInput",
     "SequenceParallelOutput",
     "SequenceParallelPartialInput",
     "SequenceParallelRefusedInput",
@@ -95,6 +102,7 @@ __all__ = [
     "ring_attention",
     "sdpa_attention",
     "sequence_to_heads",
+    "split_keys_attention",
     "unwrap_module",
     "validate_sp_plan",
 ]

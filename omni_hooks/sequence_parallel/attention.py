@@ -14,7 +14,13 @@ Shapes are written ``[B, L, H, D]`` (batch, tokens, heads, head dim), the canoni
   takes its heads of them without communication, attends with them (their keys added once, at ring step 0), and
   the heads of their output are all-gathered over the Ulysses group.
 * Padding (``auto_pad``): the padded keys are cut off before attention, so padding needs no attention mask and works
-  with mask-blind kernels; padded query rows give values the gather hook drops.
+  with mask-blind kernels; padded query rows give values the gather hook drops (with Ulysses alone they are cut too,
+  so the host function sees the very queries and keys of one process, and their rows are zeros).
+* Split keys (``SequenceParallelCrossAttention``: queries every rank holds whole, keys and values of a split sequence,
+  e.g. a short stream attending to a long one): Ulysses exchanges the keys and values for heads as above, each rank
+  attends with its heads of the queries and the heads of the output are all-gathered; across a ring each rank attends
+  to the keys it holds, and the partial results (output and log-sum-exp) are all-gathered and merged in rank order,
+  so every rank holds the same output.
 * Host key masks (e.g. HunyuanVideo's padded text tokens): a mask over the keys the rank holds (its shard and the
   joint tokens; the same for every query) is all-gathered over the sequence-parallel group, so each rank knows the
   mask of every key: Ulysses passes the host function the mask of the whole key sequence it attends to, ring adds the
@@ -27,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .comm import Communicator
+from .sharding import pad_to
 
 if TYPE_CHECKING:
     from .run import ActiveSite, SequenceParallelRun
@@ -39,6 +46,8 @@ ULYSSES_KIND = "ulysses_all_to_all"
 JOINT_KIND = "ulysses_joint_all_gather"
 RING_KIND = "ring_hop"
 MASK_KIND = "key_mask_all_gather"
+CROSS_HEADS_KIND = "cross_heads_all_gather"
+CROSS_PARTIAL_KIND = "cross_partial_all_gather"
 
 
 # -- layouts ------------------------------------------------------------------------------------------------------
@@ -204,6 +213,30 @@ def ring_attention(comm: Communicator, q: torch.Tensor, k: torch.Tensor, v: torc
     return out.transpose(1, 2).to(q.dtype)
 
 
+def split_keys_attention(comm: Communicator, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         scale: float | None = None) -> torch.Tensor:
+    """Attention of queries every member of ``comm`` holds alike over keys/values split across the members (member
+    ``j`` holds the ``j``-th segment; ``k``/``v`` this member's real keys, possibly none). ``[B, L, H, D]`` tensors;
+    returns ``[B, Lq, H, D]`` in ``q.dtype``, the same on every member.
+
+    Each member attends to its keys (``attention_with_lse``, float32, or float64 for float64 inputs), the partial
+    outputs and their log-sum-exps are all-gathered and merged in member order (``merge_attention``); a member without
+    keys adds a part that weighs nothing (zeros where no member holds a key)."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qh = q.transpose(1, 2)
+    if k.shape[1]:
+        out, lse = attention_with_lse(qh, k.transpose(1, 2), v.transpose(1, 2), scale, dtype)
+    else:  # no key here: a part that weighs nothing in the merge
+        out = qh.new_zeros(qh.shape, dtype=dtype)
+        lse = qh.new_full(qh.shape[:-1], torch.finfo(dtype).min, dtype=dtype)
+    parts = comm.all_gather(torch.cat([out, lse.unsqueeze(-1)], -1).unsqueeze(0), 0, CROSS_PARTIAL_KIND)
+    merged = merged_lse = None
+    for part in parts:
+        merged, merged_lse = merge_attention(merged, merged_lse, part[..., :-1], part[..., -1])
+    return merged.transpose(1, 2).to(q.dtype)
+
+
 def _bias_or_zeros(bias: torch.Tensor | None, keys: int, like: torch.Tensor) -> torch.Tensor:
     """``bias``, or a zero bias over ``keys`` keys shaped like ``like`` (the other part of a concatenated mask)."""
     if bias is not None:
@@ -262,7 +295,7 @@ class SequenceParallelAttention:
     attention function in the convention of ``sdpa_attention``; ``heads`` the head count; other keyword arguments
     are passed on to ``func`` unchanged. RoPE must already be applied to ``q`` and ``k`` (all these hosts do).
 
-    * Outside a self-attention site of the plan (cross-attention, whose keys every rank holds whole; anything not
+    * Outside an attention site of the plan (cross-attention, whose keys every rank holds whole; anything not
       declared) it calls ``func`` unchanged: no communication, no guessing from shapes.
     * Inside one (``SequenceParallelSelfAttention``; q, k, v hold this rank's shard plus the site's joint tokens):
       Ulysses-only runs ``func`` itself on the exchanged tensors (``heads / U`` heads); with a ring it computes the
@@ -270,6 +303,10 @@ class SequenceParallelAttention:
       ``mask`` there must be a key mask over the keys this rank holds, in their layout (``check_key_mask``); Ulysses
       passes ``func`` the mask of the keys it attends to in the host's mask layout (its heads only, for a per-head
       mask), ring applies it to each block. Without a mask, ``func`` gets none (mask-blind kernels work).
+    * Inside a cross-attention site (``SequenceParallelCrossAttention``; q holds every query, k and v this rank's
+      shard of the split sequence): Ulysses-only runs ``func`` on this rank's heads of the queries and every key of
+      those heads, then all-gathers the heads; with a ring, ``split_keys_attention`` merges the partial results. No
+      mask is taken there.
     """
 
     def __init__(self, run: "SequenceParallelRun"):
@@ -280,7 +317,42 @@ class SequenceParallelAttention:
         site = self.run.active_site
         if site is None:
             return func(q, k, v, heads, mask=mask, **kwargs)
+        if site.split_keys:
+            return self._exchange_split_keys(func, q, k, v, heads, site, mask, kwargs)
         return self._exchange(func, q, k, v, heads, site, mask, kwargs)
+
+    def _exchange_split_keys(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, heads: int, site: "ActiveSite", mask: torch.Tensor | None,
+                             kwargs: dict) -> torch.Tensor:
+        rt = self.run
+        ulysses, ring = rt.ulysses_comm, rt.ring_comm
+        heads_first = bool(kwargs.get("skip_reshape", False))
+        out_heads_first = bool(kwargs.get("skip_output_reshape", False))
+        where = f"the cross-attention site on {type(site.module).__name__}"
+        if mask is not None:
+            raise ValueError(f"SequenceParallelAttention: {where} got an attention mask; a cross-attention over "
+                             "split keys takes none; fix: run this model without sequence parallelism")
+        if heads % ulysses.size:
+            raise head_divisibility_error(heads, ulysses.size)
+        qc, kc, vc = (to_canonical(t, heads, heads_first) for t in (q, k, v))
+        if kc.shape != vc.shape or qc.shape[0] != kc.shape[0] or qc.shape[2:] != kc.shape[2:]:
+            raise ValueError(f"SequenceParallelAttention: {where} got q {tuple(qc.shape)}, k {tuple(kc.shape)}, "
+                             f"v {tuple(vc.shape)} ([B, L, H, D]): keys and values must match, and the queries' "
+                             "batch, heads and head dim theirs")
+        kc, vc = heads_to_sequence(ulysses, torch.stack([kc, vc])).unbind(0)
+        local_heads = heads // ulysses.size
+        qc = qc.narrow(2, ulysses.group.rank * local_heads, local_heads)
+        segment = kc.shape[1]  # the keys of one Ulysses group = one ring block
+        valid_keys = self._valid_keys(site, segment, ring.size)
+        keep = segment if valid_keys is None else valid_keys(ring.group.rank)
+        kc, vc = kc[:, :keep], vc[:, :keep]
+        if ring.size == 1:
+            out = func(*(from_canonical(t, heads_first) for t in (qc, kc, vc)), local_heads, **kwargs)
+            out = to_canonical(out, local_heads, out_heads_first)
+        else:
+            out = split_keys_attention(ring, qc, kc, vc)
+        out = ulysses.all_gather(out.contiguous(), 2, CROSS_HEADS_KIND)
+        return from_canonical(out, out_heads_first)
 
     def _exchange(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   heads: int, site: "ActiveSite", mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
@@ -324,9 +396,9 @@ class SequenceParallelAttention:
         mask_joint = mask_split = None
         if mask is not None:
             mask_joint, mask_split = self._exchange_mask(mask, heads, local_heads, split)
-        if ring.size == 1:
+        if ring.size == 1:  # every key and query of the sequence is here: the padded ones are left out of both
             keep = segment if valid_keys is None else valid_keys(0)
-            ki, vi = ki[:, :keep], vi[:, :keep]
+            qi, ki, vi = qi[:, :keep], ki[:, :keep], vi[:, :keep]
             if mask is not None:
                 kwargs = {**kwargs, "mask": join(mask_joint, mask_split[..., :keep], -1)}
             out = func(*(from_canonical(t, heads_first) for t in (join(qj, qi), join(kj, ki), join(vj, vi))),
@@ -340,7 +412,7 @@ class SequenceParallelAttention:
                 key_bias=None if mask is None else additive_key_bias(mask_split, bias_dtype),
                 joint_bias=None if mask is None or not joint else additive_key_bias(mask_joint, bias_dtype))
         out_joint, out_sharded = split(out)
-        out_sharded = sequence_to_heads(ulysses, out_sharded)
+        out_sharded = sequence_to_heads(ulysses, pad_to(out_sharded, 1, segment))  # padded queries' rows: zeros
         if joint:
             out_joint = ulysses.all_gather(out_joint.contiguous(), 2, JOINT_KIND)
         return from_canonical(join(out_joint, out_sharded), out_heads_first)
@@ -366,8 +438,8 @@ class SequenceParallelAttention:
             return None
         if record.padded_len != segment * ring_size:
             raise ValueError(
-                f"SequenceParallelAttention: the self-attention site on {type(site.module).__name__} holds "
+                f"SequenceParallelAttention: the attention site on {type(site.module).__name__} holds "
                 f"{segment * ring_size} split tokens in all, but the padded sequence of shard_group "
                 f"{site.spec.shard_group!r} has {record.padded_len}; name the right shard_group in the plan's "
-                "SequenceParallelSelfAttention (or joint_tokens, if the site also holds replicated tokens)")
+                f"{type(site.spec).__name__} (or joint_tokens, if the site also holds replicated tokens)")
         return lambda j: max(0, min(segment, record.original_len - j * segment))

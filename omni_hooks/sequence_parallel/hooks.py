@@ -1,9 +1,10 @@
-"""The split, gather and self-attention-site hooks, and ``apply_sequence_parallel``/``remove_sequence_parallel``.
+"""The split, gather and attention-site hooks, and ``apply_sequence_parallel``/``remove_sequence_parallel``.
 
 All three hooks are of the sharding phase (``HookPhase.SHARDING``): on one module they run inside any cache hook and
 outside any placement (offload) hook, whatever their names, so a cache always sees this rank's shard and stores its
 residual, and a gather sees what the cache produced (docs/design.md, "Which features compose, and why"; diffusers'
-context-parallel hooks, vllm-omni's ``SequenceParallelSplitHook``/``GatherHook``).
+context-parallel hooks, vllm-omni's ``SequenceParallelSplitHook``/``GatherHook``). A split or gather the plan marks
+``outside_caches`` runs in the observation phase instead, outside any cache hook on its module.
 """
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ from .plan import (
     InputSpec,
     ModuleForwardMetadata,
     ReplicatedTokens,
+    SequenceParallelCrossAttention,
     SequenceParallelInput,
     SequenceParallelModelPlan,
+    SequenceParallelObjectInput,
     SequenceParallelOutput,
     SequenceParallelPartialInput,
     SequenceParallelRefusedInput,
     SequenceParallelSelfAttention,
+    gathers_outside_caches,
     resolve_length,
     resolve_submodules,
     splits_outside_caches,
@@ -100,7 +104,9 @@ class SequenceParallelSplitHook(SequenceParallelHook):
                     if s is not None and s.auto_pad:  # not passed this call: no padding of its sequence to remember
                         self.run.padding.pop(s.shard_group, None)
                 continue
-            if isinstance(value, torch.Tensor):
+            if isinstance(spec, SequenceParallelObjectInput):
+                new = self._split_object(value, spec, name)
+            elif isinstance(value, torch.Tensor):
                 if isinstance(spec, (list, tuple)):
                     raise ValueError(f"{self._where(name)}: a tensor was passed, the plan has a list of specs")
                 new = self._split(module, value, spec, name)
@@ -140,6 +146,26 @@ class SequenceParallelSplitHook(SequenceParallelHook):
                for i, (v, s) in enumerate(zip(values, spec))]
         return type(values)(out)
 
+    def _record(self, spec: InputSpec, length: int, name: str | int) -> PaddingRecord:
+        """The padding of an ``auto_pad`` split of ``length`` tokens, recorded for its shard group (ValueError when
+        another input of the group held another length in this call)."""
+        record = PaddingRecord(length, padded_length(length, self.run.world_size))
+        earlier = self._recorded.setdefault(spec.shard_group, record)
+        if earlier != record:
+            raise ValueError(f"{self._where(name)}: {record.original_len} tokens, but another input of "
+                             f"shard_group {spec.shard_group!r} had {earlier.original_len}; tensors of one "
+                             "shard group must hold the same sequence")
+        self.run.padding[spec.shard_group] = record
+        return record
+
+    def _split_object(self, value: Any, spec: SequenceParallelObjectInput, name: str) -> Any:
+        length = spec.tokens(value)
+        if length is None:
+            return value
+        record = self._record(spec, length, name)
+        size = record.padded_len // self.run.world_size
+        return spec.narrow(value, self.run.rank * size, size)
+
     def _split(self, module: torch.nn.Module, x: torch.Tensor, spec: InputSpec, name: str | int) -> torch.Tensor:
         if not _dims_match(self, x, spec.expected_dims, f"{name!r} at {self.module_id!r}"):
             return x
@@ -164,14 +190,7 @@ class SequenceParallelSplitHook(SequenceParallelHook):
                 text, x = x.narrow(dim, image_len, text_len), x.narrow(dim, 0, image_len)
         world = self.run.world_size
         if spec.auto_pad:
-            record = PaddingRecord(x.shape[dim], padded_length(x.shape[dim], world))
-            earlier = self._recorded.setdefault(spec.shard_group, record)
-            if earlier != record:
-                raise ValueError(f"{self._where(name)}: {record.original_len} tokens, but another input of "
-                                 f"shard_group {spec.shard_group!r} had {earlier.original_len}; tensors of one "
-                                 "shard group must hold the same sequence")
-            self.run.padding[spec.shard_group] = record
-            x = pad_to(x, dim, record.padded_len)
+            x = pad_to(x, dim, self._record(spec, x.shape[dim], name).padded_len)
         part = shard(x, dim, world, self.run.rank, self._where(name))
         if text is not None:
             part = torch.cat([text, part] if text_front else [part, text], dim)
@@ -225,20 +244,27 @@ class SequenceParallelGatherHook(SequenceParallelHook):
         return outputs[0] if single else type(output)(outputs)
 
 
+class SequenceParallelGatherOutsideCachesHook(SequenceParallelGatherHook):
+    """A gather hook in the observation phase, so that cache hooks on the same module see and replace this rank's
+    shard of the output (plan output specs with ``outside_caches=True``)."""
+
+    phase = HookPhase.OBSERVATION
+
+
 class SequenceParallelSelfAttentionHook(SequenceParallelHook):
-    """Marks the module's forward as a self-attention site for the run's attention entry. ``spec``: its
-    ``SequenceParallelSelfAttention``."""
+    """Marks the module's forward as an attention site for the run's attention entry. ``spec``: its
+    ``SequenceParallelSelfAttention`` or ``SequenceParallelCrossAttention``."""
 
     def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
         self.module_forward_metadata = ModuleForwardMetadata(module)
-        joint = self.spec.joint_tokens
+        joint = getattr(self.spec, "joint_tokens", None)
         if isinstance(joint, (str, ReplicatedTokens)):
             self.module_forward_metadata.check(joint if isinstance(joint, str) else joint.param)
         return module
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         joint = 0
-        if self.spec.joint_tokens is not None:
+        if getattr(self.spec, "joint_tokens", None) is not None:
             joint = resolve_length(self.spec.joint_tokens, self.spec.joint_tokens_dim, self.module_forward_metadata,
                                    module, args, kwargs, "joint_tokens", self.run.split_length)
         self.run.enter_site(ActiveSite(self.spec, joint, module))
@@ -281,14 +307,15 @@ def _hooks_for(module_id: str, spec: Any) -> tuple[str, type, Any]:
         split_cls = (SequenceParallelSplitOutsideCachesHook if splits_outside_caches(module_id, spec)
                      else SequenceParallelSplitHook)
         return SPLIT_PREFIX + module_id, split_cls, spec
-    if isinstance(spec, SequenceParallelSelfAttention):
+    if isinstance(spec, (SequenceParallelSelfAttention, SequenceParallelCrossAttention)):
         return SITE_PREFIX + module_id, SequenceParallelSelfAttentionHook, spec
-    if isinstance(spec, SequenceParallelOutput):
-        return GATHER_PREFIX + module_id, SequenceParallelGatherHook, [spec]
-    if isinstance(spec, (list, tuple)):
-        if not all(s is None or isinstance(s, SequenceParallelOutput) for s in spec):
+    if isinstance(spec, (SequenceParallelOutput, list, tuple)):
+        specs = [spec] if isinstance(spec, SequenceParallelOutput) else list(spec)
+        if not all(s is None or isinstance(s, SequenceParallelOutput) for s in specs):
             raise ValueError(f"Expected SequenceParallelOutput elements (or None) for {module_id!r}, got {spec!r}")
-        return GATHER_PREFIX + module_id, SequenceParallelGatherHook, list(spec)
+        gather_cls = (SequenceParallelGatherOutsideCachesHook if gathers_outside_caches(module_id, specs)
+                      else SequenceParallelGatherHook)
+        return GATHER_PREFIX + module_id, gather_cls, specs
     raise ValueError(f"Unsupported plan type for {module_id!r}: {type(spec).__name__}")
 
 

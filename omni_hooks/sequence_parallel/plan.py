@@ -8,8 +8,11 @@ A plan maps module ids to specs (after vllm-omni's ``_sp_plan``, diffusers' ``_c
 * ``SequenceParallelOutput(...)`` (or a list of them, one per output element, None to leave one alone): gather the
   module's output(s) from every rank afterwards;
 * ``SequenceParallelSelfAttention(...)``: every attention the module calls is self-attention over the split sequence
-  (queries and keys are both sharded), so the attention entry exchanges it across ranks. Attention called anywhere
-  else is taken as cross-attention with replicated keys and runs locally.
+  (queries and keys are both sharded), so the attention entry exchanges it across ranks;
+* ``SequenceParallelCrossAttention(...)``: every attention the module calls has queries every rank holds whole and
+  keys/values of a split sequence (e.g. a short stream attending to a long one), exchanged so that each rank gets
+  every query's output over the whole sequence. Attention called anywhere else is taken as cross-attention with
+  replicated keys (or with split queries and replicated keys) and runs locally.
 
 Module ids: ``""`` is the root, dotted paths descend (``"blocks.0.attn"``, ModuleDict keys work), and one ``*`` stands
 for every element of a ModuleList (``"blocks.*.attn"``).
@@ -113,6 +116,35 @@ class SequenceParallelPartialInput:
 
 
 @dataclass(frozen=True)
+class SequenceParallelObjectInput:
+    """A forward input that holds per-token values in a form of the host's own rather than as a tensor (e.g. a
+    table kept once per frame and expanded to tokens where it is read), split by two functions of the family:
+
+    * ``tokens(value)``: how many tokens it holds values for, or None when it holds one value for every token (it is
+      then passed unchanged);
+    * ``narrow(value, start, length)``: the value for tokens ``[start, start + length)`` only; positions from
+      ``tokens(value)`` on are padding (any values will do, the right length is what counts).
+
+    Split like a ``SequenceParallelInput`` with ``auto_pad=True``: this rank gets tokens ``[rank · s, (rank + 1) · s)``
+    of the length padded to a multiple of the world size (``s`` = padded length / world size), and the length is
+    recorded for ``shard_group``. ``outside_caches`` as for ``SequenceParallelInput``.
+    """
+
+    tokens: Callable[[Any], int | None]
+    narrow: Callable[[Any, int, int], Any]
+    shard_group: str | None = None
+    outside_caches: bool = False
+
+    @property
+    def auto_pad(self) -> bool:
+        return True
+
+    @property
+    def split_output(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
 class SequenceParallelOutput:
     """Gather a module output along ``gather_dim`` from every rank (rank order) and drop the padding of
     ``shard_group`` (None: the default sequence) if its length was padded.
@@ -121,12 +153,18 @@ class SequenceParallelOutput:
     "rear" (``[shard | text]``) when it also holds replicated tokens, the same on every rank (e.g. the caption of a
     joint sequence): those are kept from this rank, next to the gathered sequence, in the same layout. Their length is
     the output's length minus this rank's shard of ``shard_group``, which must have been split with ``auto_pad=True``.
+
+    ``outside_caches``: gather after any cache hook on this module has seen the output (the hook runs in the
+    observation phase). For a model whose forward reshapes the stack's output before the next module, so that the
+    stack's last block is where its tokens are gathered and where a cache reads the stack's output (Kandinsky 5):
+    the cache must see, store and reuse this rank's shard. Every output spec of one module must agree on it.
     """
 
     gather_dim: int
     expected_dims: int | None = None
     shard_group: str | None = None
     replicated_position: str | None = None
+    outside_caches: bool = False
 
     def __post_init__(self) -> None:
         if self.replicated_position not in (None, "front", "rear"):
@@ -158,6 +196,19 @@ class SequenceParallelSelfAttention:
 
 
 @dataclass(frozen=True)
+class SequenceParallelCrossAttention:
+    """A module whose attention calls have queries every rank holds whole and keys/values that are this rank's shard
+    of a split sequence (``shard_group``: its padding, if any, is dropped from the keys), e.g. LTX-2's audio attending
+    to the video. Each rank gets the output of every query over the whole key sequence: with Ulysses the keys and
+    values are exchanged for heads (all-to-all), every rank attends with its heads of the queries and the heads are
+    all-gathered; across a ring each rank attends to the keys it holds and the partial results are all-gathered and
+    merged (online softmax) in rank order, so every rank holds the same output. No mask is taken. A cross-attention
+    whose keys every rank holds whole needs no entry (it runs locally, whichever way its queries are split)."""
+
+    shard_group: str | None = None
+
+
+@dataclass(frozen=True)
 class SequenceParallelRefusedInput:
     """A forward input the plan cannot split (e.g. residuals over the whole sequence added between blocks): a call
     that passes it (anything but None) fails with ValueError(``reason``) on every rank alike, before the module runs
@@ -166,12 +217,22 @@ class SequenceParallelRefusedInput:
     reason: str
 
 
-InputSpec = Union[SequenceParallelInput, SequenceParallelPartialInput]
+InputSpec = Union[SequenceParallelInput, SequenceParallelPartialInput, SequenceParallelObjectInput]
+AttentionSpec = Union[SequenceParallelSelfAttention, SequenceParallelCrossAttention]
 SequenceParallelModelPlan = dict[str, Any]
 
 
 def _is_input(spec: Any) -> bool:
-    return isinstance(spec, (SequenceParallelInput, SequenceParallelPartialInput))
+    return isinstance(spec, (SequenceParallelInput, SequenceParallelPartialInput, SequenceParallelObjectInput))
+
+
+def gathers_outside_caches(module_id: str, specs: list) -> bool:
+    """Whether a module's output specs gather outside cache hooks (``SequenceParallelOutput.outside_caches``);
+    ValueError when its specs disagree."""
+    flags = {spec.outside_caches for spec in specs if spec is not None}
+    if len(flags) > 1:
+        raise ValueError(f"_sp_plan[{module_id!r}]: every output spec of one module must agree on outside_caches")
+    return flags == {True}
 
 
 def splits_outside_caches(module_id: str, specs: dict) -> bool:
@@ -205,9 +266,8 @@ def _validate_input_dict(module_id: str, specs: dict, groups: dict[str, str]) ->
             elements = [v for v in value if v is not None]
         else:
             raise ValueError(f"_sp_plan[{module_id!r}][{key!r}]: expected a SequenceParallelInput, a "
-                             f"SequenceParallelPartialInput, a list/tuple of them (None for an element left alone) or "
-                             f"a SequenceParallelRefusedInput, "
-                             f"got {value!r}")
+                             f"SequenceParallelPartialInput, a SequenceParallelObjectInput, a list/tuple of them (None "
+                             f"for an element left alone) or a SequenceParallelRefusedInput, got {value!r}")
         for spec in elements:
             if spec.shard_group is None:
                 continue
@@ -228,16 +288,18 @@ def validate_sp_plan(plan: Any) -> SequenceParallelModelPlan:
     for module_id, spec in plan.items():
         if not isinstance(module_id, str):
             raise ValueError(f"_sp_plan keys must be strings (module ids, '' for the root), got {module_id!r}")
-        if isinstance(spec, (SequenceParallelOutput, SequenceParallelSelfAttention)):
+        if isinstance(spec, (SequenceParallelOutput, SequenceParallelSelfAttention, SequenceParallelCrossAttention)):
             continue
         if isinstance(spec, (list, tuple)) and spec and all(
                 s is None or isinstance(s, SequenceParallelOutput) for s in spec):
+            gathers_outside_caches(module_id, list(spec))
             continue
         if isinstance(spec, dict):
             _validate_input_dict(module_id, spec, groups)
             continue
-        raise ValueError(f"_sp_plan values must be dict (input spec), SequenceParallelOutput (or a list of them) or "
-                         f"SequenceParallelSelfAttention; got {spec!r} for {module_id!r}")
+        raise ValueError(f"_sp_plan values must be dict (input spec), SequenceParallelOutput (or a list of them), "
+                         f"SequenceParallelSelfAttention or SequenceParallelCrossAttention; got {spec!r} for "
+                         f"{module_id!r}")
     return plan
 
 

@@ -13,17 +13,23 @@ from .cache_sync import GroupAgreement
 from .comm import CommStats, Communicator, ExchangeGate
 from .config import SequenceParallelConfig
 from .mesh import SequenceParallelMesh
-from .plan import SequenceParallelSelfAttention
+from .plan import AttentionSpec, SequenceParallelCrossAttention
 from .sharding import PaddingRecord
 
 
 @dataclass(frozen=True)
 class ActiveSite:
-    """A self-attention site whose forward is running, with its joint-token count resolved for this call."""
+    """An attention site whose forward is running, with its joint-token count resolved for this call (0 for a
+    cross-attention site)."""
 
-    spec: SequenceParallelSelfAttention
+    spec: AttentionSpec
     joint_tokens: int
     module: torch.nn.Module
+
+    @property
+    def split_keys(self) -> bool:
+        """Whether the site's queries are whole on every rank and only its keys split (cross-attention)."""
+        return isinstance(self.spec, SequenceParallelCrossAttention)
 
 
 CFG_GATHER_KIND = "cfg_batch_all_gather"
@@ -66,7 +72,7 @@ class SequenceParallelRun:
     ``gate`` (``ExchangeGate``): a check the host wants run before this rank's next collective.
 
     Per call facts: ``padding`` maps a shard group (None: the default sequence) to the length its last split padded;
-    ``active_site`` is the self-attention site whose forward is running. One run serves one thread.
+    ``active_site`` is the attention site whose forward is running. One run serves one thread.
 
     CFG parallel (``config.cfg_degree`` C > 1): the root's batch hook calls ``split_batch`` and ``gather_batch``
     around the root forward. A call whose batch C divides runs part ``c`` on cfg half ``c`` (``sp_comm``,
@@ -171,7 +177,7 @@ class SequenceParallelRun:
                              "earlier, or name the shard_group it was split with")
         return record.padded_len // self.world_size if part == "shard" else record.original_len
 
-    # -- self-attention sites -------------------------------------------------------------------------------------
+    # -- attention sites ------------------------------------------------------------------------------------------
 
     @property
     def active_site(self) -> ActiveSite | None:

@@ -144,7 +144,7 @@ def test_a_calibration_on_a_model_that_cannot_be_checked_stops_before_sampling(e
 
 @pytest.mark.parametrize("case_name", ["wan21_t2v", "wan21_i2v", "wan22_ti2v", "flux", "flux_kontext", "chroma",
                                        "hunyuan_video", "ltxv", "qwen_image", "lumina2", "hidream", "minimax_h3",
-                                       "hidream_o1"])
+                                       "hidream_o1", "ltxav", "kandinsky5", "kandinsky5_image"])
 def test_every_familys_model_passes_the_check_on_this_host(env, case_name):
     from omnitest.pack import pack_module
 
@@ -164,6 +164,26 @@ def test_a_plan_input_whose_type_changed_is_named(env, monkeypatch):
     report = drift_report(case.patcher, sequence_parallel=True)
     assert [f.what for f in report.differences] == [
         "'freqs' at 'blocks.*' is a tuple of 2, the plan has one spec for a tensor"]
+    assert drift_report(case.patcher, sequence_parallel=False).differences == []
+
+
+@pytest.mark.parametrize("case_name, drift, found", [
+    ("ltxav", "compressed_timestep_by_another_name",
+     ["'{}' at 'transformer_blocks.*' is a Renamed whose length the plan cannot read (AttributeError: 'Renamed' "
+      "object has no attribute 'num_frames')".format(name)
+      for name in ("v_timestep", "v_cross_scale_shift_timestep", "v_cross_gate_timestep")]),
+    ("kandinsky5", "kandinsky5_rope_as_pair",
+     ["'freqs' at 'visual_transformer_blocks.*' is a tuple of 2, the plan has one spec for a tensor"]),
+])
+def test_a_plan_input_of_ltx2_or_kandinsky5_that_changed_is_named(env, monkeypatch, case_name, drift, found):
+    """ComfyUI 0.33's LTX-2 and Kandinsky 5: the plan's inputs checked like every family's, the host's own compressed
+    timesteps by reading their length the way the plan does."""
+    from omnitest import drift_models
+
+    case = env.tiny.build_case(case_name)
+    getattr(drift_models, drift)(monkeypatch)
+    report = drift_report(case.patcher, sequence_parallel=True)
+    assert [f.what for f in report.differences] == found
     assert drift_report(case.patcher, sequence_parallel=False).differences == []
 
 

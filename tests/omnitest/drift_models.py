@@ -1,5 +1,6 @@
-"""Simulated model drift for the drift tests: Wan's classes changed the way a newer ComfyUI might change them, with
-``monkeypatch`` (undone after the test). Import only after ComfyUI's root is on ``sys.path``."""
+"""Simulated model drift for the drift tests: Wan's classes (and LTX-2's and Kandinsky 5's, ComfyUI 0.33) changed the
+way a newer ComfyUI might change them, with ``monkeypatch`` (undone after the test). Import only after ComfyUI's root
+is on ``sys.path``."""
 from __future__ import annotations
 
 import comfy.ldm.wan.model as wan_model
@@ -35,3 +36,27 @@ def rope_table_as_pair(monkeypatch) -> None:
         return tuple(original(self, *args, **kwargs).unbind(-1))
 
     monkeypatch.setattr(wan_model.WanModel, "rope_encode", rope_encode)
+
+
+def compressed_timestep_by_another_name(monkeypatch) -> None:
+    """LTX-2's ``CompressedTimestep`` keeping its frame count under another name (``frames`` for ``num_frames``)."""
+    import comfy.ldm.lightricks.av_model as av_model
+
+    class Renamed:
+        def __init__(self, tensor, patches_per_frame, per_frame=False):
+            self.data, self.frames = tensor, tensor.shape[1]
+            self.patches_per_frame = patches_per_frame or 1
+
+    monkeypatch.setattr(av_model, "CompressedTimestep", Renamed)
+
+
+def kandinsky5_rope_as_pair(monkeypatch) -> None:
+    """Kandinsky 5's ``rope_encode_3d`` returning its rotary table as a (real, imaginary) pair."""
+    import comfy.ldm.kandinsky5.model as k5
+
+    original = k5.Kandinsky5.rope_encode_3d
+
+    def rope_encode_3d(self, *args, **kwargs):
+        return tuple(original(self, *args, **kwargs).unbind(-1))
+
+    monkeypatch.setattr(k5.Kandinsky5, "rope_encode_3d", rope_encode_3d)

@@ -9,6 +9,8 @@ KSampler (CFG batches cond and uncond).
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -45,9 +47,65 @@ def _keyframes(case: TinyCase) -> None:
     case.noise_mask[:, :, -1] = 0
 
 
+def _ltx2_latent(case: TinyCase, video_frames: int, size: int, audio_frames: int | None) -> None:
+    """LTX-2's latent: a video of ``video_frames`` x ``size`` x ``size`` tokens and, unless ``audio_frames`` is None
+    (a video-only call: the video latent alone), an audio stream of ``audio_frames`` tokens (LTXVConcatAVLatent)."""
+    import comfy.nested_tensor
+
+    video = torch.zeros(1, 128, video_frames, size, size)
+    case.latent = video if audio_frames is None else comfy.nested_tensor.NestedTensor(
+        [video, torch.zeros(1, 8, audio_frames, 16)])
+
+
+def _ltx2_image_to_video(case: TinyCase) -> None:
+    """LTX-2 image-to-video (27 video tokens, 5 audio): the first video frame kept, so the video timesteps are one
+    row per latent frame (the host's CompressedTimestep) and the audio's one per sample."""
+    import comfy.nested_tensor
+
+    _ltx2_latent(case, 3, 3, 5)
+    video_mask = torch.ones(1, 1, 3, 3, 3)
+    video_mask[:, :, 0] = 0
+    case.noise_mask = comfy.nested_tensor.NestedTensor([video_mask, torch.ones(1, 1, 5, 16)])
+
+
+def _ltx2_guide(strength: float) -> Callable[[TinyCase], None]:
+    """LTX-2 video only (27 tokens) with an LTXVAddGuide guide frame at ``strength`` made by the host's own node
+    helpers (below 1 the model builds a self-attention mask over the whole sequence)."""
+    def change(case: TinyCase) -> None:
+        from comfy_extras.nodes_lt import LTXVAddGuide, _append_guide_attention_entry
+
+        _ltx2_latent(case, 3, 3, None)
+        guide = torch.zeros(1, 128, 1, 3, 3)
+        positive, negative, case.latent, case.noise_mask = LTXVAddGuide.append_keyframe(
+            case.positive, case.negative, 0, case.latent, torch.ones(1, 1, 3, 3, 3), guide, strength,
+            case.diffusion_model.vae_scale_factors)
+        case.positive, case.negative = _append_guide_attention_entry(positive, negative, 9, [1, 3, 3],
+                                                                     strength=strength)
+    return change
+
+
+def _guiding_frame_index(case: TinyCase) -> None:
+    """HunyuanVideo I2V "v2 (replace)": the first latent frame guides (``guiding_frame_index``)."""
+    case.positive[0][1]["guiding_frame_index"] = 0
+
+
 #: Named changes to a case's inputs (names, not functions, cross to the ranks).
 INPUT_VARIANTS: dict[str, Callable[[TinyCase], None]] = {
-    "text_mask": _text_mask, "denoise_mask": _denoise_mask, "keyframes": _keyframes}
+    "text_mask": _text_mask, "denoise_mask": _denoise_mask, "keyframes": _keyframes,
+    "guiding_frame_index": _guiding_frame_index,
+    # LTX-2: 32 video tokens and 5 audio (the case's own), 27 and 5 (the last shard padded), 27 and 1 (fewer audio
+    # tokens than ranks), 27 video tokens alone (a video-only call), 2 x 4 x 4 video tokens alone
+    "ltx2_odd": lambda case: _ltx2_latent(case, 3, 3, 5),
+    "ltx2_short_audio": lambda case: _ltx2_latent(case, 3, 3, 1),
+    "ltx2_video_only": lambda case: _ltx2_latent(case, 3, 3, None),
+    "ltx2_video_only_even": lambda case: _ltx2_latent(case, 2, 4, None),
+    "ltx2_image_to_video": _ltx2_image_to_video,
+    "ltx2_guide": _ltx2_guide(1.0),
+    "ltx2_guide_half": _ltx2_guide(0.5),
+    # Kandinsky 5: 3 x 3 x 3 tokens (the last shard padded); one latent frame of 5 x 5 (the forward's image path)
+    "kandinsky5_odd": lambda case: setattr(case, "latent", torch.zeros(1, 16, 3, 6, 6)),
+    "kandinsky5_one_frame": lambda case: setattr(case, "latent", torch.zeros(1, 16, 10, 10)),
+}
 
 
 @contextlib.contextmanager
@@ -99,6 +157,42 @@ def rank_family_plan(case_name: str, unet_overrides: Optional[dict], ulysses: in
 MIN_PSNR_DB = 60.0
 
 
+def relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
+    """The largest difference relative to the reference's largest magnitude."""
+    return ((got - reference).abs().max() / reference.abs().max()).item()
+
+
+CallInputs = Sequence[tuple[Optional[str], Optional[Sequence[int]]]]
+
+
+def rank_calls_against_one_process(case_name: str, unet_overrides: Optional[dict], ulysses: int, ring: int,
+                                   cfg: Optional[float], inputs: CallInputs):
+    """On every rank: one sampling run per entry of ``inputs`` (``(variant, latent shape)``, either None: the case's
+    own), all with the same plan applied (the sequence changes between calls when the inputs do), each against the
+    same inputs sampled in one process first. Returns, per run, (bit-identical, ``relative_error``), and the exchange
+    calls by kind over every run."""
+    from omnitest.comfy_path import use_comfyui_in_process
+
+    use_comfyui_in_process()
+    from omnitest.tiny_models import build_case, sample
+
+    built = build_case(case_name, unet_overrides=unet_overrides)
+    cases = []
+    for variant, latent_shape in inputs:  # the built model with each entry's inputs (a fresh copy of the case's own)
+        case = dataclasses.replace(built, positive=copy.deepcopy(built.positive),
+                                   negative=copy.deepcopy(built.negative),
+                                   latent=torch.zeros(latent_shape) if latent_shape else built.latent)
+        if variant is not None:
+            INPUT_VARIANTS[variant](case)
+        cases.append((case, sample(case, cfg=cfg)))
+    results = []
+    with family_plan_applied(built, ulysses, ring) as (clone, runtime, _family):
+        for case, reference in cases:
+            got = sample(case, clone, cfg=cfg)
+            results.append((bool(torch.equal(got, reference)), relative_error(got, reference)))
+    return results, {kind: record.calls for kind, record in runtime.stats.snapshot().items()}
+
+
 def assert_plan_equals_one_process(rank_pool, case_name: str, unet_overrides: Optional[dict], ulysses: int,
                                    ring: int, latent_shape: Optional[Sequence[int]], sites: int, timeout: float,
                                    variant: Optional[str] = None) -> list[dict[str, int]]:
@@ -115,3 +209,30 @@ def assert_plan_equals_one_process(rank_pool, case_name: str, unet_overrides: Op
         assert found == sites
         assert exchanged.get(exchange, 0) > 0 and exchanged.get("output_all_gather", 0) > 0
     return [exchanged for *_, exchanged in results]
+
+
+def rank_refused_then_in_step(case_name: str, refused: str, then: Optional[str] = None):
+    """On every rank: the error of a run with the inputs of variant ``refused`` under the family's plan (Ulysses over
+    2 ranks), the bytes this rank had sent when it was raised, and a run with variant ``then`` (None: the case's own
+    inputs) afterwards under the same plan and in one process (the group is still in step when they agree)."""
+    from omnitest.comfy_path import use_comfyui_in_process
+
+    use_comfyui_in_process()
+    from omnitest.tiny_models import build_case, sample
+
+    case = build_case(case_name)
+    after = dataclasses.replace(case, positive=copy.deepcopy(case.positive), negative=copy.deepcopy(case.negative))
+    INPUT_VARIANTS[refused](case)
+    if then is not None:
+        INPUT_VARIANTS[then](after)
+    reference = sample(after)
+    message = ""
+    with family_plan_applied(case, 2, 1) as (clone, runtime, _family):
+        try:
+            sample(case, clone)
+        except ValueError as exc:
+            message = str(exc)
+        sent = runtime.stats.bytes_sent
+        runtime.reset()
+        got = sample(after, clone)
+    return message, sent, got, reference

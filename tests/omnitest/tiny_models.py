@@ -294,6 +294,12 @@ def _kandinsky5_inputs(g: torch.Generator) -> _Inputs:
     return pos, neg, torch.zeros(1, 16, 2, 8, 8), None
 
 
+def _kandinsky5_image_inputs(g: torch.Generator) -> _Inputs:
+    # the same text; EmptySD3LatentImage(64x64): Flux's [B, 16, H, W] latent, no concat (64 = 16 x 2 x 2 per patch)
+    pos, neg, _video, _ = _kandinsky5_inputs(g)
+    return pos, neg, torch.zeros(1, 16, 8, 8), None
+
+
 def _hidream_o1_inputs(g: torch.Generator) -> _Inputs:
     # HiDream-O1's tokenizer-only text encoder: the chat template's token ids as text_input_ids (the cross_attn
     # slot holds them as floats, [1, L, 1]); the model embeds them itself. Pixel space: EmptyImage-like [B, 3, H, W]
@@ -412,12 +418,19 @@ _SPECS: dict[str, _Spec] = {
         "caption_channels": 32, "connector_attention_head_dim": 16, "connector_num_attention_heads": 2,
         "connector_num_layers": 1,
     }, _ltxav_inputs, 3.0, requires=("comfy.model_base", "LTXAV")),
-    # Kandinsky 5 video (Kandinsky5Image's matcher only accepts the released model_dim 2560: same class, not built)
+    # Kandinsky 5 video
     "kandinsky5": _Spec("kandinsky5", "Kandinsky5", "Kandinsky5", {
         "image_model": "kandinsky5", "in_visual_dim": 16, "out_visual_dim": 16, "in_text_dim": 32,
         "in_text_dim2": 32, "time_dim": 32, "model_dim": 64, "ff_dim": 128, "visual_embed_dim": 132,
         "patch_size": (1, 2, 2), "num_text_blocks": 1, "num_visual_blocks": 2, "axes_dims": (8, 12, 12),
     }, _kandinsky5_inputs, 5.0, requires=("comfy.model_base", "Kandinsky5")),
+    # Kandinsky 5 image: Kandinsky5Image's matcher only accepts the released model_dim 2560 (80 heads of 32), so the
+    # case has that width, with one text and two visual blocks and a narrow feed-forward (135M parameters)
+    "kandinsky5_image": _Spec("kandinsky5", "Kandinsky5Image", "Kandinsky5Image", {
+        "image_model": "kandinsky5", "in_visual_dim": 16, "out_visual_dim": 16, "in_text_dim": 32,
+        "in_text_dim2": 32, "time_dim": 32, "model_dim": 2560, "ff_dim": 64, "visual_embed_dim": 64,
+        "patch_size": (1, 2, 2), "num_text_blocks": 1, "num_visual_blocks": 2, "axes_dims": (8, 12, 12),
+    }, _kandinsky5_image_inputs, 5.0, requires=("comfy.model_base", "Kandinsky5Image")),
     # MiniMax-H3 (ComfyUI 0.33): 6 x rope_inv_freq_len rotary dims fit the head dim
     "minimax_h3": _Spec("minimax_h3", "MiniMaxH3", "MiniMaxH3", {
         "image_model": "minimax_h3", "hidden_size": 64, "num_layers": 2, "token_refiner_num_layers": 1,

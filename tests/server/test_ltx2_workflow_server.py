@@ -7,6 +7,9 @@ missing files: UNETLoader with the tiny LTX-2 file for the checkpoint loader, Om
 text encoder, an empty 8 x 16-bin audio latent from a core node for the audio-VAE one, SaveLatent for the decoders.
 Then it follows the example's note: Apply TeaCache with the calibration just made, between CPU Offload and a
 KSampler, at threshold 0 gives exactly the latents of a plain KSampler, and at the calibration's threshold it runs.
+The same graph runs with Sequence Parallel at 2 ranks (the server is rank 0, the pack starts a CPU worker; Ulysses
+over the tiny model's 2 video and 2 audio heads) after CPU Offload: the calibration, and a KSampler whose video and
+audio latents are the plain KSampler's bit for bit, with Apply TeaCache at threshold 0 on top too.
 On a ComfyUI without LTX-2 (before 0.33) every test skips in one line naming the version.
 """
 from __future__ import annotations
@@ -117,3 +120,36 @@ def test_the_example_runs_on_tiny_ltx2_and_its_calibration_then_drives_apply_tea
         apply["inputs"]["rel_l1_thresh"] = -1.0
         recommended = comfy.run(sampled_with(prompt, [apply]), timeout=300)
         assert torch.isfinite(recommended.latent("90")).all() and torch.isfinite(recommended.latent("91")).all()
+
+
+SEQUENCE_PARALLEL = {"class_type": "OmniHooks.SequenceParallel",
+                     "inputs": {"world_size": 2, "ulysses_degree": "auto", "ring_degree": "auto", "devices": "auto",
+                                "backend": "auto", "master_address": "127.0.0.1", "master_port": 0,
+                                "cfg_parallel": False}}
+
+
+def test_the_example_runs_with_sequence_parallel_at_two_ranks(tiny_server):
+    name = f"tiny-ltx2-sp-{uuid.uuid4().hex[:8]}"
+    base = tiny_prompt(name, nonce=uuid.uuid4().int & 0xFFFFFFFF)
+    prompt = json.loads(json.dumps(base))
+    calibrate = next(nid for nid, n in prompt.items() if n["class_type"] == "OmniHooks.TeaCacheCalibrate")
+    prompt["85"] = {**SEQUENCE_PARALLEL, "inputs": {**SEQUENCE_PARALLEL["inputs"],
+                                                    "model": prompt[calibrate]["inputs"]["model"]}}
+    prompt[calibrate]["inputs"]["model"] = ["85", 0]  # loader -> CPU Offload -> Sequence Parallel -> Calibrate
+    with tiny_server.client() as comfy:
+        result = comfy.run(prompt, timeout=600)
+        assert any(name in text for text in result.outputs[calibrate]["text"]), result.outputs
+        data = json.loads((tiny_server.base_dir / "user" / "omni_hooks" / "teacache" / f"{name}.json").read_text())
+        assert data["family"] == "ltxav" and len(data["coefficients"]) == 5
+        (entry,) = comfy.get_json("/omni_hooks/runs", {"prompt_id": result.prompt_id})["runs"]
+        assert entry["status"] == "success" and entry["world_size"] == 2
+
+        plain = comfy.run(sampled_with(base, []), timeout=300)
+        parallel = comfy.run(sampled_with(base, [SEQUENCE_PARALLEL]), timeout=600)
+        apply = {"class_type": "OmniHooks.ApplyTeaCache",
+                 "inputs": {"rel_l1_thresh": 0.0, "start_percent": 0.0, "end_percent": 1.0,
+                            "cache_device": "compute device", "model_variant": f"calibration: {name}"}}
+        cached = comfy.run(sampled_with(base, [SEQUENCE_PARALLEL, apply]), timeout=600)
+        for node in ("90", "91"):  # video and audio
+            assert torch.equal(parallel.latent(node), plain.latent(node)), node
+            assert torch.equal(cached.latent(node), plain.latent(node)), node

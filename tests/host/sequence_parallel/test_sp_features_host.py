@@ -1,13 +1,18 @@
 """Sequence Parallel with the pack's other features on one MODEL, in one ComfyUI process (rank 0) and one local worker
 process (rank 1, gloo on CPU), through ComfyUI's KSampler: the workers run the same caches and offload, every rank
-decides alike, rank 0 publishes the run with the world size, and the patched weights (LoRA) reach the workers."""
+decides alike, rank 0 publishes the run with the world size, and the patched weights (LoRA) reach the workers; LTX-2
+and Kandinsky 5 (ComfyUI 0.33) with each cache and with CPU Offload, bit for bit with Ulysses."""
 from __future__ import annotations
+
+import copy
+import dataclasses
 
 import pytest
 import torch
 
 from omnitest.cache_nodes import apply_magcache, apply_teacache, save_identity_calibrations, tiny_lora
 from omnitest.quality import psnr_db
+from omnitest.sp_families import INPUT_VARIANTS, relative_error
 
 pytestmark = pytest.mark.host
 
@@ -240,3 +245,118 @@ def test_the_card_has_per_step_time_bytes_and_the_agreed_cache_decisions(env, wa
     computed_bytes = [s["bytes_sent"] for s in steps if s["skipped"] == 0]
     assert skipped_bytes and max(skipped_bytes) < min(computed_bytes)  # a skipped step exchanges only the agreement
     assert parallel["calls_unsplit"] == 0 and parallel["unsplit_reason"] is None
+
+
+# -- LTX-2 and Kandinsky 5 (ComfyUI 0.33) -----------------------------------------------------------------------------
+# Each cache on top and CPU Offload on top give what the same nodes give without Sequence Parallel, bit for bit with
+# Ulysses and within 1e-3 relative with ring, at cfg 1 and cfg > 1, the caches skipping the same steps on every rank
+# (LTX-2's deciding on video and audio together); the resolution changes between runs of one group.
+
+RING_RELATIVE = 1e-3
+ONE_HEAD = {"ltxav": {"num_attention_heads": 1, "attention_head_dim": 64, "audio_num_attention_heads": 1,
+                      "audio_attention_head_dim": 32},
+            "kandinsky5": {"model_dim": 32}}
+LAYER_COUNTS = {"ltxav": "num_layers", "kandinsky5": "num_visual_blocks"}
+
+
+def parallel(env, model, ring: bool):
+    return env.sequence_parallel(model, ulysses_degree="1" if ring else "2", ring_degree="2" if ring else "1",
+                                 devices="cpu,cpu", backend="gloo")
+
+
+def build(env, case_name: str, ring: bool):
+    case = env.tiny.build_case(case_name, unet_overrides={**(ONE_HEAD[case_name] if ring else {}),
+                                                          LAYER_COUNTS[case_name]: LAYERS})
+    identity = f"sp-{case.family}-identity"
+    save_identity_calibrations(identity, STEPS, family=case.family)
+    return case, identity
+
+
+def cached(kind: str, identity: str):
+    if kind == "magcache":
+        return lambda model: apply_magcache(model, identity, threshold=1.0)
+    return lambda model: apply_teacache(model, identity, threshold=2.0)
+
+
+def assert_same(got: torch.Tensor, alone: torch.Tensor, ring: bool) -> None:
+    if ring:
+        assert relative_error(got, alone) < RING_RELATIVE
+    else:
+        assert torch.equal(got, alone), relative_error(got, alone)
+
+
+@pytest.mark.parametrize("cfg", [1.0, None])
+@pytest.mark.parametrize("ring", [False, True], ids=["ulysses", "ring"])
+@pytest.mark.parametrize("cache", ["teacache", "magcache"])
+@pytest.mark.parametrize("case_name", ["ltxav", "kandinsky5"])
+def test_a_cache_on_top_skips_the_same_steps_and_gives_the_same_latent(env, case_name, cache, ring, cfg):
+    case, identity = build(env, case_name, ring)
+    apply = cached(cache, identity)
+    alone = env.tiny.sample(case, model=apply(case.patcher), steps=STEPS, cfg=cfg)
+    alone_summary = last_entry(env)["summary"]
+    got = env.tiny.sample(case, model=apply(parallel(env, case.patcher, ring)), steps=STEPS, cfg=cfg)
+    entry = last_entry(env)
+    assert entry["status"] == "success" and entry["world_size"] == 2
+    assert alone_summary["reused"] > 0
+    assert (entry["summary"]["reused"], entry["summary"]["computed"]) == (alone_summary["reused"],
+                                                                          alone_summary["computed"])
+    assert_same(got, alone, ring)
+
+
+@pytest.mark.parametrize("cfg", [1.0, None])
+@pytest.mark.parametrize("ring", [False, True], ids=["ulysses", "ring"])
+@pytest.mark.parametrize("case_name", ["ltxav", "kandinsky5"])
+def test_cpu_offload_on_top_gives_the_same_latent(env, monkeypatch, case_name, ring, cfg):
+    """Rank 0's offload runs its real path on the CPU (as if it were a GPU): its offloaded blocks hold placeholders
+    during the run; with TeaCache too, a skipped step moves no weights."""
+    case, identity = build(env, case_name, ring)
+    monkeypatch.setattr(env.offload_module, "offload_target", lambda patcher: torch.device("cpu"))
+    alone = env.tiny.sample(case, model=env.offload(case.patcher), steps=STEPS, cfg=cfg)
+    got = env.tiny.sample(case, model=env.offload(parallel(env, case.patcher, ring)), steps=STEPS, cfg=cfg)
+    assert_same(got, alone, ring)
+    kinds = {f["kind"]: f["summary"] for f in last_entry(env)["features"]}
+    assert set(kinds) == {"sequence_parallel", "offload"} and kinds["offload"]["bytes_moved"] > 0
+    teacache = cached("teacache", identity)
+    alone = env.tiny.sample(case, model=env.offload(teacache(case.patcher)), steps=STEPS, cfg=cfg)
+    got = env.tiny.sample(case, model=teacache(env.offload(parallel(env, case.patcher, ring))), steps=STEPS,
+                          cfg=cfg)
+    assert_same(got, alone, ring)
+    entry = last_entry(env)
+    kinds = {f["kind"]: f["summary"] for f in entry["features"]}
+    assert entry["summary"]["reused"] > 0 and kinds["offload"]["bytes_moved_on_skipped_calls"] == 0
+
+
+@pytest.mark.parametrize("case_name, variants", [
+    ("ltxav", [None, "ltx2_odd", "ltx2_video_only", "ltx2_short_audio"]),
+    ("kandinsky5", [None, "kandinsky5_odd", "kandinsky5_one_frame"])])
+def test_the_resolution_changes_between_runs_of_one_group(env, case_name, variants):
+    """One group, one run after the other: LTX-2 with audio, 27 video tokens, video only, one audio token; Kandinsky 5
+    with 32 tokens, 27, one latent frame. Each against one process (the one-audio-token run within 1e-3: see
+    test_sp_ltx2_kandinsky5_host.py)."""
+    built, _ = build(env, case_name, ring=False)
+    model = parallel(env, built.patcher, ring=False)
+    for variant in variants:
+        case = dataclasses.replace(built, positive=copy.deepcopy(built.positive),
+                                   negative=copy.deepcopy(built.negative))
+        if variant is not None:
+            INPUT_VARIANTS[variant](case)
+        alone = env.tiny.sample(case, steps=3)
+        got = env.tiny.sample(case, model=model, steps=3)
+        assert_same(got, alone, ring=variant == "ltx2_short_audio")
+
+
+def test_an_audio_video_latent_larger_than_a_command_reaches_the_worker(env):
+    """A call's tensors over what a command carries go to the workers by broadcast. LTX-2's video and audio are views
+    into ComfyUI's packed latent, not contiguous when cond and uncond are batched: they are sent from a contiguous
+    copy (768 video tokens: 393 KiB a sample)."""
+    from omnitest.pack import pack_module
+
+    case, _ = build(env, "ltxav", ring=False)  # skips on a ComfyUI without LTX-2
+    import comfy.nested_tensor
+
+    protocol = pack_module("nodes.sequence_parallel.protocol")
+    case.latent = comfy.nested_tensor.NestedTensor([torch.zeros(1, 128, 3, 16, 16), torch.zeros(1, 8, 40, 16)])
+    assert case.latent.unbind()[0].numel() * 4 > protocol.BROADCAST_BYTES
+    alone = env.tiny.sample(case, steps=2)
+    got = env.tiny.sample(case, model=parallel(env, case.patcher, ring=False), steps=2)
+    assert_same(got, alone, ring=False)

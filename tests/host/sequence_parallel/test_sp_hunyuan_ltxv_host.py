@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from omnitest.sp_families import MIN_PSNR_DB, assert_plan_equals_one_process, family_plan_applied
+from omnitest.quality import psnr_db
+from omnitest.sp_families import MIN_PSNR_DB, assert_plan_equals_one_process, rank_refused_then_in_step
 from omnitest.tiny_models import CASES
 
 pytestmark = pytest.mark.host
@@ -63,34 +64,11 @@ def test_auto_degrees_read_the_head_count(case_name, one_head):
     assert node._heads(built.diffusion_model, family) == (1 if one_head else 2)
 
 
-def rank_refused_input():
-    """On every rank: the error of a HunyuanVideo call with guiding_frame_index (I2V 'v2 (replace)'), the bytes
-    exchanged before it, and the PSNR of a call without it afterwards (the group is still in step)."""
-    from omnitest.comfy_path import use_comfyui_in_process
-
-    use_comfyui_in_process()
-    from omnitest.quality import psnr_db
-    from omnitest.tiny_models import build_case, sample
-
-    case = build_case("hunyuan_video")
-    reference = sample(case)
-    message = ""
-    with family_plan_applied(case, 2, 1) as (clone, runtime, _):
-        case.positive[0][1]["guiding_frame_index"] = 0
-        try:
-            sample(case, clone)
-        except ValueError as exc:
-            message = str(exc)
-        sent = runtime.stats.bytes_sent
-        runtime.reset()
-        del case.positive[0][1]["guiding_frame_index"]
-        quality = psnr_db(sample(case, clone), reference)
-    return message, sent, quality
-
-
 def test_hunyuan_guiding_frame_index_is_refused_on_every_rank_naming_why(rank_pool):
-    for message, sent, quality in rank_pool(2).run(rank_refused_input, timeout=TIMEOUT_S):
+    """Refused before any exchange, and a call without it afterwards runs in step."""
+    for message, sent, got, reference in rank_pool(2).run(rank_refused_then_in_step, "hunyuan_video",
+                                                          "guiding_frame_index", timeout=TIMEOUT_S):
         assert "HunyuanVideo called with guiding_frame_index is not supported" in message
         assert "modulates token ranges" in message
         assert sent == 0  # refused before any exchange: no rank waits for another
-        assert quality >= MIN_PSNR_DB
+        assert psnr_db(got, reference) >= MIN_PSNR_DB

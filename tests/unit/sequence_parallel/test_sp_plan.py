@@ -11,8 +11,10 @@ from omni_hooks.sequence_parallel import (
     ModuleForwardMetadata,
     PaddingRecord,
     SequenceParallelConfig,
+    SequenceParallelCrossAttention,
     SequenceParallelInput,
     SequenceParallelMesh,
+    SequenceParallelObjectInput,
     SequenceParallelOutput,
     SequenceParallelPartialInput,
     SequenceParallelRefusedInput,
@@ -115,6 +117,9 @@ def test_reprs_list_every_field():
     ({"": {"pair": [None, None]}}, "expected a SequenceParallelInput"),
     ({"": {"pair": [SequenceParallelInput(1, outside_caches=True), None], "y": SequenceParallelInput(1)}},
      "must agree on outside_caches"),
+    ({"": [SequenceParallelOutput(1, outside_caches=True), SequenceParallelOutput(1)]},
+     "every output spec of one module must agree on outside_caches"),
+    ({"": {0: SequenceParallelObjectInput(tokens=len, narrow=lambda v, s, n: v)}}, "split_output=True"),
 ])
 def test_plan_validation_errors(plan, message):
     with pytest.raises(ValueError, match=message):
@@ -126,7 +131,10 @@ def test_valid_plans_pass_and_the_model_plan_is_read_validated():
                  "pair": [SequenceParallelInput(0), SequenceParallelInput(1)],
                  2: SequenceParallelInput(0, split_output=True)},
             "proj": [SequenceParallelOutput(1), None],
-            "attn": SequenceParallelSelfAttention()}
+            "attn": SequenceParallelSelfAttention(),
+            "cross": SequenceParallelCrossAttention(),
+            "tail": SequenceParallelOutput(1, outside_caches=True),
+            "mid": {"table": SequenceParallelObjectInput(tokens=len, narrow=lambda v, s, n: v, shard_group="t")}}
     assert validate_sp_plan(plan) is plan
     model = torch.nn.Linear(2, 2)
     assert get_sp_plan_from_model(model) is None
@@ -312,6 +320,59 @@ def test_tensors_of_one_shard_group_must_agree():
     with pytest.raises(ValueError, match="same sequence"):
         split_once(spec, torch.zeros(1, 5, 1), extra={"txt": SequenceParallelInput(split_dim=1, auto_pad=True)},
                    txt=torch.zeros(1, 7, 1))
+
+
+class Frames:
+    """A host's own per-token table: one row per frame of ``per_frame`` tokens."""
+
+    def __init__(self, rows: list, per_frame: int, start: int = 0, length: int | None = None):
+        self.rows, self.per_frame, self.start = rows, per_frame, start
+        self.length = len(rows) * per_frame if length is None else length
+
+    def tokens(self) -> list:
+        every = [row for row in self.rows for _ in range(self.per_frame)] + [0] * self.length
+        return every[self.start:self.start + self.length]
+
+
+FRAMES = SequenceParallelObjectInput(
+    tokens=lambda t: None if t.length == 1 else t.length,
+    narrow=lambda t, start, length: Frames(t.rows, t.per_frame, start, length), shard_group="frames")
+
+
+def test_an_object_input_is_narrowed_by_the_familys_function_to_this_ranks_padded_range():
+    table = Frames([10, 20, 30], per_frame=3)  # 9 tokens: 3 ranks of 3, or 2 ranks of 5 (one padding token)
+    for rank, expected in enumerate([[10, 10, 10, 20, 20], [20, 30, 30, 30, 0]]):
+        out, runtime = split_once(FRAMES, table, rank=rank)
+        assert out.tokens() == expected and runtime.padding["frames"] == PaddingRecord(9, 10)
+    one = Frames([5], per_frame=1)
+    out, runtime = split_once(FRAMES, one)
+    assert out is one and runtime.padding == {}  # one value for every token: passed as it is
+    with pytest.raises(ValueError, match="same sequence"):  # a shard group holds one sequence
+        split_once(FRAMES, table, extra={"txt": SequenceParallelInput(split_dim=1, auto_pad=True,
+                                                                      shard_group="frames")},
+                   txt=torch.zeros(1, 7, 1))
+
+
+def test_a_gather_declared_outside_caches_runs_after_the_cache_on_its_module_has_seen_the_shard():
+    seen = []
+
+    class Cache(ModelHook):
+        phase = HookPhase.CACHING
+
+        def post_forward(self, module, output):
+            seen.append(output.shape[1])
+            return output + 1
+
+    config, mesh = simulated()
+    for outside, expected in ((True, 4), (False, 8)):
+        seen.clear()
+        proj = torch.nn.Linear(2, 2)
+        apply_sequence_parallel(proj, config, {"": SequenceParallelOutput(gather_dim=1, outside_caches=outside)},
+                                mesh=mesh)
+        HookRegistry.get_or_create(proj).register_hook("a_cache", Cache())
+        assert proj(torch.zeros(1, 4, 2)).shape == (1, 8, 2) and seen == [expected]
+        phase = HookRegistry.get_or_create(proj).get_hook("sp_output---").phase
+        assert phase is (HookPhase.OBSERVATION if outside else HookPhase.SHARDING)
 
 
 def test_wrong_dims_are_left_alone_with_a_warning(caplog):
