@@ -99,19 +99,26 @@ def slow(port: int, count: int, stop: threading.Event) -> dict:
         else:
             closed_at[i] = time.monotonic() - start
     print(json.dumps({"challenged": challenged}), flush=True)
-    while not stop.wait(1.0):
+
+    def look(send: bool, wait_s: float) -> None:
+        """Note the connections rank 0 closed (each still open gets a byte first, with ``send``)."""
         for i, sock in enumerate(socks):
             if i in closed_at:
                 continue
             try:
-                sock.sendall(b"x")
-                sock.settimeout(0.01)
+                if send:
+                    sock.sendall(b"x")
+                sock.settimeout(wait_s)
                 if sock.recv(1) == b"":
                     closed_at[i] = time.monotonic() - start
             except socket.timeout:
                 pass
             except OSError:
                 closed_at[i] = time.monotonic() - start
+
+    while not stop.wait(1.0):
+        look(send=True, wait_s=0.01)
+    look(send=False, wait_s=0.5)  # once more when told to stop: a close since the last look counts too
     for sock in socks:
         sock.close()
     return {"challenged": challenged, "closed": len(closed_at)}
