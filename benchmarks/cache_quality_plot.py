@@ -71,3 +71,59 @@ def plot_curves(results: list[dict], path: Path, steps: int, targets=((12, 45.0)
         d.line([(x1 + 15, ly + 6), (x1 + 45, ly + 6)], fill=colour, width=3)
         d.text((x1 + 52, ly), name, fill="black")
     img.save(path, optimize=True)
+
+
+FRONTIER_COLOURS = [(22, 163, 74), (37, 99, 235), (234, 88, 12), (147, 51, 234), (113, 113, 122)]
+
+
+def frontier(rows: list[dict], steps: int) -> list[tuple[int, float, float]]:
+    """Per number of forwards b (1..steps): the best mean PSNR of the rows that computed at most b on average, with
+    that row's worst prompt (finite PSNRs only); budgets without a row are left out."""
+    points = []
+    for b in range(1, steps + 1):
+        fits = [r for r in rows if r["evaluations"] <= b + 1e-9 and r["psnr_mean"] is not None]
+        if fits:
+            top = max(fits, key=lambda r: r["psnr_mean"])
+            points.append((b, top["psnr_mean"], top["psnr_min"] if top["psnr_min"] is not None else top["psnr_mean"]))
+    return points
+
+
+def plot_frontiers(groups: dict[str, list[dict]], path: Path, steps: int, title: str = "") -> None:
+    """One frontier per group (``frontier``): its best mean PSNR per number of forwards as a solid staircase and the
+    worst prompt of the same points dashed; written as a PNG at ``path``."""
+    img = Image.new("RGB", (WIDTH, HEIGHT), "white")
+    d = ImageDraw.Draw(img)
+    x0, x1, y0, y1 = LEFT, WIDTH - RIGHT, HEIGHT - BOTTOM, TOP
+
+    def px(evals: float, db: float) -> tuple[float, float]:
+        db = min(max(db, Y_MIN), Y_MAX)
+        return x0 + (x1 - x0) * evals / steps, y0 - (y0 - y1) * (db - Y_MIN) / (Y_MAX - Y_MIN)
+
+    for e in range(0, steps + 1, 5 if steps > 10 else 1):
+        x, _ = px(e, Y_MIN)
+        d.line([(x, y0), (x, y1)], fill=(235, 235, 235))
+        d.text((x - 6, y0 + 6), str(e), fill="black")
+    for db in range(int(Y_MIN), int(Y_MAX) + 1, 10):
+        _, y = px(0, db)
+        d.line([(x0, y), (x1, y)], fill=(235, 235, 235))
+        d.text((x0 - 30, y - 6), str(db), fill="black")
+    d.rectangle([x0, y1, x1, y0], outline="black")
+    d.text(((x0 + x1) / 2 - 150, y0 + 28), f"at most this many forwards (model evaluations, of {steps})",
+           fill="black")
+    d.text((8, y1 - 25), "best final latent PSNR vs uncached (dB): mean solid, its worst prompt dashed", fill="black")
+    if title:
+        d.text((x0 + 380, y1 - 25), title, fill="black")
+    for i, (name, rows) in enumerate(groups.items()):
+        colour = FRONTIER_COLOURS[i % len(FRONTIER_COLOURS)]
+        points = frontier(rows, steps)
+        mean = [p for b, m, _ in points for p in (px(b, m), px(b + 1, m))]
+        worst = [p for b, _, w in points for p in (px(b, w), px(b + 1, w))]
+        if len(mean) > 1:
+            d.line(mean, fill=colour, width=3 if i == 0 else 2)
+            for (xa, ya), (xb, yb) in zip(worst[::2], worst[1::2]):
+                for t in range(0, 10, 2):
+                    d.line([(xa + (xb - xa) * t / 10, ya), (xa + (xb - xa) * (t + 1) / 10, yb)], fill=colour)
+        ly = TOP + 10 + 22 * i
+        d.line([(x1 + 15, ly + 6), (x1 + 45, ly + 6)], fill=colour, width=3)
+        d.text((x1 + 52, ly), name, fill="black")
+    img.save(path, optimize=True)
