@@ -7,7 +7,8 @@ Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_cal
   * on a compute, the tail stores ``tail input - head input`` per branch (the residual the next skip reuses);
   * with ``forecast_order`` k > 0 a branch keeps its last k + 1 residuals and a skip adds their extrapolation to the
     call's sigma (``omni_hooks.forecast``) instead of the last one; its reason becomes "forecast";
-  * with ``forecast_order`` "auto" each computed call scores every order on predicting its residual from the older
+  * with ``forecast_order`` "auto" each computed call scores every candidate forecast (``omni_hooks.forecast``:
+    the orders, TaylorSeer's Taylor step, a Chebyshev fit) on predicting its residual from the older
     ones (means over the ranks under sequence parallelism) and a skip uses the order expected to err least at its
     distance from the last computed step, counting how each order's errors add up over the coming gaps (0: reuse;
     a cache whose ``coherence_floor`` is below 0 counts errors that alternate as partly cancelling);
@@ -35,7 +36,7 @@ from .blockstack import BlockStack
 from .context import CallContext
 from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
-from .forecast import (AUTO, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, MAX_ORDER, ORDERS, WEIGHED_ORDERS,
+from .forecast import (AUTO, AUTO_KEPT, CANDIDATES, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, WEIGHED_ORDERS,
                        ErrorPerMetric, OrderScores, ResidualHistory, history_limit)
 from .stats import BranchDecision, CacheRunStats, EvaluationRecord
 
@@ -282,7 +283,7 @@ class StackCacheRun:
         coord = self.coordinate(call.context)
         residuals = []
         for i, st in enumerate(states):
-            order = (st.scores.best(len(st.history.residuals) - 1, self.distance(st, coord), self.coherence_floor)
+            order = (st.scores.best(len(st.history.residuals), self.distance(st, coord), self.coherence_floor)
                      if self.config.forecast_order == AUTO else None)
             made = st.history.forecast(coord, order=order)
             residuals.append(made.residual if made.residual is not None else st.previous_residual)
@@ -343,10 +344,10 @@ class StackCacheRun:
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
             branch = floats[i * width:(i + 1) * width]
-            errors, norm = branch[:len(ORDERS)], branch[-1]
+            errors, norm = branch[:len(CANDIDATES)], branch[-1]
             if self.weighs_metric and norm is not None:
                 order = self.config.forecast_order
-                error = errors[st.scores.best(MAX_ORDER, distances[i], self.coherence_floor)
+                error = errors[st.scores.best(AUTO_KEPT, distances[i], self.coherence_floor)
                                if order == AUTO else order]
                 error = errors[0] if error is None else error
                 if error is not None:

@@ -11,9 +11,11 @@ import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .forecast import CANDIDATE_NAMES
+
 NON_FINITE_TEXT = ("NaN", "Infinity", "-Infinity")
 # what a skipped branch's residual came from, by ``BranchDecision.forecast_order``
-ORDER_NAMES = {0: "reuse", 1: "1st order", 2: "2nd order"}
+ORDER_NAMES = CANDIDATE_NAMES
 
 
 def json_safe(value: Any) -> Any:
@@ -49,7 +51,8 @@ class BranchDecision:
     #                        "reuse", "forecast" (its residual extrapolated) or "forecast-fallback" (a non-finite forecast)
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
-    # with a forecast: the order a skipped branch's residual came from (0: the last residual reused); None otherwise
+    # with a forecast: the candidate a skipped branch's residual came from (``ORDER_NAMES``; 0: the last residual
+    # reused); None otherwise
     forecast_order: int | None = None
 
 

@@ -28,7 +28,7 @@ export const REASONS = {
 };
 
 /** What a skipped branch's residual came from (omni_hooks/stats.py BranchDecision.forecast_order). */
-export const FORECAST_ORDERS = { 0: "reuse", 1: "1st order", 2: "2nd order" };
+export const FORECAST_ORDERS = { 0: "reuse", 1: "1st order", 2: "2nd order", 3: "Taylor", 4: "Chebyshev fit" };
 
 const NON_FINITE = new Set(["NaN", "Infinity", "-Infinity"]);
 
