@@ -33,12 +33,24 @@ import torch
 
 from .base import BaseState, HookPhase, HookRegistry, ModelHook, StateManager, remove_hook_and_restore
 from .blockstack import BlockStack
+from .budget import ForwardBudget, StepProfile
 from .context import CallContext
 from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
 from .forecast import (AUTO, AUTO_KEPT, CANDIDATES, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, WEIGHED_ORDERS,
                        ErrorPerMetric, OrderScores, ResidualHistory, history_limit)
 from .stats import BranchDecision, CacheRunStats, EvaluationRecord
+
+
+# the reasons a branch computes whatever a forward budget says: nothing usable is cached, the step is outside the
+# user's start/end window, or the run calibrates
+NEEDED_REASONS = frozenset({"first", "shape", "window", "calibrate"})
+
+
+def relative_change(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """``|current - previous| / |previous|`` (L2, in float32) as a 0-d tensor, no host sync."""
+    prev = previous.to(current.device).float()
+    return ((current.float() - prev).square().sum() / (prev.square().sum() + 1e-12)).sqrt()
 
 
 @dataclass
@@ -125,6 +137,10 @@ class StackCacheRun:
         self.capture_module = capture_module
         self._call: ActiveCall | None = None
         self._installed: list[tuple[torch.nn.Module, str]] = []
+        self.budget = ForwardBudget(config.active_budget, config.step_profile) if config.active_budget else None
+        self.stats.budget = self.budget
+        # while calibrating: per step, its sigma and each branch's relative residual change (``step_profile``)
+        self._calibrated_changes: dict[int, tuple[float, list[float]]] = {}
 
     # -- policy ---------------------------------------------------------------------------------------------------
 
@@ -202,6 +218,8 @@ class StackCacheRun:
             if decisions[i].reason == "reuse" and (
                     st.previous_residual is None or st.residual_input_shape != hidden[i * size:(i + 1) * size].shape):
                 decisions[i] = Decision("shape" if st.previous_residual is not None else "first", decisions[i].metric)
+        if self.budget is not None and step is not None and total:
+            decisions = self._within_budget(call, decisions, step, total)
         few_step = self.config.active_few_step
         if few_step is not None and few_step.applies(total):
             if self.stats.few_step_note is None:  # once per run: the run's step count does not change
@@ -216,6 +234,8 @@ class StackCacheRun:
         # under sequence parallelism every rank must take the same path, or one waits in a collective forever
         compute = agreement.any(local_compute) if agreement is not None else local_compute
         self.after_decision(call, compute)
+        if self.budget is not None and step is not None and total:
+            self.budget.settle(step, compute)
         if not compute and step is not None:
             self._skipped_steps.add(step)
         reuse_reason = "other-branch" if local_compute else "other-rank"
@@ -227,6 +247,22 @@ class StackCacheRun:
                       for i, d in enumerate(decisions)])
         call.context.blocks_run = compute
         return compute
+
+    def _within_budget(self, call: ActiveCall, decisions: list[Decision], step: int, total: int) -> list[Decision]:
+        """The call's decisions under the forward budget (``omni_hooks.budget``): the plan's steps compute, a
+        branch's threshold may bring one forward, what must compute does (nothing cached, a new shape, a step
+        outside the start/end window); the policy's other rules (its first steps, retention, K) give way."""
+        budget = self.budget
+        if budget.total != total:
+            outside = {s for s in range(total) if not self.config.in_window(s, total)}
+            budget.start(total, list(call.context.schedule) if call.context.schedule else None, outside)
+        must = any(d.reason in NEEDED_REASONS for d in decisions)
+        wants = self.config.threshold > 0 and any(d.reason == "threshold" for d in decisions)  # 0: the plan alone
+        compute, why = budget.decide(step, wants, must)
+        if not compute:
+            return [d if d.reason in NEEDED_REASONS else Decision("reuse", d.metric) for d in decisions]
+        keep = {*NEEDED_REASONS, "threshold"}
+        return [d if d.reason in keep else Decision(why or d.reason, d.metric) for d in decisions]
 
     @staticmethod
     def _keep_own_part(call: ActiveCall) -> None:
@@ -316,9 +352,12 @@ class StackCacheRun:
         coord = self.coordinate(call.context)
         measured: list[torch.Tensor | None] = []
         distances: list[float | None] = []
+        changes: list[torch.Tensor] = []
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
             part = residual[i * size:(i + 1) * size]
+            if self.config.calibrate and st.previous_residual is not None and st.previous_residual.shape == part.shape:
+                changes.append(relative_change(part, st.previous_residual))
             st.previous_residual = part.to(self.config.cache_device) if self.config.cache_device is not None else part
             st.residual_input_shape = head_input[i * size:(i + 1) * size].shape
             if self.config.forecast_order:
@@ -330,8 +369,21 @@ class StackCacheRun:
             self.on_residual(call, key, part, output[i * size:(i + 1) * size].detach())
         if measured:
             self._score_orders(call, measured, distances)
+        step, sigma = call.context.step, call.context.sigma
+        if self.config.calibrate and step is not None and sigma is not None and (changes or not self._calibrated_changes):
+            values = self.measured_floats(call, changes) if changes else [0.0]  # the first step: no change of its own
+            self._calibrated_changes.setdefault(step, (sigma, []))[1].extend(values)
         self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache_bytes())
 
+    def step_profile(self) -> StepProfile | None:
+        """What a calibrating run measured for a forward budget: per computed step its sigma and the relative change
+        of the residual from the step before (mean over the branches and calls of the step); None with fewer than
+        two steps measured."""
+        points = sorted(self._calibrated_changes.items())
+        if len(points) < 2:
+            return None
+        return StepProfile(tuple(sigma for _, (sigma, _) in points),
+                           tuple(sum(values) / len(values) for _, (_, values) in points))
     def _score_orders(self, call: ActiveCall, measured: list[torch.Tensor | None],
                       distances: list[float | None]) -> None:
         """Update each branch's ``OrderScores`` from its prediction errors (``ResidualHistory.prediction_errors``,

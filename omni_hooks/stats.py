@@ -46,7 +46,7 @@ class BranchDecision:
     branch: str            # "cond", "uncond", "cond.1", ...
     computed: bool
     reason: str            # "first", "forced", "window", "retention", "shape", "threshold", "max-skips", "reuse",
-    #                        "calibrate", "disabled", "other-branch", "other-rank", "few-step", a stack's own
+    #                        "calibrate", "disabled", "other-branch", "other-rank", "few-step", "budget", a stack's own
     #                        ``must_compute`` reason ("model-cache"); a skipped branch is
     #                        "reuse", "forecast" (its residual extrapolated) or "forecast-fallback" (a non-finite forecast)
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
@@ -87,6 +87,8 @@ class CacheRunStats:
     # the largest weight that did so
     sooner_by_forecast: int = 0
     largest_forecast_weight: float = 1.0
+    # the run's forward budget (``omni_hooks.budget.ForwardBudget``: its ``summary()`` and ``describe()``), if any
+    budget: Any = None
 
     def computed_sooner(self, weight: float) -> None:
         """Count a branch evaluation that the forecast's record (``weight`` > 1) made compute."""
@@ -201,9 +203,14 @@ class CacheRunStats:
             "estimated_speedup": (model_seconds + saved) / model_seconds if model_seconds > 0 else 1.0,
             "cache_bytes": self.cache_bytes,
             "warnings": warnings,
-            "notes": list(self.notes) + [n for n in (self.forecast_note(), self.few_step_note) if n],
+            "notes": list(self.notes) + [n for n in (self.budget_note(), self.forecast_note(), self.few_step_note) if n],
             "forecast_orders": self.forecast_orders(),
+            "budget": self.budget.summary() if self.budget is not None and self.budget.total else None,
         }
+
+    def budget_note(self) -> str | None:
+        """In words, what the forward budget asked and where the computed steps went (None: no budget)."""
+        return self.budget.describe() if self.budget is not None and self.budget.total else None
 
     def log_line(self) -> str:
         s = self.summary()
