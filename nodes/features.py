@@ -234,6 +234,7 @@ class StepInfo:
     step: int | None
     total_steps: int | None
     sigma: float | None = None  # the sigma of this call (heun's second evaluation lies between schedule points)
+    schedule: tuple[float, ...] | None = None  # the run's sigmas, the last one after the final step
 
 
 def step_of(transformer_options: dict, schedules: dict | None = None) -> StepInfo:
@@ -252,16 +253,16 @@ def step_of(transformer_options: dict, schedules: dict | None = None) -> StepInf
     memo = schedules if schedules is not None else {}
     held, values = memo.get(id(schedule), (None, None))
     if held is not schedule:  # holding the tensor keeps its id from being reused by another one
-        values = [float(s) for s in schedule.tolist()]
+        values = tuple(float(s) for s in schedule.tolist())
         memo[id(schedule)] = (schedule, values)
     for i, s in enumerate(values[:-1]):
         if s == sigma:
-            return StepInfo(i, total, sigma)
+            return StepInfo(i, total, sigma, values)
     for i in range(total):
         hi, lo = max(values[i], values[i + 1]), min(values[i], values[i + 1])
         if lo <= sigma <= hi:
-            return StepInfo(i, total, sigma)
-    return StepInfo(None, total, sigma)
+            return StepInfo(i, total, sigma, values)
+    return StepInfo(None, total, sigma, values)
 
 
 @dataclass
@@ -454,7 +455,8 @@ def call_context(run: SamplingRun, options: dict) -> CallContext:
         uuids = [str(c) for c in cond_or_uncond]
     labels = [run.label_of(u, c) for u, c in zip(uuids, cond_or_uncond)]
     step = step_of(options, run.schedules)
-    return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps, sigma=step.sigma)
+    return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps, sigma=step.sigma,
+                       schedule=step.schedule)
 
 
 def run_call(run: SamplingRun, diffusion_model: torch.nn.Module, forward: Callable[..., Any], args: tuple,

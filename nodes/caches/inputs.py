@@ -67,6 +67,20 @@ def forecast_input() -> io.Combo.Input:
                           "TeaCache computes sooner where the forecast has recently erred more than usual.")
 
 
+def forward_budget_input() -> io.Int.Input:
+    """Optional and last, so that a saved workflow (or API prompt) without it loads and keeps its threshold policy."""
+    return io.Int.Input("forward_budget", display_name="forward budget (steps to compute)", default=0, min=0,
+                        max=10000, optional=True,
+                        tooltip="Compute about this many of the sampler's steps (0 = off: the threshold alone "
+                        "decides). The cache places them where they matter most for the final image: from this "
+                        "model's calibration file (how fast its output changes along the schedule; without one, "
+                        "in proportion to the schedule's sigma steps), the first and last steps always included, "
+                        "usually most of the last steps. The threshold still brings a computed step forward where "
+                        "the change is larger than usual. A predictable speed-up: steps / budget. With a budget, "
+                        "the few-step rule, MagCache's retention and K give way to the plan; steps outside the "
+                        "start/end window still compute and count.")
+
+
 def forecast_order(value: str) -> int | str:
     """The order the ``forecast`` input's ``value`` asks for; ValueError for an unknown value."""
     if value not in FORECAST_ORDERS:  # ComfyUI 0.3.64 does not validate V3 combo values at /prompt
