@@ -378,12 +378,13 @@ class StackCacheRun:
     def step_profile(self) -> StepProfile | None:
         """What a calibrating run measured for a forward budget: per computed step its sigma and the relative change
         of the residual from the step before (mean over the branches and calls of the step); None with fewer than
-        two steps measured."""
+        two steps measured or a change that is not a finite number (a model that produced NaN)."""
         points = sorted(self._calibrated_changes.items())
-        if len(points) < 2:
+        sigmas = [sigma for _, (sigma, _) in points]
+        changes = [sum(values) / len(values) for _, (_, values) in points]
+        if len(points) < 2 or not all(math.isfinite(v) for v in sigmas + changes):
             return None
-        return StepProfile(tuple(sigma for _, (sigma, _) in points),
-                           tuple(sum(values) / len(values) for _, (_, values) in points))
+        return StepProfile(tuple(sigmas), tuple(changes))
     def _score_orders(self, call: ActiveCall, measured: list[torch.Tensor | None],
                       distances: list[float | None]) -> None:
         """Update each branch's ``OrderScores`` from its prediction errors (``ResidualHistory.prediction_errors``,
