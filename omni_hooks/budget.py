@@ -243,8 +243,9 @@ class ForwardBudget:
         self.plan = sorted({p for p in self.plan if p <= step} | set(later))
 
     def describe(self) -> str:
-        """In words, for the run's statistics."""
-        done = f"forward budget {self.count}: computed {len(self.computed)} of {self.total} steps ({compact(self.computed)})"
+        """In words, for the run's statistics (steps numbered from 1, as the panel shows them)."""
+        steps = compact([s + 1 for s in self.computed])
+        done = f"forward budget {self.count}: computed {len(self.computed)} of {self.total} steps (steps {steps})"
         if self.brought_forward:
             done += f"; the threshold brought {self.brought_forward} forward"
         if self.held_back:
