@@ -17,12 +17,17 @@ COLOURS = {
     "forecast off": (253, 186, 116), "forecast 1st order": (249, 115, 22), "forecast 2nd order": (154, 52, 18),
     "forecast auto": (190, 24, 93),
     "EasyCache": (113, 113, 122),
+    "budget, forecast off": (196, 181, 253), "budget, forecast 1st order": (139, 92, 246),
+    "budget, forecast 2nd order": (76, 29, 149), "budget, forecast auto": (17, 24, 39),
+    "+ budget": (13, 148, 136),
 }
 
 
 def colour_of(name: str) -> tuple[int, int, int]:
     if name in COLOURS:
         return COLOURS[name]
+    if "+ budget" in name:
+        return COLOURS["+ budget"] if name.startswith("TeaCache") else (161, 98, 7)
     for key, colour in COLOURS.items():
         if key in name and not name.startswith("TeaCache"):
             return colour
