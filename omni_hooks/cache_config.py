@@ -15,6 +15,7 @@ import torch
 from .budget import StepProfile
 from .few_step import FewStepRule
 from .forecast import check_order
+from .large_steps import LargeStepRule
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class StackCacheConfig:
     * ``few_step``: the steps a run of few steps always computes (``omni_hooks.few_step``); None: no rule. A
       calibrating run ignores it (it computes every step anyway), and so does a run with a forward budget (its plan
       keeps the first and last steps).
+    * ``large_steps``: the steps whose sigma step is large (``omni_hooks.large_steps``), always computed; None: no
+      rule. A calibrating run and a run with a forward budget (its plan places them) ignore it.
     * ``forward_budget``: compute about this many of a run's steps (``omni_hooks.budget``), placed where they matter
       most for the final latent; the policy's threshold can bring one forward, its other rules (retention, K, the
       first steps it always computes) give way to the plan; 0 = no budget, the policy alone decides.
@@ -52,6 +55,7 @@ class StackCacheConfig:
     calibrate: bool = False
     forecast_order: int | str = 0
     few_step: FewStepRule | None = None
+    large_steps: LargeStepRule | None = None
     forward_budget: int = 0
     step_profile: StepProfile | None = None
     model_label: str = "unknown"
@@ -76,6 +80,11 @@ class StackCacheConfig:
     def active_few_step(self) -> FewStepRule | None:
         """The few-step rule a run applies: none while calibrating or with a forward budget."""
         return None if self.calibrate or self.active_budget else self.few_step
+
+    @property
+    def active_large_steps(self) -> LargeStepRule | None:
+        """The large-step rule a run applies: none while calibrating or with a forward budget."""
+        return None if self.calibrate or self.active_budget else self.large_steps
 
     @property
     def active_budget(self) -> int:

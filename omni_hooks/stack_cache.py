@@ -12,6 +12,8 @@ Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_cal
     ones (means over the ranks under sequence parallelism) and a skip uses the order expected to err least at its
     distance from the last computed step, counting how each order's errors add up over the coming gaps (0: reuse;
     a cache whose ``coherence_floor`` is below 0 counts errors that alternate as partly cancelling);
+  * the steps of large sigma steps are always computed (``omni_hooks.large_steps``); with a forward budget
+    (``omni_hooks.budget``) the run computes about that many steps where its plan places them instead;
   * a cache whose ``weighs_metric_by_forecast`` is set weighs its metric, under "auto" and 1st order, by the
     forecast's record (``ErrorPerMetric``), so it computes sooner where the forecast did poorly.
 Every skipped branch's record says which order its residual came from (``BranchDecision.forecast_order``).
@@ -37,6 +39,7 @@ from .budget import ForwardBudget, StepProfile
 from .context import CallContext
 from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
+from .large_steps import LARGE_STEP_REASON
 from .forecast import (AUTO, AUTO_KEPT, CANDIDATES, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, WEIGHED_ORDERS,
                        ErrorPerMetric, OrderScores, ResidualHistory, history_limit)
 from .stats import BranchDecision, CacheRunStats, EvaluationRecord
@@ -141,6 +144,7 @@ class StackCacheRun:
         self.stats.budget = self.budget
         # while calibrating: per step, its sigma and each branch's relative residual change (``step_profile``)
         self._calibrated_changes: dict[int, tuple[float, list[float]]] = {}
+        self._large_steps: frozenset[int] | None = None  # the run's large steps (``config.large_steps``), once known
 
     # -- policy ---------------------------------------------------------------------------------------------------
 
@@ -226,6 +230,14 @@ class StackCacheRun:
                 self.stats.few_step_note = few_step.describe(total)
             if few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
                 decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == "reuse" else d for d in decisions]
+        large = self.config.active_large_steps
+        if large is not None and step is not None and call.context.schedule:
+            if self._large_steps is None:  # once per run: the schedule does not change within it
+                self._large_steps = large.steps(call.context.schedule)
+                if self._large_steps:
+                    self.stats.large_step_note = large.describe(self._large_steps, len(call.context.schedule) - 1)
+            if step in self._large_steps:
+                decisions = [Decision(LARGE_STEP_REASON, d.metric) if d.reason == "reuse" else d for d in decisions]
         must = self.stack.must_compute(args, kwargs) if self.stack.must_compute is not None else None
         if must is not None:
             decisions = [Decision(must, d.metric) if d.reason == "reuse" else d for d in decisions]

@@ -46,7 +46,8 @@ class BranchDecision:
     branch: str            # "cond", "uncond", "cond.1", ...
     computed: bool
     reason: str            # "first", "forced", "window", "retention", "shape", "threshold", "max-skips", "reuse",
-    #                        "calibrate", "disabled", "other-branch", "other-rank", "few-step", "budget", a stack's own
+    #                        "calibrate", "disabled", "other-branch", "other-rank", "few-step", "large-step", "budget",
+    #                        a stack's own
     #                        ``must_compute`` reason ("model-cache"); a skipped branch is
     #                        "reuse", "forecast" (its residual extrapolated) or "forecast-fallback" (a non-finite forecast)
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
@@ -87,6 +88,8 @@ class CacheRunStats:
     # the largest weight that did so
     sooner_by_forecast: int = 0
     largest_forecast_weight: float = 1.0
+    # the run's large steps in words (``omni_hooks.large_steps``), when it had any
+    large_step_note: str | None = None
     # the run's forward budget (``omni_hooks.budget.ForwardBudget``: its ``summary()`` and ``describe()``), if any
     budget: Any = None
 
@@ -149,10 +152,10 @@ class CacheRunStats:
                 r in ("first", "forced", "window", "retention", "few-step", "shape", "model-cache") for r in reasons):
             return ("the model filled its own key/value cache on every call (a prompt or reference image it had not "
                     "seen), and such calls are always computed")
-        if all(r in ("first", "forced", "window", "retention", "calibrate") for r in reasons):
-            return ("every step was forced (first/last steps, retention steps or outside start/end percent); "
-                    "use more steps or widen the start/end window")
-        if all(r in ("first", "forced", "window", "retention", "calibrate", "max-skips") for r in reasons):
+        if all(r in ("first", "forced", "window", "retention", "calibrate", "large-step") for r in reasons):
+            return ("every step was forced (first/last steps, retention steps, large sigma steps or outside start/end "
+                    "percent); use more steps or widen the start/end window")
+        if all(r in ("first", "forced", "window", "retention", "calibrate", "large-step", "max-skips") for r in reasons):
             return "the maximum number of consecutive skips (K) allowed none (K = 0 computes every step)"
         if self.stack_shape_mismatch:
             return ("the block stack's output has another shape than its input for this model and input (e.g. "
@@ -203,7 +206,8 @@ class CacheRunStats:
             "estimated_speedup": (model_seconds + saved) / model_seconds if model_seconds > 0 else 1.0,
             "cache_bytes": self.cache_bytes,
             "warnings": warnings,
-            "notes": list(self.notes) + [n for n in (self.budget_note(), self.forecast_note(), self.few_step_note) if n],
+            "notes": list(self.notes) + [n for n in (self.budget_note(), self.forecast_note(), self.few_step_note,
+                                                     self.large_step_note) if n],
             "forecast_orders": self.forecast_orders(),
             "budget": self.budget.summary() if self.budget is not None and self.budget.total else None,
         }
