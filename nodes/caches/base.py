@@ -25,6 +25,7 @@ from ...omni_hooks.budget import StepProfile
 from ...omni_hooks.context import CallContext
 from ...omni_hooks.cache_config import StackCacheConfig
 from ...omni_hooks.few_step import FewStepRule
+from ...omni_hooks.large_steps import LargeStepRule
 from ...omni_hooks.stack_cache import StackCacheRun
 from ...omni_hooks.stats import BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
@@ -163,6 +164,7 @@ class BlockStackCache(abc.ABC):
             shared = dict(start_percent=float(tuning.pop("start_percent")), end_percent=float(tuning.pop("end_percent")),
                           cache_device=cache_device_for(model, tuning.pop("cache_device")), calibrate=calibrate,
                           forecast_order=forecast_order(tuning.pop("forecast", "off")), few_step=FewStepRule(),
+                          large_steps=LargeStepRule(),
                           forward_budget=tuning.pop("forward_budget", 0),
                           step_profile=None if calibrate else self.step_profile(value),
                           notes=tuple(detected.auto_choice(self.kind).notes) if auto else ())

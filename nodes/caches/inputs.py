@@ -60,10 +60,11 @@ def forecast_input() -> io.Combo.Input:
                           "extrapolated to this step's sigma from the last 2 / 3 computed steps (finite "
                           "differences, as TaylorSeer), which stays faithful at higher thresholds, so fewer steps "
                           "are computed for the same quality; keeps 2 / 3 residuals per branch in memory. 'auto': "
-                          "per branch and skipped step, whichever of reuse, 1st and 2nd order is expected to err "
-                          "least at this step, from how each predicted the steps this run computed, counting errors "
-                          "that point the same way step after step as adding up (never worse than 'off' in the "
-                          "benchmarks' means); keeps 4 residuals per branch. With '1st order' and 'auto', "
+                          "per branch and skipped step, whichever of reuse, 1st and 2nd order, TaylorSeer's Taylor "
+                          "step and a Chebyshev fit over the last 4 computed steps (as Spectrum fits) is expected "
+                          "to err least at this step, from how each predicted the steps this run computed, counting "
+                          "errors that point the same way step after step as adding up (never worse than 'off' in "
+                          "the benchmarks' means); keeps 5 residuals per branch. With '1st order' and 'auto', "
                           "TeaCache computes sooner where the forecast has recently erred more than usual.")
 
 
