@@ -17,6 +17,7 @@ export const REASONS = {
   retention: { label: "retention", help: "within the first retention_ratio of the steps, which are always computed" },
   first: { label: "first", help: "nothing cached yet for this branch (first evaluation): computed" },
   forced: { label: "forced", help: "first/last steps (or calibrated warm-up steps) are always computed" },
+  "large-step": { label: "large step", help: "this step moves sigma by at least twice the schedule's mean step (the last steps of a shifted schedule): always computed, since an error there is multiplied by the large step and nothing after it repairs it" },
   budget: { label: "budget", help: "the forward budget's plan placed a computed step here (where the final latent needs it most)" },
   window: { label: "outside window", help: "outside start_percent..end_percent: computed" },
   shape: { label: "shape changed", help: "the input shape changed, the cached residual does not fit: computed" },
