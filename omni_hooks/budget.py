@@ -165,6 +165,7 @@ class ForwardBudget:
     _sizes: list[float] = field(default_factory=list)
     _protected: frozenset[int] = frozenset()
     _verdicts: dict[int, bool] = field(default_factory=dict)
+    _origin: dict[int, int] = field(default_factory=dict)  # a planned step -> where the plan first put it
 
     def start(self, total: int, schedule: list[float] | None, protected: set[int] | frozenset[int] = frozenset()) \
             -> None:
@@ -178,6 +179,7 @@ class ForwardBudget:
         self._protected = frozenset(protected)
         self.plan = plan_steps(self.count, self._changes, self._sizes, 0, self._protected)
         self.planned = list(self.plan)
+        self._origin = {p: p for p in self.plan}
         self.computed, self.brought_forward, self._verdicts = [], 0, {}
 
     def decide(self, step: int, wants: bool = False, must: bool = False) -> tuple[bool, str | None]:
@@ -199,12 +201,14 @@ class ForwardBudget:
 
     def _pullable(self, step: int) -> int | None:
         """The planned step a compute at ``step`` would replace: the next one, if it is not protected and ``step``
-        lies in the second half of the gap before it; None otherwise."""
+        lies in the second half of the gap the plan first gave it (so computes brought forward one after the other
+        never drift further than that); None otherwise."""
         later = [p for p in self.plan if p > step]
         if not later or later[0] in self._protected or later[0] == self.total - 1:
             return None
-        before = max((p for p in self.computed if p < step), default=0)
-        return later[0] if 2 * step >= before + later[0] else None
+        target = self._origin.get(later[0], later[0])
+        before = max((self._origin.get(p, p) for p in self.plan if p < step), default=0)
+        return later[0] if 2 * step >= before + target else None
 
     def settle(self, step: int, computed: bool) -> None:
         """Record ``step``'s verdict. A compute brought forward replaces the next planned one; a compute forced off
@@ -229,6 +233,7 @@ class ForwardBudget:
         self.computed.append(step)
         if replaced is not None:
             self.plan = sorted(set(self.plan) - {replaced} | {step})
+            self._origin[step] = self._origin.pop(replaced, replaced)
             self.brought_forward += 1
         else:
             self._replan(step)
@@ -241,6 +246,7 @@ class ForwardBudget:
             return
         later = plan_steps(left + 1, self._changes, self._sizes, step, self._protected)
         self.plan = sorted({p for p in self.plan if p <= step} | set(later))
+        self._origin = {p: self._origin.get(p, p) for p in self.plan}
 
     def describe(self) -> str:
         """In words, for the run's statistics (steps numbered from 1, as the panel shows them)."""

@@ -196,3 +196,15 @@ def test_a_calibrating_run_records_the_residual_change_of_every_step():
         assert profile.changes[i] == pytest.approx(expected, rel=1e-5)
     assert tea_run(Model(quadratic), 0).step_profile() is None  # nothing measured: no profile
     assert BASE.shape == (4, 3)
+
+
+def test_computes_brought_forward_one_after_the_other_never_drift_past_half_their_planned_gap():
+    budget = ForwardBudget(6)
+    budget.start(30, [1 - i / 30 for i in range(31)])  # an even plan
+    planned = list(budget.plan)
+    for step in range(30):  # the threshold asks for every step
+        computed, _ = budget.decide(step, wants=True)
+        budget.settle(step, computed)
+    assert len(budget.computed) == 6 and budget.brought_forward == 4  # all but the first and the last
+    for got, (before, want) in zip(budget.computed[1:-1], zip(planned, planned[1:])):
+        assert 2 * got >= before + want and got <= want  # each within the second half of its planned gap
