@@ -94,7 +94,8 @@ def best(rows: list[dict], budget: float, consistent: bool = False) -> dict | No
 def describe(row: dict | None) -> str:
     if row is None:
         return "—"
-    what = row.get("setting") or f"{row['configuration']} {row['threshold']:g}"
+    knob = f"budget {row['budget']}" if row.get("budget") else f"{row['threshold']:g}"
+    what = row.get("setting") or f"{row['configuration']} {knob}"
     return f"{psnr(row['psnr_mean']):.1f} / {psnr(row['psnr_min']):.1f} ({what}, {row['evaluations']:g})"
 
 
