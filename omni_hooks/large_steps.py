@@ -7,7 +7,8 @@ largest sigma steps at the end: at 30 steps with shift 5 the last one moves sigm
 input changes little from step to step, and one more computed step elsewhere can push a skip onto one of them: on the
 benchmark models that made a lower threshold, with more computed steps, lose up to 4 dB (docs/benchmarks.md). So a
 step whose sigma step is at least ``factor`` times the schedule's mean step is never skipped. The rule needs the
-run's schedule (``CallContext.schedule``); it is the same on every rank.
+run's schedule (``CallContext.schedule``); it is the same on every rank. A run of few steps has the few-step rule
+instead (``omni_hooks.few_step``: its first steps, its last, no two skips in a row).
 """
 from __future__ import annotations
 

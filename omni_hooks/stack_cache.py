@@ -231,6 +231,8 @@ class StackCacheRun:
             if few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
                 decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == "reuse" else d for d in decisions]
         large = self.config.active_large_steps
+        if few_step is not None and few_step.applies(total):
+            large = None  # a run of few steps has the few-step rule (its last step included)
         if large is not None and step is not None and call.context.schedule:
             if self._large_steps is None:  # once per run: the schedule does not change within it
                 self._large_steps = large.steps(call.context.schedule)
