@@ -94,8 +94,10 @@ def best(rows: list[dict], budget: float, consistent: bool = False) -> dict | No
 def describe(row: dict | None) -> str:
     if row is None:
         return "—"
-    knob = f"budget {row['budget']}" if row.get("budget") else f"{row['threshold']:g}"
-    what = row.get("setting") or f"{row['configuration']} {knob}"
+    if "setting" in row:  # a pack's
+        what = row["setting"]
+    else:
+        what = f"{row['configuration']} " + (f"budget {row['budget']}" if row.get("budget") else f"{row['threshold']:g}")
     return f"{psnr(row['psnr_mean']):.1f} / {psnr(row['psnr_min']):.1f} ({what}, {row['evaluations']:g})"
 
 
