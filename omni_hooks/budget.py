@@ -253,7 +253,8 @@ class ForwardBudget:
         steps = compact([s + 1 for s in self.computed])
         done = f"forward budget {self.count}: computed {len(self.computed)} of {self.total} steps (steps {steps})"
         if self.brought_forward:
-            done += f"; the threshold brought {self.brought_forward} forward"
+            done += (f"; the threshold brought {self.brought_forward} forward (a threshold of 0 leaves the placement "
+                     f"to the plan)")
         if self.held_back:
             done += f"; {self.held_back} step(s) over the threshold skipped, the budget being spent"
         return done
