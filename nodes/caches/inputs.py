@@ -76,10 +76,12 @@ def forward_budget_input() -> io.Int.Input:
                         "decides). The cache places them where they matter most for the final image: from this "
                         "model's calibration file (how fast its output changes along the schedule; without one, "
                         "in proportion to the schedule's sigma steps), the first and last steps always included, "
-                        "usually most of the last steps. The threshold still brings a computed step forward where "
-                        "the change is larger than usual. A predictable speed-up: steps / budget. With a budget, "
-                        "the few-step rule, MagCache's retention and K give way to the plan; steps outside the "
-                        "start/end window still compute and count.")
+                        "usually most of the last steps. A threshold above 0 can still bring the next planned step "
+                        "forward (at most half its gap) where its change reaches the threshold; on the Wan "
+                        "benchmark models that only cost quality, so set it to 0 to leave the placement to the plan. "
+                        "'1st order' is the forecast to pair it with. A predictable speed-up: steps / budget. With a "
+                        "budget, the few-step rule, MagCache's retention and K give way to the plan; steps outside "
+                        "the start/end window still compute and count.")
 
 
 def forecast_order(value: str) -> int | str:
