@@ -96,8 +96,10 @@ def describe(row: dict | None) -> str:
         return "—"
     if "setting" in row:  # a pack's
         what = row["setting"]
+    elif row.get("budget"):  # "budget, forecast auto" -> "budget 8, forecast auto"
+        what = row["configuration"].replace("budget", f"budget {row['budget']}", 1)
     else:
-        what = f"{row['configuration']} " + (f"budget {row['budget']}" if row.get("budget") else f"{row['threshold']:g}")
+        what = f"{row['configuration']} {row['threshold']:g}"
     return f"{psnr(row['psnr_mean']):.1f} / {psnr(row['psnr_min']):.1f} ({what}, {row['evaluations']:g})"
 
 
