@@ -34,8 +34,9 @@ def colour_of(name: str) -> tuple[int, int, int]:
     return (0, 0, 0)
 
 
-def plot_curves(results: list[dict], path: Path, steps: int, targets=((12, 45.0), (8, 40.0)), title: str = "") -> None:
-    """``results``: dicts with configuration, evaluations, psnr_mean; written as a PNG at ``path``."""
+def axes(steps: int, x_label: str, y_label: str, title: str, title_x: int):
+    """A white canvas with the plot's grid, ticks and labels: ``(image, draw, px)``, ``px(evals, db)`` the pixel of a
+    point (the PSNR clipped to the plot's range)."""
     img = Image.new("RGB", (WIDTH, HEIGHT), "white")
     d = ImageDraw.Draw(img)
     x0, x1, y0, y1 = LEFT, WIDTH - RIGHT, HEIGHT - BOTTOM, TOP
@@ -53,10 +54,18 @@ def plot_curves(results: list[dict], path: Path, steps: int, targets=((12, 45.0)
         d.line([(x0, y), (x1, y)], fill=(235, 235, 235))
         d.text((x0 - 30, y - 6), str(db), fill="black")
     d.rectangle([x0, y1, x1, y0], outline="black")
-    d.text(((x0 + x1) / 2 - 110, y0 + 28), f"model evaluations (of {steps} steps)", fill="black")
-    d.text((8, y1 - 25), "final latent PSNR vs uncached (dB, mean of 4 prompts)", fill="black")
+    d.text(((x0 + x1) / 2 - 3 * len(x_label), y0 + 28), x_label, fill="black")
+    d.text((8, y1 - 25), y_label, fill="black")
     if title:
-        d.text((x0 + 250, y1 - 25), title, fill="black")
+        d.text((x0 + title_x, y1 - 25), title, fill="black")
+    return img, d, px
+
+
+def plot_curves(results: list[dict], path: Path, steps: int, targets=((12, 45.0), (8, 40.0)), title: str = "") -> None:
+    """``results``: dicts with configuration, evaluations, psnr_mean; written as a PNG at ``path``."""
+    img, d, px = axes(steps, f"model evaluations (of {steps} steps)",
+                      "final latent PSNR vs uncached (dB, mean of 4 prompts)", title, 250)
+    x1 = WIDTH - RIGHT
     for evals, db in targets:
         x, y = px(evals, db)
         d.line([(x - 6, y), (x + 6, y)], fill=(220, 38, 38), width=2)
@@ -96,33 +105,14 @@ def frontier(rows: list[dict], steps: int) -> list[tuple[int, float, float]]:
 def plot_frontiers(groups: dict[str, list[dict]], path: Path, steps: int, title: str = "") -> None:
     """One frontier per group (``frontier``): its best mean PSNR per number of forwards as a solid staircase and the
     worst prompt of the same points dashed; written as a PNG at ``path``."""
-    img = Image.new("RGB", (WIDTH, HEIGHT), "white")
-    d = ImageDraw.Draw(img)
-    x0, x1, y0, y1 = LEFT, WIDTH - RIGHT, HEIGHT - BOTTOM, TOP
-
-    def px(evals: float, db: float) -> tuple[float, float]:
-        db = min(max(db, Y_MIN), Y_MAX)
-        return x0 + (x1 - x0) * evals / steps, y0 - (y0 - y1) * (db - Y_MIN) / (Y_MAX - Y_MIN)
-
-    for e in range(0, steps + 1, 5 if steps > 10 else 1):
-        x, _ = px(e, Y_MIN)
-        d.line([(x, y0), (x, y1)], fill=(235, 235, 235))
-        d.text((x - 6, y0 + 6), str(e), fill="black")
-    for db in range(int(Y_MIN), int(Y_MAX) + 1, 10):
-        _, y = px(0, db)
-        d.line([(x0, y), (x1, y)], fill=(235, 235, 235))
-        d.text((x0 - 30, y - 6), str(db), fill="black")
-    d.rectangle([x0, y1, x1, y0], outline="black")
-    d.text(((x0 + x1) / 2 - 150, y0 + 28), f"at most this many forwards (model evaluations, of {steps})",
-           fill="black")
-    d.text((8, y1 - 25), "best final latent PSNR vs uncached (dB): mean solid, its worst prompt dashed", fill="black")
-    if title:
-        d.text((x0 + 380, y1 - 25), title, fill="black")
+    img, d, px = axes(steps, f"at most this many forwards (model evaluations, of {steps})",
+                      "best final latent PSNR vs uncached (dB): mean solid, its worst prompt dashed", title, 380)
+    x1 = WIDTH - RIGHT
     for i, (name, rows) in enumerate(groups.items()):
         colour = FRONTIER_COLOURS[i % len(FRONTIER_COLOURS)]
         points = frontier(rows, steps)
-        mean = [p for b, m, _ in points for p in (px(b, m), px(b + 1, m))]
-        worst = [p for b, _, w in points for p in (px(b, w), px(b + 1, w))]
+        mean = [p for b, m, _ in points for p in (px(b, m), px(min(b + 1, steps), m))]
+        worst = [p for b, _, w in points for p in (px(b, w), px(min(b + 1, steps), w))]
         if len(mean) > 1:
             d.line(mean, fill=colour, width=3 if i == 0 else 2)
             for (xa, ya), (xb, yb) in zip(worst[::2], worst[1::2]):
