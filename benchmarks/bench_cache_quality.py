@@ -10,8 +10,8 @@ TeaCache and MagCache run on the model's own calibration (TeaCache Calibrate / M
 1st / 2nd order / auto; then the forward budget swept over its number of steps with each forecast, the threshold at
 0 (the plan alone: TeaCache and MagCache then compute the same steps, so it runs once, as Apply TeaCache), and with
 the threshold of ``BUDGET_PULLS`` (it can bring a planned compute forward); core EasyCache
-(``comfy_extras/nodes_easycache.py``, its default window 0.15-0.95) is the reference. A model evaluation is counted when the last block's feed-forward runs (a skipped step runs no block;
-EasyCache skips the whole model).
+(``comfy_extras/nodes_easycache.py``, its default window 0.15-0.95) is the reference. A model evaluation is counted
+when the last block's feed-forward runs (a skipped step runs no block; EasyCache skips the whole model).
 
 Writes a markdown table to stdout, ``docs/cache_quality[_<model>][_<steps>steps].json`` and the plot of the same name
 (``.png``; the small model at 30 steps is ``docs/cache_quality.json``).
@@ -197,7 +197,8 @@ def main() -> None:
     (opts.out / f"{name}.json").write_text(json.dumps(finite, indent=1))
     plot_curves(results, opts.out / f"{name}.png", steps=steps, targets=() if few else ((12, 45.0), (8, 40.0)),
                 title=f"{spec.name} model ({spec.description}), {steps} steps")
-    print(f"\nbest point per budget of model evaluations (of {steps}), mean / worst prompt in dB (threshold or budget):\n")
+    print(f"\nbest point per budget of model evaluations (of {steps}), mean / worst prompt in dB "
+          "(threshold or budget):\n")
     print(best_per_budget(results, steps))
     print(f"\n| configuration | setting | model evaluations (of {steps}) | latent PSNR mean (dB) | worst prompt (dB) |")
     print("|---|---|---|---|---|")

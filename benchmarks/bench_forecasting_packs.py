@@ -14,8 +14,8 @@ sweep of the same model and step count (``docs/cache_quality*.json``, from ``ben
 forwards the best point of each (mean / worst prompt), and the plot of the frontiers, forwards against PSNR, the mean
 solid and the worst prompt of the same point dashed (``.png`` of the same name).
 
-Run: COMFYUI_PATH=... .venv/bin/python benchmarks/bench_forecasting_packs.py --packs PACKS [--model small|wide|deep|long]
-[--steps 30] [--compare-only]
+Run: COMFYUI_PATH=... .venv/bin/python benchmarks/bench_forecasting_packs.py --packs PACKS
+[--model small|wide|deep|long] [--steps 30] [--compare-only]
 """
 from __future__ import annotations
 

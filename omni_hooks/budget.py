@@ -20,8 +20,9 @@ one the residual is taken to change in proportion to sigma. The schedule is the 
 ``ForwardBudget`` is a run's budget: ``decide`` answers per step, computing the planned steps and the protected ones
 (``must``), and lets the cache's policy bring the next planned compute forward (``wants``: its threshold says compute
 now), by at most half its gap, so the count stays the budget and the steps planned after it stay where they are; a
-compute the plan could not foresee (``must``: nothing cached, a new shape) re-plans the rest with what is left. Every input is the same
-on every rank of a group (the schedule, the profile, the policy's rank-mean metric), so every rank plans alike.
+compute the plan could not foresee (``must``: nothing cached, a new shape) re-plans the rest with what is left.
+Every input is the same on every rank of a group (the schedule, the profile, the policy's rank-mean metric), so every
+rank plans alike.
 """
 from __future__ import annotations
 

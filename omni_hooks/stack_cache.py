@@ -384,7 +384,8 @@ class StackCacheRun:
         if measured:
             self._score_orders(call, measured, distances)
         step, sigma = call.context.step, call.context.sigma
-        if self.config.calibrate and step is not None and sigma is not None and (changes or not self._calibrated_changes):
+        first = not self._calibrated_changes
+        if self.config.calibrate and step is not None and sigma is not None and (changes or first):
             values = self.measured_floats(call, changes) if changes else [0.0]  # the first step: no change of its own
             self._calibrated_changes.setdefault(step, (sigma, []))[1].extend(values)
         self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache_bytes())

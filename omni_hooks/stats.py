@@ -155,7 +155,8 @@ class CacheRunStats:
         if all(r in ("first", "forced", "window", "retention", "calibrate", "large-step") for r in reasons):
             return ("every step was forced (first/last steps, retention steps, large sigma steps or outside start/end "
                     "percent); use more steps or widen the start/end window")
-        if all(r in ("first", "forced", "window", "retention", "calibrate", "large-step", "max-skips") for r in reasons):
+        if all(r in ("first", "forced", "window", "retention", "calibrate", "large-step", "max-skips")
+               for r in reasons):
             return "the maximum number of consecutive skips (K) allowed none (K = 0 computes every step)"
         if self.stack_shape_mismatch:
             return ("the block stack's output has another shape than its input for this model and input (e.g. "

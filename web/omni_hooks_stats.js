@@ -6,9 +6,8 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import {
-  REASONS, RUN_EVENT, STEP_EVENT, applyRun, applyStep, badgeFor, branchExplanation, branchOrder, budgetStat, cellReason, counters,
-  createState,
-  describeCell, featureCards, featuresTitle, formatBytes, formatPercent, formatSeconds, formatSpeedup, formatValue,
+  REASONS, RUN_EVENT, STEP_EVENT, applyRun, applyStep, badgeFor, branchExplanation, branchOrder, budgetStat, cellReason,
+  counters, createState, describeCell, featureCards, featuresTitle, formatBytes, formatPercent, formatSeconds, formatSpeedup, formatValue,
   formatWhen, isCacheRun, lanes, legend, plotData, progress, runKinds, runNumbers, selectRun, shownRun, SKIP_REASONS,
   speedupBasis, stepTicks, UNSET_WORKFLOW_ID, warnings,
 } from "./stats_model.js";
