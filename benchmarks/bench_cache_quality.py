@@ -7,9 +7,11 @@ scheduler simple, cfg 3 (cond and uncond batched, so one model evaluation per st
 class).
 TeaCache and MagCache run on the model's own calibration (TeaCache Calibrate / MagCache Calibrate on class 0, seed
 100, at the same step count, like a user calibrating a new model), each swept over thresholds with forecast off /
-1st / 2nd order / auto; core EasyCache (``comfy_extras/nodes_easycache.py``, its default window 0.15-0.95) is the
-reference. A model evaluation is counted when the last block's feed-forward runs (a skipped step runs no block;
-EasyCache skips the whole model).
+1st / 2nd order / auto; then the forward budget swept over its number of steps with each forecast, the threshold at
+0 (the plan alone: TeaCache and MagCache then compute the same steps, so it runs once, as Apply TeaCache), and with
+the threshold of ``BUDGET_PULLS`` (it can bring a planned compute forward); core EasyCache
+(``comfy_extras/nodes_easycache.py``, its default window 0.15-0.95) is the reference. A model evaluation is counted
+when the last block's feed-forward runs (a skipped step runs no block; EasyCache skips the whole model).
 
 Writes a markdown table to stdout, ``docs/cache_quality[_<model>][_<steps>steps].json`` and the plot of the same name
 (``.png``; the small model at 30 steps is ``docs/cache_quality.json``).
@@ -54,6 +56,9 @@ EASY_THRESHOLDS = [0.005, 0.02, 0.05, 0.1, 0.2, 0.5]
 FEW_TEA_THRESHOLDS = [0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.2, 1.5]
 FEW_MAG_THRESHOLDS = [0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8]
 FEW_EASY_THRESHOLDS = [0.05, 0.2, 0.5]
+BUDGETS = {30: [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 16, 20], 8: [3, 4, 5, 6, 7], 6: [3, 4, 5]}
+# a budget with the threshold on: (cache, threshold, forecast); the cache's threshold can bring a compute forward
+BUDGET_PULLS = [("tea", 0.1, "auto"), ("mag", 0.06, "auto")]
 
 
 class Evaluations:
@@ -69,8 +74,13 @@ def budgets(steps: int) -> tuple[int, ...]:
     return {30: (6, 8, 10, 12, 14, 20), 8: (5, 6, 7), 6: (4, 5)}.get(steps, (steps // 4, steps // 2, 3 * steps // 4))
 
 
+def setting(row: dict) -> str:
+    """A row's knob: its forward budget, else its threshold."""
+    return f"budget {row['budget']}" if row.get("budget") else f"{row['threshold']:g}"
+
+
 def best_per_budget(results: list[dict], steps: int) -> str:
-    """A markdown table: per configuration and budget, the best mean PSNR (with its worst prompt and threshold) of
+    """A markdown table: per configuration and budget, the best mean PSNR (with its worst prompt and setting) of
     the sweep's points that computed at most that many evaluations on average."""
     cols = budgets(steps)
     lines = ["| configuration | " + " | ".join(f"≤ {b}" for b in cols) + " |", "|---|" + "---|" * len(cols)]
@@ -80,7 +90,7 @@ def best_per_budget(results: list[dict], steps: int) -> str:
             points = [r for r in results if r["configuration"] == name and r["evaluations"] <= b + 1e-9]
             best = max(points, key=lambda r: r["psnr_mean"], default=None)
             cells.append("—" if best is None else
-                         f"{best['psnr_mean']:.1f} / {best['psnr_min']:.1f} ({best['threshold']:g})")
+                         f"{best['psnr_mean']:.1f} / {best['psnr_min']:.1f} ({setting(best)})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -112,18 +122,21 @@ def calibrated_case(spec: cqm.QualityModel, steps: int):
     return case, counter
 
 
-def tea(case, t: float, forecast: str):
-    """The case's MODEL with Apply TeaCache at threshold ``t`` on its own calibration."""
+def tea(case, t: float, forecast: str, budget: int = 0):
+    """The case's MODEL with Apply TeaCache at threshold ``t`` on its own calibration (``budget``: its forward
+    budget, 0 = none)."""
     return run_node(pack_module("nodes.caches.teacache").ApplyTeaCache, model=case.patcher, rel_l1_thresh=t,
                     start_percent=0.0, end_percent=1.0, cache_device="compute device",
-                    model_variant="calibration: quality", forecast=forecast)[0]
+                    model_variant="calibration: quality", forecast=forecast, forward_budget=budget)[0]
 
 
-def mag(case, t: float, forecast: str):
-    """The case's MODEL with Apply MagCache (K ``MAG_K``, retention ``MAG_RETENTION``) at threshold ``t``."""
+def mag(case, t: float, forecast: str, budget: int = 0):
+    """The case's MODEL with Apply MagCache (K ``MAG_K``, retention ``MAG_RETENTION``) at threshold ``t``
+    (``budget``: its forward budget, 0 = none)."""
     return run_node(pack_module("nodes.caches.magcache").ApplyMagCache, model=case.patcher, threshold=t,
                     max_skip_steps=MAG_K, retention_ratio=MAG_RETENTION, start_percent=0.0, end_percent=1.0,
-                    cache_device="compute device", curve="calibration: quality", forecast=forecast)[0]
+                    cache_device="compute device", curve="calibration: quality", forecast=forecast,
+                    forward_budget=budget)[0]
 
 
 def main() -> None:
@@ -135,6 +148,10 @@ def main() -> None:
     parser.add_argument("--tea-thresholds", type=float, nargs="*", help="replace TeaCache's thresholds")
     parser.add_argument("--mag-thresholds", type=float, nargs="*", help="replace MagCache's thresholds")
     parser.add_argument("--easy-thresholds", type=float, nargs="*", help="replace EasyCache's thresholds")
+    parser.add_argument("--budgets", type=int, nargs="*", help="replace the forward budgets swept (none: no budget "
+                        "sweep)")
+    parser.add_argument("--budget-pulls", action=argparse.BooleanOptionalAction, default=True,
+                        help="also sweep the budgets with the thresholds of BUDGET_PULLS")
     opts = parser.parse_args()
     spec, steps = cqm.MODELS[opts.model], opts.steps
     few = steps <= 10
@@ -156,16 +173,22 @@ def main() -> None:
     families = [(f"TeaCache, forecast {f}", partial(tea, case), tea_thresholds, f) for f in opts.forecasts]
     families += [(f"MagCache (K {MAG_K}), forecast {f}", partial(mag, case), mag_thresholds, f) for f in opts.forecasts]
     families += [("core EasyCache (reference)", easy, easy_thresholds, None)]
+    budgets = opts.budgets if opts.budgets is not None else BUDGETS.get(steps, list(range(2, steps)))
+    caches = {"tea": ("TeaCache", partial(tea, case)), "mag": (f"MagCache (K {MAG_K})", partial(mag, case))}
+    runs = [(name, apply, t, forecast, 0) for name, apply, thresholds, forecast in families for t in thresholds]
+    runs += [(f"budget, forecast {f}", partial(tea, case), 0.0, f, b) for f in opts.forecasts for b in budgets]
+    runs += [(f"{caches[c][0]} {t:g} + budget, forecast {f}", caches[c][1], t, f, b)
+             for c, t, f in (BUDGET_PULLS if opts.budget_pulls else []) if f in opts.forecasts for b in budgets]
     results = []
-    for name, apply, thresholds, forecast in families:
-        for t in thresholds:
-            outs, evals = sample_all(spec, case, apply(t, forecast), counter, steps)
-            psnrs = [psnr_db(o, r) for o, r in zip(outs, reference)]
-            results.append({"configuration": name, "threshold": t, "evaluations": sum(evals) / len(evals),
-                            "evaluations_per_prompt": evals, "psnr_mean": sum(psnrs) / len(psnrs),
-                            "psnr_min": min(psnrs), "psnr_per_prompt": psnrs})
-            print(f"{name:40s} {t:5g}  evals {results[-1]['evaluations']:5.2f}  "
-                  f"PSNR mean {results[-1]['psnr_mean']:6.2f}  min {results[-1]['psnr_min']:6.2f}", flush=True)
+    for name, apply, t, forecast, budget in runs:
+        model = apply(t, forecast, budget) if budget else apply(t, forecast)
+        outs, evals = sample_all(spec, case, model, counter, steps)
+        psnrs = [psnr_db(o, r) for o, r in zip(outs, reference)]
+        results.append({"configuration": name, "threshold": t, "budget": budget, "evaluations": sum(evals) / len(evals),
+                        "evaluations_per_prompt": evals, "psnr_mean": sum(psnrs) / len(psnrs),
+                        "psnr_min": min(psnrs), "psnr_per_prompt": psnrs})
+        print(f"{name:44s} {setting(results[-1]):>10s}  evals {results[-1]['evaluations']:5.2f}  "
+              f"PSNR mean {results[-1]['psnr_mean']:6.2f}  min {results[-1]['psnr_min']:6.2f}", flush=True)
     opts.out.mkdir(parents=True, exist_ok=True)
     # identical outputs have an infinite PSNR: JSON has no such number, so it is written as null
     finite = [{k: [None if isinstance(x, float) and math.isinf(x) else x for x in v] if isinstance(v, list)
@@ -175,13 +198,14 @@ def main() -> None:
     (opts.out / f"{name}.json").write_text(json.dumps(finite, indent=1))
     plot_curves(results, opts.out / f"{name}.png", steps=steps, targets=() if few else ((12, 45.0), (8, 40.0)),
                 title=f"{spec.name} model ({spec.description}), {steps} steps")
-    print(f"\nbest point per budget of model evaluations (of {steps}), mean / worst prompt in dB (threshold):\n")
+    print(f"\nbest point per budget of model evaluations (of {steps}), mean / worst prompt in dB "
+          "(threshold or budget):\n")
     print(best_per_budget(results, steps))
-    print(f"\n| configuration | threshold | model evaluations (of {steps}) | latent PSNR mean (dB) "
+    print(f"\n| configuration | setting | model evaluations (of {steps}) | latent PSNR mean (dB) "
           "| worst prompt (dB) |")
     print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['configuration']} | {r['threshold']:g} | {r['evaluations']:.2f} | {r['psnr_mean']:.1f} | "
+        print(f"| {r['configuration']} | {setting(r)} | {r['evaluations']:.2f} | {r['psnr_mean']:.1f} | "
               f"{r['psnr_min']:.1f} |")
 
 

@@ -1,14 +1,16 @@
-"""What a cache's skipped steps add to the latent: each order's error at every skipped step, and their sum.
+"""What a cache's skipped steps add to the latent: each forecast's error at every skipped step, and their sum.
 
 The reference run's block-stack residual is kept at every step (threshold 0), then a cached run (``--cache``,
-``--threshold``, ``--forecast``) is observed: at each skipped step and branch, every order the branch's history
-allows (reuse, 1st, 2nd) is compared with the reference's residual at that sigma. What reaches the latent at cfg c is
+``--threshold``, ``--forecast``) is observed: at each skipped step and branch, every candidate forecast the branch's
+history allows (``omni_hooks.forecast.CANDIDATES``: reuse, 1st and 2nd order, the Taylor step, the Chebyshev fit; one
+the history is too short for falls back as the cache's own forecast does) is compared with the reference's residual at
+that sigma. What reaches the latent at cfg c is
 ``dt * (c * e_cond - (c - 1) * e_uncond)`` per skipped step; the table gives, for the same skipped steps, the norm of
 its sum over the run (how much the errors add up) against the root of its summed squares (their size alone),
-relative to the sum of the reference's residuals weighted alike, mean over the 4 prompts, each for: reuse, 1st
-order, 2nd order, the cache's own choice, and at each skip the order closest to the reference (which no cache can
-know). Then the same skipped-step policies are run for real (each order forced at every skip, the closest one at
-every skip) and the final latent's PSNR against no cache is given, with the cache's own run.
+relative to the sum of the reference's residuals weighted alike, mean over the 4 prompts, each for: every candidate,
+the cache's own choice, and at each skip the candidate closest to the reference (which no cache can know). Then the
+same skipped-step policies are run for real (each candidate forced at every skip, the closest one at every skip) and
+the final latent's PSNR against no cache is given, with the cache's own run.
 
 The models, prompts and calibration are those of ``bench_cache_quality.py``.
 Run: COMFYUI_PATH=... .venv/bin/python benchmarks/bench_forecast_errors.py --model deep --cache tea --threshold 0.12
@@ -27,28 +29,37 @@ import torch
 from bench_cache_quality import CFG, calibrated_case, cqm, mag, psnr_db, sample_all, tea
 
 CACHES = {"tea": tea, "mag": mag}
-ORDER_NAMES = ("reuse", "1st order", "2nd order")
 CACHE_CHOICE, CLOSEST = "the cache's choice", "closest to the reference"
 
 
 @dataclass
 class Observer:
-    """What the patched stack cache records (``recording``: the reference residuals) or forces (``forced``: an order,
-    ``CLOSEST``, or None for the cache's own choice) while ``prompt`` is sampled."""
+    """What the patched stack cache records (``recording``: the reference residuals) or forces (``forced``: a
+    candidate's key, ``CLOSEST``, or None for the cache's own choice) while ``prompt`` is sampled."""
 
     prompt: int = 0
     recording: bool = False
     forced: int | str | None = None
     reference: dict = field(default_factory=dict)  # (prompt, label, sigma) -> residual
-    skips: list = field(default_factory=list)      # (prompt, label, sigma, [error per order], the cache's order)
+    skips: list = field(default_factory=list)  # (prompt, label, sigma, [error per candidate], the cache's choice)
 
     def clear(self) -> None:
         self.skips.clear()
 
 
+def pack_module(name: str):
+    """The pack's module ``omni_hooks.<name>``, as ComfyUI loaded it."""
+    return next(m for n, m in sys.modules.items() if n.endswith(f"omni_hooks.{name}"))
+
+
 def stack_cache_run() -> type:
     """The pack's ``StackCacheRun`` class, as ComfyUI loaded it."""
-    return next(m for n, m in sys.modules.items() if n.endswith("omni_hooks.stack_cache")).StackCacheRun
+    return pack_module("stack_cache").StackCacheRun
+
+
+def candidate_names() -> dict[int, str]:
+    """Every candidate forecast's key and name (``omni_hooks.forecast.CANDIDATE_NAMES``)."""
+    return dict(pack_module("forecast").CANDIDATE_NAMES)
 
 
 @contextlib.contextmanager
@@ -75,13 +86,13 @@ def observed(observer: Observer):
             history = self.branch_state(key).history
             if want is None or not history.residuals:
                 continue
-            made = [history.forecast(sigma, order=o).residual for o in range(min(len(history.residuals), 3))]
+            made = [history.forecast(sigma, order=key).residual for key in candidate_names()]
             errors = [m.float() - want for m in made]
             chosen = call.record.branches[i].forecast_order if call.record is not None else 0
             observer.skips.append((observer.prompt, label, float(sigma), errors, chosen))
             if observer.forced is not None:
                 pick = (min(range(len(errors)), key=lambda o: float(errors[o].square().sum()))
-                        if observer.forced == CLOSEST else min(observer.forced, len(made) - 1))
+                        if observer.forced == CLOSEST else observer.forced)
                 residuals[i] = made[pick]
         return residuals
 
@@ -106,8 +117,7 @@ def sampled(observer: Observer, spec, case, model, counter, steps):
 def summed_errors(observer: Observer) -> dict[str, tuple[float, float]]:
     """Per policy: (norm of the summed latent error, root of its summed squares), each over the norm of the
     reference's residuals summed alike, mean over the prompts."""
-    policies = {name: (lambda order: lambda errors, chosen: min(order, len(errors) - 1))(o)
-                for o, name in enumerate(ORDER_NAMES)}
+    policies = {name: (lambda key: lambda errors, chosen: key)(key) for key, name in candidate_names().items()}
     policies[CACHE_CHOICE] = lambda errors, chosen: chosen
     policies[CLOSEST] = lambda errors, chosen: min(range(len(errors)), key=lambda o: float(errors[o].square().sum()))
     results = {name: [0.0, 0.0] for name in policies}
@@ -150,8 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         sampled(observer, spec, case, apply(case, 0.0, "off"), counter, steps)
         observer.recording = False
         psnr, evaluations = {}, {}
-        for forced, name in [(None, CACHE_CHOICE), (0, ORDER_NAMES[0]), (1, ORDER_NAMES[1]), (2, ORDER_NAMES[2]),
-                             (CLOSEST, CLOSEST)]:
+        for forced, name in [(None, CACHE_CHOICE), *candidate_names().items(), (CLOSEST, CLOSEST)]:
             observer.clear()
             observer.forced = forced
             outs, evals = sampled(observer, spec, case, apply(case, opts.threshold, opts.forecast), counter, steps)

@@ -20,6 +20,7 @@ class StepInfo:
     step: int | None
     total_steps: int | None
     sigma: float | None = None  # the sigma of this call (heun's second evaluation lies between schedule points)
+    schedule: tuple[float, ...] | None = None  # the run's sigmas, the last one after the final step
 
 
 def step_of(transformer_options: dict, schedules: dict | None = None) -> StepInfo:
@@ -38,16 +39,16 @@ def step_of(transformer_options: dict, schedules: dict | None = None) -> StepInf
     memo = schedules if schedules is not None else {}
     held, values = memo.get(id(schedule), (None, None))
     if held is not schedule:  # holding the tensor keeps its id from being reused by another one
-        values = [float(s) for s in schedule.tolist()]
+        values = tuple(float(s) for s in schedule.tolist())
         memo[id(schedule)] = (schedule, values)
     for i, s in enumerate(values[:-1]):
         if s == sigma:
-            return StepInfo(i, total, sigma)
+            return StepInfo(i, total, sigma, values)
     for i in range(total):
         hi, lo = max(values[i], values[i + 1]), min(values[i], values[i + 1])
         if lo <= sigma <= hi:
-            return StepInfo(i, total, sigma)
-    return StepInfo(None, total, sigma)
+            return StepInfo(i, total, sigma, values)
+    return StepInfo(None, total, sigma, values)
 
 
 def transformer_options_of(args: tuple, kwargs: dict) -> dict:
@@ -75,4 +76,5 @@ def call_context(sampling_run: SamplingRun, options: dict) -> CallContext:
         uuids = [str(c) for c in cond_or_uncond]
     labels = [sampling_run.label_of(u, c) for u, c in zip(uuids, cond_or_uncond)]
     step = step_of(options, sampling_run.schedules)
-    return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps, sigma=step.sigma)
+    return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps, sigma=step.sigma,
+                       schedule=step.schedule)

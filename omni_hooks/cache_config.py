@@ -12,8 +12,10 @@ from dataclasses import KW_ONLY, dataclass
 
 import torch
 
+from .budget import StepProfile
 from .few_step import FewStepRule
 from .forecast import check_order
+from .large_steps import LargeStepRule
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,15 @@ class StackCacheConfig:
       "auto" chooses the order per branch and skipped step from how well each predicted the run's computed
       residuals.
     * ``few_step``: the steps a run of few steps always computes (``omni_hooks.few_step``); None: no rule. A
-      calibrating run ignores it (it computes every step anyway).
+      calibrating run ignores it (it computes every step anyway), and so does a run with a forward budget (its plan
+      keeps the first and last steps).
+    * ``large_steps``: the steps whose sigma step is large (``omni_hooks.large_steps``), always computed; None: no
+      rule. A calibrating run and a run with a forward budget (its plan places them) ignore it.
+    * ``forward_budget``: compute about this many of a run's steps (``omni_hooks.budget``), placed where they matter
+      most for the final latent; the policy's threshold can bring one forward, its other rules (retention, K, the
+      first steps it always computes) give way to the plan; 0 = no budget, the policy alone decides.
+    * ``step_profile``: how fast the model's residual changes along sigma, from the cache's calibration; where the
+      budget's plan places the computed steps (None: as if it changed in proportion to sigma).
     * ``model_label`` / ``notes``: what the run's statistics say about the model and the choice made for it.
     * ``with_reference``: the config a run uses instead when its conditioning carries reference latents (the
       caller decides; e.g. Flux Kontext's published entry where 'auto' chose Flux dev's), built and checked with
@@ -48,6 +58,9 @@ class StackCacheConfig:
     calibrate: bool = False
     forecast_order: int | str = 0
     few_step: FewStepRule | None = None
+    large_steps: LargeStepRule | None = None
+    forward_budget: int = 0
+    step_profile: StepProfile | None = None
     model_label: str = "unknown"
     notes: tuple[str, ...] = ()
     with_reference: "StackCacheConfig | None" = None
@@ -56,6 +69,11 @@ class StackCacheConfig:
         object.__setattr__(self, "forecast_order", check_order(self.forecast_order))
         if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold) and self.threshold >= 0):
             raise ValueError(f"threshold must be a finite number >= 0, got {self.threshold}")
+        if isinstance(self.forward_budget, bool) or int(self.forward_budget) != self.forward_budget \
+                or self.forward_budget < 0:
+            raise ValueError(f"forward_budget must be a whole number of steps >= 0 (0: no budget), got "
+                             f"{self.forward_budget!r}")
+        object.__setattr__(self, "forward_budget", int(self.forward_budget))
         if not 0.0 <= self.start_percent <= self.end_percent <= 1.0:
             raise ValueError(f"start_percent ({self.start_percent}) must not be above end_percent "
                              f"({self.end_percent}), both within 0..1")
@@ -63,8 +81,18 @@ class StackCacheConfig:
 
     @property
     def active_few_step(self) -> FewStepRule | None:
-        """The few-step rule a run applies: none while calibrating."""
-        return None if self.calibrate else self.few_step
+        """The few-step rule a run applies: none while calibrating or with a forward budget."""
+        return None if self.calibrate or self.active_budget else self.few_step
+
+    @property
+    def active_large_steps(self) -> LargeStepRule | None:
+        """The large-step rule a run applies: none while calibrating or with a forward budget."""
+        return None if self.calibrate or self.active_budget else self.large_steps
+
+    @property
+    def active_budget(self) -> int:
+        """The forward budget a run applies: none (0) while calibrating."""
+        return 0 if self.calibrate else self.forward_budget
 
     def in_window(self, step: int, total_steps: int) -> bool:
         """True when ``step`` of ``total_steps`` lies within ``[start_percent, end_percent]``."""

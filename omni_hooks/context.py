@@ -65,6 +65,8 @@ class CallContext:
     * ``step`` / ``total_steps``: the sampler step this call belongs to (None when the host cannot tell);
     * ``sigma``: the noise level the model is evaluated at (None when the host cannot tell); a forecasting cache
       extrapolates in it, so every rank of a group (which sees the same sigma) forecasts alike;
+    * ``schedule``: the sampler's sigmas for the run, ``total_steps + 1`` of them (the last one after the final step;
+      None when the host cannot tell); a cache with a forward budget plans its computed steps on it;
     * ``blocks_run``: the block stack's verdict for this call, written by a cache at its head block: None until
       decided (and for a model without a cache), True when the blocks compute, False when they are passed through;
       under sequence parallelism it is the same on every rank (``RankView.agreement``);
@@ -76,5 +78,6 @@ class CallContext:
     step: int | None = None
     total_steps: int | None = None
     sigma: float | None = None
+    schedule: tuple[float, ...] | None = None
     blocks_run: bool | None = None
     rank: RankView = RankView()

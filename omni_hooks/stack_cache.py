@@ -7,10 +7,13 @@ Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_cal
   * on a compute, the tail stores ``tail input - head input`` per branch (the residual the next skip reuses);
   * with ``forecast_order`` k > 0 a branch keeps its last k + 1 residuals and a skip adds their extrapolation to the
     call's sigma (``omni_hooks.forecast``) instead of the last one; its reason becomes "forecast";
-  * with ``forecast_order`` "auto" each computed call scores every order on predicting its residual from the older
+  * with ``forecast_order`` "auto" each computed call scores every candidate forecast (``omni_hooks.forecast``:
+    the orders, TaylorSeer's Taylor step, a Chebyshev fit) on predicting its residual from the older
     ones (means over the ranks under sequence parallelism) and a skip uses the order expected to err least at its
     distance from the last computed step, counting how each order's errors add up over the coming gaps (0: reuse;
     a cache whose ``coherence_floor`` is below 0 counts errors that alternate as partly cancelling);
+  * the steps of large sigma steps are always computed (``omni_hooks.large_steps``); with a forward budget
+    (``omni_hooks.budget``) the run computes about that many steps where its plan places them instead;
   * a cache whose ``weighs_metric_by_forecast`` is set weighs its metric, under "auto" and 1st order, by the
     forecast's record (``ErrorPerMetric``), so it computes sooner where the forecast did poorly.
 Every skipped branch's record says which order its residual came from (``BranchDecision.forecast_order``).
@@ -32,13 +35,26 @@ import torch
 
 from .base import BaseState, HookPhase, HookRegistry, ModelHook, StateManager, remove_hook_and_restore
 from .blockstack import BlockStack, ReturnedHidden
+from .budget import ForwardBudget, StepProfile
 from .context import CallContext
 from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
-from .forecast import (AUTO, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, MAX_ORDER, ORDERS, WEIGHED_ORDERS,
+from .large_steps import LARGE_STEP_REASON
+from .forecast import (AUTO, AUTO_KEPT, CANDIDATES, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, WEIGHED_ORDERS,
                        ErrorPerMetric, OrderScores, ResidualHistory, history_limit)
-from .stats import (FIRST, OTHER_BRANCH, OTHER_RANK, REUSE, SHAPE, BranchDecision, CacheRunStats,
-                    EvaluationRecord)
+from .stats import (CALIBRATE, FIRST, OTHER_BRANCH, OTHER_RANK, REUSE, SHAPE, THRESHOLD, WINDOW, BranchDecision,
+                    CacheRunStats, EvaluationRecord)
+
+
+# the reasons a branch computes whatever a forward budget says: nothing usable is cached, the step is outside the
+# user's start/end window, or the run calibrates
+NEEDED_REASONS = frozenset({FIRST, SHAPE, WINDOW, CALIBRATE})
+
+
+def relative_change(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """``|current - previous| / |previous|`` (L2, in float32) as a 0-d tensor, no host sync."""
+    prev = previous.to(current.device).float()
+    return ((current.float() - prev).square().sum() / (prev.square().sum() + 1e-12)).sqrt()
 
 
 @dataclass
@@ -122,6 +138,11 @@ class StackCacheRun:
         self.capture_module = capture_module
         self._call: ActiveCall | None = None
         self._installed: list[tuple[torch.nn.Module, str]] = []
+        self.budget = ForwardBudget(config.active_budget, config.step_profile) if config.active_budget else None
+        self.stats.budget = self.budget
+        # while calibrating: per step, its sigma and each branch's relative residual change (``step_profile``)
+        self._calibrated_changes: dict[int, tuple[float, list[float]]] = {}
+        self._large_steps: frozenset[int] | None = None  # the run's large steps (``config.large_steps``), once known
 
     # -- policy ---------------------------------------------------------------------------------------------------
 
@@ -199,12 +220,24 @@ class StackCacheRun:
             if decisions[i].reason == REUSE and (
                     st.previous_residual is None or st.residual_input_shape != hidden[i * size:(i + 1) * size].shape):
                 decisions[i] = Decision(SHAPE if st.previous_residual is not None else FIRST, decisions[i].metric)
+        if self.budget is not None and step is not None and total:
+            decisions = self._within_budget(call, decisions, step, total)
         few_step = self.config.active_few_step
         if few_step is not None and few_step.applies(total):
             if self.stats.few_step_note is None:  # once per run: the run's step count does not change
                 self.stats.few_step_note = few_step.describe(total)
             if few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
                 decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == REUSE else d for d in decisions]
+        large = self.config.active_large_steps
+        if few_step is not None and few_step.applies(total):
+            large = None  # a run of few steps has the few-step rule (its last step included)
+        if large is not None and step is not None and call.context.schedule:
+            if self._large_steps is None:  # once per run: the schedule does not change within it
+                self._large_steps = large.steps(call.context.schedule)
+                if self._large_steps:
+                    self.stats.large_step_note = large.describe(self._large_steps, len(call.context.schedule) - 1)
+            if step in self._large_steps:
+                decisions = [Decision(LARGE_STEP_REASON, d.metric) if d.reason == REUSE else d for d in decisions]
         must = self.stack.must_compute(args, kwargs) if self.stack.must_compute is not None else None
         if must is not None:
             decisions = [Decision(must, d.metric) if d.reason == REUSE else d for d in decisions]
@@ -213,6 +246,8 @@ class StackCacheRun:
         # under sequence parallelism every rank must take the same path, or one waits in a collective forever
         compute = agreement.any(local_compute) if agreement is not None else local_compute
         self.after_decision(call, compute)
+        if self.budget is not None and step is not None and total:
+            self.budget.settle(step, compute)
         if not compute and step is not None:
             self._skipped_steps.add(step)
         reuse_reason = OTHER_BRANCH if local_compute else OTHER_RANK
@@ -224,6 +259,22 @@ class StackCacheRun:
                       for i, d in enumerate(decisions)])
         call.context.blocks_run = compute
         return compute
+
+    def _within_budget(self, call: ActiveCall, decisions: list[Decision], step: int, total: int) -> list[Decision]:
+        """The call's decisions under the forward budget (``omni_hooks.budget``): the plan's steps compute, a
+        branch's threshold may bring one forward, what must compute does (nothing cached, a new shape, a step
+        outside the start/end window); the policy's other rules (its first steps, retention, K) give way."""
+        budget = self.budget
+        if budget.total != total:
+            outside = {s for s in range(total) if not self.config.in_window(s, total)}
+            budget.start(total, list(call.context.schedule) if call.context.schedule else None, outside)
+        must = any(d.reason in NEEDED_REASONS for d in decisions)
+        wants = self.config.threshold > 0 and any(d.reason == THRESHOLD for d in decisions)  # 0: the plan alone
+        compute, why = budget.decide(step, wants, must)
+        if not compute:
+            return [d if d.reason in NEEDED_REASONS else Decision(REUSE, d.metric) for d in decisions]
+        keep = {*NEEDED_REASONS, THRESHOLD}
+        return [d if d.reason in keep else Decision(why or d.reason, d.metric) for d in decisions]
 
     @staticmethod
     def _keep_own_part(call: ActiveCall) -> None:
@@ -280,7 +331,7 @@ class StackCacheRun:
         coord = self.coordinate(call.context)
         residuals = []
         for i, st in enumerate(states):
-            order = (st.scores.best(len(st.history.residuals) - 1, self.distance(st, coord), self.coherence_floor)
+            order = (st.scores.best(len(st.history.residuals), self.distance(st, coord), self.coherence_floor)
                      if self.config.forecast_order == AUTO else None)
             made = st.history.forecast(coord, order=order)
             residuals.append(made.residual if made.residual is not None else st.previous_residual)
@@ -313,9 +364,12 @@ class StackCacheRun:
         coord = self.coordinate(call.context)
         measured: list[torch.Tensor | None] = []
         distances: list[float | None] = []
+        changes: list[torch.Tensor] = []
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
             part = residual[i * size:(i + 1) * size]
+            if self.config.calibrate and st.previous_residual is not None and st.previous_residual.shape == part.shape:
+                changes.append(relative_change(part, st.previous_residual))
             st.previous_residual = part.to(self.config.cache_device) if self.config.cache_device is not None else part
             st.residual_input_shape = head_input[i * size:(i + 1) * size].shape
             if self.config.forecast_order:
@@ -327,8 +381,23 @@ class StackCacheRun:
             self.on_residual(call, key, part, output[i * size:(i + 1) * size].detach())
         if measured:
             self._score_orders(call, measured, distances)
+        step, sigma = call.context.step, call.context.sigma
+        first = not self._calibrated_changes
+        if self.config.calibrate and step is not None and sigma is not None and (changes or first):
+            values = self.measured_floats(call, changes) if changes else [0.0]  # the first step: no change of its own
+            self._calibrated_changes.setdefault(step, (sigma, []))[1].extend(values)
         self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache_bytes())
 
+    def step_profile(self) -> StepProfile | None:
+        """What a calibrating run measured for a forward budget: per computed step its sigma and the relative change
+        of the residual from the step before (mean over the branches and calls of the step); None with fewer than
+        two steps measured or a change that is not a finite number (a model that produced NaN)."""
+        points = sorted(self._calibrated_changes.items())
+        sigmas = [sigma for _, (sigma, _) in points]
+        changes = [sum(values) / len(values) for _, (_, values) in points]
+        if len(points) < 2 or not all(math.isfinite(v) for v in sigmas + changes):
+            return None
+        return StepProfile(tuple(sigmas), tuple(changes))
     def _score_orders(self, call: ActiveCall, measured: list[torch.Tensor | None],
                       distances: list[float | None]) -> None:
         """Update each branch's ``OrderScores`` from its prediction errors (``ResidualHistory.prediction_errors``,
@@ -341,10 +410,10 @@ class StackCacheRun:
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
             branch = floats[i * width:(i + 1) * width]
-            errors, norm = branch[:len(ORDERS)], branch[-1]
+            errors, norm = branch[:len(CANDIDATES)], branch[-1]
             if self.weighs_metric and norm is not None:
                 order = self.config.forecast_order
-                error = errors[st.scores.best(MAX_ORDER, distances[i], self.coherence_floor)
+                error = errors[st.scores.best(AUTO_KEPT, distances[i], self.coherence_floor)
                                if order == AUTO else order]
                 error = errors[0] if error is None else error
                 if error is not None:

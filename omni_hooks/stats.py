@@ -12,8 +12,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .cache_config import StackCacheConfig
+from .budget import BUDGET_REASON
 from .few_step import FEW_STEP_REASON
-from .forecast import FORECAST, FORECAST_FALLBACK
+from .forecast import CANDIDATE_NAMES, FORECAST, FORECAST_FALLBACK
+from .large_steps import LARGE_STEP_REASON
 
 # Why a branch was computed or skipped (``BranchDecision.reason``). ``REASONS`` lists every value the library and its
 # host can record; the statistics panel's legend (web/stats_model.js ``REASONS``) explains each one.
@@ -32,14 +34,14 @@ OTHER_RANK = "other-rank"      # every branch here may skip, another sequence-pa
 MODEL_CACHE = "model-cache"    # a stack's ``must_compute``: the call fills the model's own key/value cache
 DISABLED = "disabled"          # caching is off for the whole run (``CacheRunStats.disabled``)
 REASONS: tuple[str, ...] = (REUSE, FORECAST, FORECAST_FALLBACK, FIRST, SHAPE, FORCED, WINDOW, RETENTION, THRESHOLD,
-                            MAX_SKIPS, MEASURE, CALIBRATE, FEW_STEP_REASON, OTHER_BRANCH, OTHER_RANK, MODEL_CACHE,
-                            DISABLED)
+                            MAX_SKIPS, MEASURE, CALIBRATE, FEW_STEP_REASON, LARGE_STEP_REASON, BUDGET_REASON,
+                            OTHER_BRANCH, OTHER_RANK, MODEL_CACHE, DISABLED)
 #: the reasons of a skipped branch
 SKIP_REASONS = frozenset({REUSE, FORECAST, FORECAST_FALLBACK})
 
 NON_FINITE_TEXT = ("NaN", "Infinity", "-Infinity")
 # what a skipped branch's residual came from, by ``BranchDecision.forecast_order``
-ORDER_NAMES = {0: REUSE, 1: "1st order", 2: "2nd order"}
+ORDER_NAMES = CANDIDATE_NAMES
 
 
 def json_safe(value: Any) -> Any:
@@ -72,7 +74,8 @@ class BranchDecision:
     reason: str            # one of ``REASONS``; a skipped branch's is one of ``SKIP_REASONS``
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
-    # with a forecast: the order a skipped branch's residual came from (0: the last residual reused); None otherwise
+    # with a forecast: the candidate a skipped branch's residual came from (``ORDER_NAMES``; 0: the last residual
+    # reused); None otherwise
     forecast_order: int | None = None
 
 
@@ -108,6 +111,10 @@ class CacheRunStats:
     # the largest weight that did so
     sooner_by_forecast: int = 0
     largest_forecast_weight: float = 1.0
+    # the run's large steps in words (``omni_hooks.large_steps``), when it had any
+    large_step_note: str | None = None
+    # the run's forward budget (``omni_hooks.budget.ForwardBudget``: its ``summary()`` and ``describe()``), if any
+    budget: Any = None
 
     @property
     def model(self) -> str:
@@ -177,10 +184,10 @@ class CacheRunStats:
         if MODEL_CACHE in reasons and all(r in (*forced, FEW_STEP_REASON, SHAPE, MODEL_CACHE) for r in reasons):
             return ("the model filled its own key/value cache on every call (a prompt or reference image it had not "
                     "seen), and such calls are always computed")
-        if all(r in (*forced, CALIBRATE) for r in reasons):
-            return ("every step was forced (first/last steps, retention steps or outside start/end percent); "
-                    "use more steps or widen the start/end window")
-        if all(r in (*forced, CALIBRATE, MAX_SKIPS) for r in reasons):
+        if all(r in (*forced, CALIBRATE, LARGE_STEP_REASON) for r in reasons):
+            return ("every step was forced (first/last steps, retention steps, large sigma steps or outside start/end "
+                    "percent); use more steps or widen the start/end window")
+        if all(r in (*forced, CALIBRATE, LARGE_STEP_REASON, MAX_SKIPS) for r in reasons):
             return "the maximum number of consecutive skips (K) allowed none (K = 0 computes every step)"
         if self.stack_shape_mismatch:
             return ("the block stack's output has another shape than its input for this model and input (e.g. "
@@ -231,9 +238,15 @@ class CacheRunStats:
             "estimated_speedup": (model_seconds + saved) / model_seconds if model_seconds > 0 else 1.0,
             "cache_bytes": self.cache_bytes,
             "warnings": warnings,
-            "notes": list(self.config.notes) + [n for n in (self.forecast_note(), self.few_step_note) if n],
+            "notes": list(self.config.notes) + [n for n in (self.budget_note(), self.forecast_note(),
+                                                            self.few_step_note, self.large_step_note) if n],
             "forecast_orders": self.forecast_orders(),
+            "budget": self.budget.summary() if self.budget is not None and self.budget.total else None,
         }
+
+    def budget_note(self) -> str | None:
+        """In words, what the forward budget asked and where the computed steps went (None: no budget)."""
+        return self.budget.describe() if self.budget is not None and self.budget.total else None
 
     def log_line(self) -> str:
         s = self.summary()

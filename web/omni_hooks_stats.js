@@ -6,8 +6,8 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import {
-  REASONS, RUN_EVENT, STEP_EVENT, applyRun, applyStep, badgeFor, branchExplanation, branchOrder, cellReason, counters, createState,
-  describeCell, featureCards, featuresTitle, formatBytes, formatPercent, formatSeconds, formatSpeedup, formatValue,
+  REASONS, RUN_EVENT, STEP_EVENT, applyRun, applyStep, badgeFor, branchExplanation, branchOrder, budgetStat, cellReason,
+  counters, createState, describeCell, featureCards, featuresTitle, formatBytes, formatPercent, formatSeconds, formatSpeedup, formatValue,
   formatWhen, isCacheRun, lanes, legend, plotData, progress, runKinds, runNumbers, selectRun, shownRun, SKIP_REASONS,
   speedupBasis, stepTicks, UNSET_WORKFLOW_ID, warnings,
 } from "./stats_model.js";
@@ -101,13 +101,15 @@ function headerView(run) {
 
 function headlineView(run) {
   const c = counters(run);
-  const stat = (cls, value, label) => el("div", { class: `omni-stat ${cls}` },
+  const budget = budgetStat(run);
+  const stat = (cls, value, label, help) => el("div", { class: `omni-stat ${cls}`, title: help ?? null },
     el("div", { class: "omni-stat-value" }, value), el("div", { class: "omni-stat-label" }, label));
   return el("div", { class: "omni-headline-box" },
     el("div", { class: "omni-headline" },
       stat("omni-stat-reused", `${c.reused}/${c.evaluations}`, `reused (${formatPercent(c.hitRate)})`),
       stat("omni-stat-saved", `~${formatSeconds(c.savedSeconds)}`, "saved"),
-      stat("omni-stat-speedup", formatSpeedup(c.speedup), "in the model")),
+      stat("omni-stat-speedup", formatSpeedup(c.speedup), "in the model"),
+      budget ? stat("omni-stat-budget", budget.value, budget.label, budget.help) : null),
     el("div", { class: "omni-basis" }, `Speedup: ${speedupBasis(c)}.`));
 }
 

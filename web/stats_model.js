@@ -18,6 +18,8 @@ export const REASONS = {
   retention: { label: "retention", help: "within the first retention_ratio of the steps, which are always computed" },
   first: { label: "first", help: "nothing cached yet for this branch (first evaluation): computed" },
   forced: { label: "forced", help: "first/last steps (or calibrated warm-up steps) are always computed" },
+  "large-step": { label: "large step", help: "this step moves sigma by at least twice the schedule's mean step (the last steps of a shifted schedule): always computed, since an error there is multiplied by the large step and nothing after it repairs it" },
+  budget: { label: "budget", help: "the forward budget's plan placed a computed step here (where the final latent needs it most)" },
   window: { label: "outside window", help: "outside start_percent..end_percent: computed" },
   shape: { label: "shape changed", help: "the input shape changed, the cached residual does not fit: computed" },
   "model-cache": { label: "model cache", help: "the model filled its own key/value cache on this call (HiDream-O1, a prompt or reference image it had not seen): computed" },
@@ -31,7 +33,7 @@ export const REASONS = {
 };
 
 /** What a skipped branch's residual came from (omni_hooks/stats.py BranchDecision.forecast_order). */
-export const FORECAST_ORDERS = { 0: "reuse", 1: "1st order", 2: "2nd order" };
+export const FORECAST_ORDERS = { 0: "reuse", 1: "1st order", 2: "2nd order", 3: "Taylor", 4: "Chebyshev fit" };
 
 const NON_FINITE = new Set(["NaN", "Infinity", "-Infinity"]);
 
@@ -211,6 +213,29 @@ function meanComputed(run, summary) {
   if (t?.computed) return t.computedSeconds / t.computed;
   const reused = finiteOr(summary?.reused, 0);
   return reused ? finiteOr(summary?.estimated_seconds_saved, 0) / reused : 0;
+}
+
+/** With a forward budget (the run summary's ``budget``): the headline's tile, "computed / budget", and what it
+ * says on hover: the steps the budget computed (numbered from 1) and how many the threshold brought forward;
+ * null without a budget or before the run finished. */
+export function budgetStat(run) {
+  const b = run?.finished ? run.summary?.budget : null;
+  if (!b || typeof b !== "object" || !Number.isFinite(b.steps) || !Array.isArray(b.computed)) return null;
+  const steps = b.computed.filter(Number.isFinite).map((s) => s + 1);
+  const parts = [`budget ${b.steps} of ${b.total_steps ?? "?"} steps; computed ${steps.length}: steps ${compactSteps(steps)}`];
+  if (b.calibrated === false) parts.push("placed by the schedule alone (no calibration file)");
+  if (b.brought_forward > 0) parts.push(`${b.brought_forward} brought forward by the threshold`);
+  return { value: `${steps.length}/${b.steps}`, label: "budget steps computed", help: parts.join("; ") };
+}
+
+/** [1, 2, 3, 6, 8, 9] as "1–3, 6, 8–9". */
+export function compactSteps(steps) {
+  const runs = [];
+  for (const s of [...steps].sort((a, b) => a - b)) {
+    if (runs.length && s === runs.at(-1).at(-1) + 1) runs.at(-1).push(s);
+    else runs.push([s]);
+  }
+  return runs.map((r) => (r.length > 1 ? `${r[0]}–${r.at(-1)}` : `${r[0]}`)).join(", ");
 }
 
 /** How the speedup was estimated, in words. */

@@ -20,9 +20,11 @@ from typing import Any, ClassVar, Mapping, Protocol
 import torch
 from comfy_api.latest import io
 
+from ...omni_hooks.budget import StepProfile
 from ...omni_hooks.context import CallContext
 from ...omni_hooks.cache_config import StackCacheConfig
 from ...omni_hooks.few_step import FewStepRule
+from ...omni_hooks.large_steps import LargeStepRule
 from ...omni_hooks.stack_cache import StackCacheRun
 from ...omni_hooks.stats import DISABLED, BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
@@ -158,9 +160,14 @@ class BlockStackCache(abc.ABC):
         try:
             shared = dict(start_percent=tuning.pop("start_percent"), end_percent=tuning.pop("end_percent"),
                           cache_device=cache_device_for(model, tuning.pop("cache_device")), calibrate=calibrate,
-                          few_step=FewStepRule(), notes=tuple(detected.auto_choice(self.kind).notes) if auto else ())
-            if "forecast_order" in tuning:  # an optional input: a workflow saved before it has the config's default
-                shared["forecast_order"] = forecast_order(tuning.pop("forecast_order"))
+                          few_step=FewStepRule(), large_steps=LargeStepRule(),
+                          step_profile=None if calibrate else self.step_profile(value),
+                          notes=tuple(detected.auto_choice(self.kind).notes) if auto else ())
+            for optional in ("forecast_order", "forward_budget"):  # a workflow saved before them has the defaults
+                if optional in tuning:
+                    shared[optional] = tuning.pop(optional)
+            if "forecast_order" in shared:
+                shared["forecast_order"] = forecast_order(shared["forecast_order"])
             reference_key = detected.auto_choice(self.kind).with_reference if auto else None
             if reference_key is not None:  # e.g. Flux: a run with reference latents is Kontext
                 note = (f"the conditioning carries reference latents: {self.variant_input} '{reference_key}'",)
@@ -169,6 +176,19 @@ class BlockStackCache(abc.ABC):
             return self.make_config(detected, entry, tuning, shared)
         except ValueError as e:
             raise named_input(title, e, inputs) from None
+
+    def step_profile(self, value: str) -> StepProfile | None:
+        """The step profile a calibration file holds (a forward budget places its steps by it); None for a published
+        entry or a file made before calibrations recorded one. ValueError naming the file for a malformed one."""
+        name = calibration_files.parse_option(value)
+        if name is None:
+            return None
+        data = calibration_files.load(self.kind, name).get("step_profile")
+        try:
+            return None if data is None else StepProfile.from_data(data)
+        except ValueError as e:
+            raise ValueError(f"calibration {name!r} ({calibration_files.directory(self.kind)}) has a bad "
+                             f"'step_profile': {e}; run the Calibrate node again, or set forward_budget to 0") from None
 
     def applied(self, node_title: str, node_id: str | None, config: StackCacheConfig) -> AppliedFeature:
         """The marker a node of this cache leaves on its MODEL clone: it carries ``config`` to the run's hooks."""
@@ -204,6 +224,7 @@ class CacheSession(FeatureSession):
         self.call_started = 0.0  # of the current call, while caching is disabled
         self.run: StackCacheRun | None = None
         self.recorded: list[Any] = []  # what each installed run recorded while calibrating
+        self.profiles: list[StepProfile] = []  # ... and its step profile (for a forward budget)
 
     def install(self, diffusion_model: torch.nn.Module) -> None:
         if self.stats.disabled is None:
@@ -229,6 +250,9 @@ class CacheSession(FeatureSession):
         if run is not None:
             self.stats.cache_bytes = max(self.stats.cache_bytes, run.cache_bytes())
             self.recorded.append(self.cache.calibration.collect(run))  # before remove(), which clears the states
+            profile = run.step_profile() if self.config.calibrate else None
+            if profile is not None:
+                self.profiles.append(profile)
             run.remove()
 
     def report(self) -> FeatureReport:
@@ -294,6 +318,9 @@ class CalibrateCacheNode(io.ComfyNode):
         except ValueError as e:
             raise named(title, e) from None
         data["sampler"] = {"steps": steps, "cfg": cfg, "sampler_name": sampler_name, "scheduler": scheduler}
+        profiles = [profile for session in sessions for profile in session.profiles]
+        if profiles:  # where a forward budget places its computed steps (the last run's, if there were several)
+            data["step_profile"] = profiles[-1].to_data()
         try:
             path = calibration_files.save(cache.kind, name, data)
         except ValueError as e:  # non-finite results (a NaN cfg, a model producing NaN): the old file stays

@@ -96,11 +96,29 @@ def forecast_input() -> io.Combo.Input:
                           "extrapolated to this step's sigma from the last 2 / 3 computed steps (finite "
                           "differences, as TaylorSeer), which stays faithful at higher thresholds, so fewer steps "
                           "are computed for the same quality; keeps 2 / 3 residuals per branch in memory. 'auto': "
-                          "per branch and skipped step, whichever of reuse, 1st and 2nd order is expected to err "
-                          "least at this step, from how each predicted the steps this run computed, counting errors "
-                          "that point the same way step after step as adding up (never worse than 'off' in the "
-                          "benchmarks' means); keeps 4 residuals per branch. With '1st order' and 'auto', "
+                          "per branch and skipped step, whichever of reuse, 1st and 2nd order, TaylorSeer's Taylor "
+                          "step and a Chebyshev fit over the last 4 computed steps (as Spectrum fits) is expected "
+                          "to err least at this step, from how each predicted the steps this run computed, counting "
+                          "errors that point the same way step after step as adding up (never worse than 'off' in "
+                          "the benchmarks' means); keeps 5 residuals per branch. With '1st order' and 'auto', "
                           "TeaCache computes sooner where the forecast has recently erred more than usual.")
+
+
+def forward_budget_input() -> io.Int.Input:
+    """Optional and last, so that a saved workflow (or API prompt) without it loads and keeps its threshold policy."""
+    return io.Int.Input("forward_budget", display_name="forward budget (steps to compute)",
+                        default=config_default(StackCacheConfig, "forward_budget"), min=0,
+                        max=10000, optional=True,
+                        tooltip="Compute about this many of the sampler's steps (0 = off: the threshold alone "
+                        "decides). The cache places them where they matter most for the final image: from this "
+                        "model's calibration file (how fast its output changes along the schedule; without one, "
+                        "in proportion to the schedule's sigma steps), the first and last steps always included, "
+                        "usually most of the last steps. A threshold above 0 can still bring the next planned step "
+                        "forward (at most half its gap) where its change reaches the threshold; on the Wan "
+                        "benchmark models that only cost quality, so set it to 0 to leave the placement to the plan. "
+                        "'1st order' is the forecast to pair it with. A predictable speed-up: steps / budget. With a "
+                        "budget, the few-step rule, MagCache's retention and K give way to the plan; steps outside "
+                        "the start/end window still compute and count.")
 
 
 def forecast_order(value: str) -> int | str:

@@ -36,7 +36,7 @@ from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
-                     config_default, forecast_input, window_inputs)
+                     config_default, forecast_input, forward_budget_input, window_inputs)
 from ..features import CATEGORY, display_name
 from ..families import DetectedModel
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
@@ -220,7 +220,8 @@ class ApplyMagCache(ApplyCacheNode):
                                "curve). Interpolated to your step count; a Wan 2.2 part to its own expert's steps "
                                "(ComfyUI's Wan 2.2 template, switch at step 10 of 20, fits the parts). On Flux, a run "
                                "whose conditioning carries reference latents (Kontext) uses Kontext's official curve."),
-                forecast_input(),  # last: a saved workflow's widget values keep their positions
+                forecast_input(),  # the optional inputs last: a saved workflow's widget values keep their positions
+                forward_budget_input(),
             ],
             outputs=[io.Model.Output(tooltip="The same MODEL with MagCache attached for its sampling runs.")],
             hidden=[io.Hidden.unique_id])

@@ -14,7 +14,7 @@ from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
-                     config_default, forecast_input, window_inputs)
+                     config_default, forecast_input, forward_budget_input, window_inputs)
 from ..features import CATEGORY, display_name
 from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients, for_family
 from ..families import DetectedModel
@@ -163,7 +163,8 @@ class ApplyTeaCache(ApplyCacheNode):
                                "class and size; choose one when the weights cannot tell (Wan I2V 720p vs 480p, "
                                "retention mode, HiDream dev/fast) or pick a calibration file. On Flux, a run whose "
                                "conditioning carries reference latents (Kontext) uses Kontext's coefficients."),
-                forecast_input(),  # last: a saved workflow's widget values keep their positions
+                forecast_input(),  # the optional inputs last: a saved workflow's widget values keep their positions
+                forward_budget_input(),
             ],
             outputs=[io.Model.Output(tooltip="The same MODEL with TeaCache attached for its sampling runs.")],
             hidden=[io.Hidden.unique_id])

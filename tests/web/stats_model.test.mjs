@@ -403,3 +403,21 @@ test("a cache run with offload on the same MODEL reads as one run: both kinds in
   assert.equal(runKinds({ kind: "offload", features: [{ kind: "offload" }] }), "offload");
   assert.equal(runKinds({ kind: "teacache", features: [{ kind: "sequence_parallel" }] }), "teacache + sequence parallel");
 });
+
+test("a run with a forward budget shows the steps it computed against the budget, numbered from 1", async () => {
+  const { budgetStat, compactSteps } = await import("../../web/stats_model.js");
+  const s = createState();
+  feed(s, "rb", [true, false, true, true], (i) => ({ reason: i === 0 ? "first" : "budget" }));
+  assert.equal(budgetStat(shownRun(s)), null);  // not finished: no summary yet
+  applyRun(s, { ...header("rb"), finished_at: 2000, status: "success", summary: {
+    evaluations: 4, computed: 3, reused: 1, hit_rate: 0.25, notes: [],
+    budget: { steps: 3, total_steps: 4, planned: [0, 2, 3], computed: [0, 2, 3], brought_forward: 1, calibrated: false },
+  } });
+  const b = budgetStat(shownRun(s));
+  assert.equal(b.value, "3/3");
+  assert.match(b.help, /^budget 3 of 4 steps; computed 3: steps 1, 3–4; placed by the schedule alone/);
+  assert.match(b.help, /1 brought forward by the threshold$/);
+  assert.equal(compactSteps([9, 1, 2, 3, 6]), "1–3, 6, 9");
+  applyRun(s, { ...header("rn"), finished_at: 2000, status: "success", summary: { evaluations: 4, budget: null } });
+  assert.equal(budgetStat(shownRun(s)), null);
+});

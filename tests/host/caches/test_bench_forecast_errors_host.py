@@ -26,7 +26,8 @@ def test_the_benchmark_observes_every_skip_and_forcing_the_caches_own_order_chan
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert list(rows) == ["reuse", "1st order", "2nd order", "the cache's choice", "closest to the reference"]
+    assert list(rows) == ["reuse", "1st order", "2nd order", "Taylor", "Chebyshev fit", "the cache's choice",
+                          "closest to the reference"]
     skipped_steps = STEPS - result["evaluations"]
     assert skipped_steps > 0
     assert result["skipped_branch_steps"] == round(BRANCHES * PROMPTS * skipped_steps)

@@ -22,7 +22,7 @@ def sweep(tmp_path, model: str, tea: list[float], mag: list[float]) -> dict:
     """(configuration, threshold) -> the benchmark's row, for forecast off and auto."""
     command = [sys.executable, "bench_cache_quality.py", "--model", model, "--steps", "30", "--forecasts", "off",
                "auto", "--tea-thresholds", *map(str, tea), "--mag-thresholds", *map(str, mag), "--easy-thresholds",
-               "--out", str(tmp_path)]
+               "--budgets", "--no-budget-pulls", "--out", str(tmp_path)]
     env = {**os.environ, "COMFYUI_PATH": str(comfyui_path())}
     done = subprocess.run(command, cwd=PACK_ROOT / "benchmarks", env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

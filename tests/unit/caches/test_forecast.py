@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from omni_hooks.forecast import (ACCUMULATED_GAPS, ALTERNATING_COHERENCE, AUTO, COHERENCE_RANGE, FORECAST,
-                                 FORECAST_FALLBACK, MAX_ORDER, WEIGHT_RANGE, ErrorPerMetric, OrderScores,
-                                 ResidualHistory, accumulation, history_limit, lagrange_weights)
+from omni_hooks.forecast import (ACCUMULATED_GAPS, ALTERNATING_COHERENCE, AUTO, AUTO_KEPT, CANDIDATE, CANDIDATES,
+                                 CHEBYSHEV, CHEBYSHEV_WINDOW, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, TAYLOR,
+                                 WEIGHT_RANGE, ErrorPerMetric, OrderScores, ResidualHistory, accumulation,
+                                 chebyshev_weights, history_limit, lagrange_weights, taylor_weights)
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
@@ -276,40 +277,48 @@ def e_auto_not_worse_than_reuse(residual) -> bool:
     return max(auto) <= max(reuse) + 1e-12
 
 
-def test_the_scores_need_order_plus_two_residuals_and_cache_bytes_count_them():
+def test_the_scores_need_one_residual_more_than_each_candidate_and_cache_bytes_count_them():
     h = ResidualHistory(limit=history_limit(AUTO))
+    count = len(CANDIDATES)
     residual = torch.ones(4, 3, dtype=torch.float64)
-    assert h.prediction_errors(1.0, residual)[:3] == [None] * 3  # nothing kept: nothing to score
+    assert h.prediction_errors(1.0, residual)[:count] == [None] * count  # nothing kept: nothing to score
     for s in SIGMAS[:3]:
         h.add(s, quadratic(s, 0))
     measured = h.prediction_errors(SIGMAS[3], quadratic(SIGMAS[3], 0))
-    assert all(m is not None for m in measured[:3]) and float(measured[2]) < 1e-9 * float(measured[1])
-    # how an order's error aligns with its error one step before needs one residual more: order 2 not yet
-    assert [m is not None for m in measured[3:]] == [True, True, False] * 2 + [True]
-    h.add(SIGMAS[3], quadratic(SIGMAS[3], 0))
-    assert all(m is not None for m in h.prediction_errors(SIGMAS[4], quadratic(SIGMAS[4], 0)))
+    # three kept: every candidate but the Chebyshev fit (it spans four) predicts; 2nd order exactly
+    assert [m is not None for m in measured[:count]] == [CANDIDATE[k].needs <= 3 for k in CANDIDATES]
+    assert float(measured[2]) < 1e-9 * float(measured[1])
+    # how a candidate's error aligns with its error one step before needs one residual more
+    assert [m is not None for m in measured[count:2 * count]] == [CANDIDATE[k].needs + 1 <= 3 for k in CANDIDATES]
+    for s in SIGMAS[3:5]:
+        h.add(s, quadratic(s, 0))
+    assert len(h.residuals) == AUTO_KEPT == CHEBYSHEV_WINDOW + 1
+    assert all(m is not None for m in h.prediction_errors(SIGMAS[5], quadratic(SIGMAS[5], 0)))
     one = 4 * 3 * 8
     model = Model(quadratic)
     config = MagCacheConfig(threshold=0.0, mag_ratios=[1.0] * len(SIGMAS), forecast_order=AUTO)
     run = apply_mag_cache_hook(stack_of(model), config)
     sample(model, run, torch.zeros(2, 4, 3, dtype=torch.float64), branches=("c", "u"))
-    assert run.cache_bytes() == run.stats.cache_bytes == 2 * (MAX_ORDER + 2) * one
+    assert run.cache_bytes() == run.stats.cache_bytes == 2 * AUTO_KEPT * one
 
 
 def measurement(errors: list, norm: float | None, products: list | None = None, before: list | None = None) -> list:
     """``ResidualHistory.prediction_errors``' layout, as floats: errors, products with the errors one computed step
-    before and those errors, per order; then the residual's norm."""
-    return [*errors, *(products or [None] * 3), *(before or [None] * 3), norm]
+    before and those errors, per candidate (the ones not given: not measured); then the residual's norm."""
+    def padded(values):
+        values = list(values or [])
+        return values + [None] * (len(CANDIDATES) - len(values))
+    return [*padded(errors), *padded(products), *padded(before), norm]
 
 
 def test_order_scores_choose_the_smallest_running_error():
     scores = OrderScores()
     assert scores.best() == 0  # nothing measured: reuse
     scores.update(measurement([4.0, 1.0, None], 4.0))  # relative errors 1, 0.25; order 2 not measurable yet
-    assert scores.best() == 1 and scores.best(available=0) == 0
+    assert scores.best() == 1 and scores.best(kept=1) == 0
     scores.update(measurement([4.0, 0.0, 0.0], 4.0))
     assert scores.errors[1] == pytest.approx(0.125) and scores.errors[2] == 0.0
-    assert scores.best() == 2 and scores.best(available=1) == 1
+    assert scores.best() == 2 and scores.best(kept=2) == 1
     scores.update(measurement([1.0, float("nan"), 9.0], None))  # no norm: not a measurement
     assert scores.errors[1] == pytest.approx(0.125)
 
@@ -335,7 +344,7 @@ def test_an_order_whose_errors_add_up_loses_to_one_of_the_same_size_whose_errors
     assert scores.best() == 1
     assert scores.expected(1) == scores.errors[1] == scores.errors[0] < scores.expected(0)
     scores.clear()
-    assert scores.coherence == [None] * 3
+    assert scores.coherence == [None] * len(CANDIDATES)
 
 
 def test_a_cache_that_credits_alternating_errors_picks_an_order_reuse_beats_on_size_alone():
@@ -398,7 +407,7 @@ def test_order_scores_carry_their_errors_to_the_distance_of_the_skip():
     scores.update(measurement([1.0, 0.3, 0.2], 1.0), horizon=0.4)
     assert scores.horizon == pytest.approx(0.3)  # a running distance, like the errors
     scores.clear()
-    assert scores.errors == scores.coherence == [None] * 3 and scores.horizon is None
+    assert scores.errors == scores.coherence == [None] * len(CANDIDATES) and scores.horizon is None
 
 
 def test_error_per_metric_weighs_the_recent_record_against_the_runs_mean():
@@ -476,3 +485,90 @@ def test_magcache_auto_never_weighs_its_error():
     st = run.branch_state("c")
     assert run.metric_weight(st) == 1.0 and st.error_per_metric.count == 0
     assert any(not e.computed for e in run.stats.evaluations)
+
+
+# -- the candidates the forecasting packs carry: TaylorSeer's Taylor step and a Chebyshev fit -------------------------
+
+def combine(weights: list[float], residuals: list[torch.Tensor]) -> torch.Tensor:
+    return sum(w * r for w, r in zip(weights, residuals))
+
+
+def test_taylor_weights_are_taylorseers_derivative_update_across_refreshes():
+    # TaylorSeer keeps, per refresh, the residual and its derivative factors: f0 = r, f(i+1) = (f(i) - the f(i) of
+    # the refresh before) / (the distance between the two refreshes), and forecasts sum(f(i) * dx ** i / i!)
+    coords = [1.0, 0.93, 0.81]  # non-uniform, as a shifted schedule's computed steps
+    g = torch.Generator().manual_seed(0)
+    residuals = [torch.randn(6, generator=g, dtype=torch.float64) for _ in coords]
+    factors: dict[int, torch.Tensor] = {}
+    for i, (t, r) in enumerate(zip(coords, residuals)):
+        updated = {0: r}
+        for k in range(2):
+            if k in factors and i > 0:
+                updated[k + 1] = (updated[k] - factors[k]) / (t - coords[i - 1])
+        factors = updated
+    for x in (0.74, 0.6, 0.3):
+        dx = x - coords[-1]
+        taylorseer = factors[0] + factors[1] * dx + factors[2] * dx * dx / 2
+        torch.testing.assert_close(combine(taylor_weights(coords, x), residuals), taylorseer, rtol=0, atol=1e-12)
+    linear_residuals = [(1 - 3 * t) * BASE for t in coords]
+    torch.testing.assert_close(combine(taylor_weights(coords, 0.5), linear_residuals), (1 - 3 * 0.5) * BASE)
+    # a curved trajectory: the lagged derivatives err, unlike Lagrange through the same three points
+    assert not torch.allclose(combine(taylor_weights(coords, 0.5), [quadratic(t, 0) for t in coords]),
+                              quadratic(0.5, 0))
+
+
+def test_the_chebyshev_fit_keeps_the_level_smooths_alternation_and_without_ridge_is_a_least_squares_fit():
+    nodes, x = [0.93, 0.81, 0.64, 0.45], 0.3
+    assert sum(chebyshev_weights(nodes, x)) == pytest.approx(1.0, abs=1e-12)  # constants exactly: the level unshrunk
+    # no ridge: three nodes give Lagrange's 2nd order, four fit a quadratic exactly
+    assert chebyshev_weights(nodes[:3], x, ridge=0.0) == pytest.approx(lagrange_weights(nodes[:3], x), abs=1e-9)
+    fitted = combine(chebyshev_weights(nodes, x, ridge=0.0), [quadratic(t, 0) for t in nodes])
+    torch.testing.assert_close(fitted, quadratic(x, 0), rtol=0, atol=1e-9)
+    # a level with an alternating wobble: 1st order extrapolates the last swing, the fit keeps near the level
+    wobble = [BASE + 0.3 * (-1) ** i * BASE.flip(0) for i in range(len(nodes))]
+    truth = BASE + 0.3 * BASE.flip(0)  # the next one swings back
+    fit_error = (combine(chebyshev_weights(nodes, x), wobble) - truth).norm()
+    first_error = (combine(lagrange_weights(nodes[-2:], x), wobble[-2:]) - truth).norm()
+    assert fit_error < first_error
+    assert CANDIDATE[CHEBYSHEV].needs == len(nodes) and CANDIDATE[TAYLOR].needs == 3
+
+
+WOBBLE_SIGMAS = [1.0 - 0.04 * i for i in range(16)]
+
+
+def wobbling(s: float, row: int) -> torch.Tensor:
+    """A straight trend in sigma plus a swing that changes sign at every step."""
+    step = WOBBLE_SIGMAS.index(s)
+    return (1 + 2 * s) * BASE + 0.3 * (-1) ** step * BASE.flip(0)
+
+
+def test_auto_chooses_the_chebyshev_fit_where_the_computed_residuals_alternate_and_it_costs_no_model_call():
+    x = torch.zeros(1, 4, 3, dtype=torch.float64)
+    reference = sample(Model(wobbling), NoCache(), x, sigmas=WOBBLE_SIGMAS)
+    ret_steps = 8  # enough computed steps to score the fit (it spans four) and its consecutive errors
+
+    def run_with(order):
+        model = Model(wobbling)
+        run = teacache(model, order, ret_steps=ret_steps, threshold=100.0)
+        got = sample(model, run, x, sigmas=WOBBLE_SIGMAS)
+        error = sum(float((a - b).norm()) for a, b in zip(got, reference))
+        return run, model, error
+
+    run, model, auto_error = run_with(AUTO)
+    skipped = [i for i, e in enumerate(run.stats.evaluations) if not e.computed]
+    assert skipped == list(range(ret_steps, len(WOBBLE_SIGMAS) - 1))
+    assert model.blocks[0].calls == len(WOBBLE_SIGMAS) - len(skipped)  # forecasting runs no block
+    chosen = [orders(run)[i] for i in skipped]
+    assert chosen[0] == CHEBYSHEV and set(chosen) <= {0, CHEBYSHEV}  # far from the last computed step: reuse
+    assert run.stats.summary()["forecast_orders"] == {name: chosen.count(key) for key, name in
+                                                      ((0, "reuse"), (CHEBYSHEV, "Chebyshev fit")) if key in chosen}
+    assert auto_error < min(run_with(order)[2] for order in (0, 1, 2))
+
+
+def test_order_scores_choose_a_pack_candidate_that_predicted_best():
+    scores = OrderScores()
+    errors = [1.0, 0.5, 0.4, 0.2, 0.3]  # the Taylor step predicted the computed steps best
+    scores.update(measurement(errors, 1.0), horizon=0.1)
+    assert scores.best() == TAYLOR
+    assert scores.best(kept=2) == 1  # with two residuals kept, only reuse and 1st order can be made
+    assert scores.best(horizon=0.5) == 0  # five times the distance: every candidate's error grows past reuse's

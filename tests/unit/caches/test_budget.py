@@ -1,0 +1,210 @@
+"""The forward budget (omni_hooks.budget) and a cache run under it: the plan, its placement, its count, the policy's
+threshold inside it, what a calibrating run records for it and what the statistics say."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from omni_hooks.budget import BUDGET_REASON, ForwardBudget, StepProfile, compact, gap_costs, plan_steps, steps_in_sigma
+from omni_hooks.cache_config import StackCacheConfig
+from omni_hooks.few_step import FewStepRule
+from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
+from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
+
+from .test_forecast import BASE, Model, quadratic, stack_of
+
+
+def shifted_schedule(steps: int, shift: float = 5.0) -> list[float]:
+    """A flow model's shifted schedule (as Wan's): sigma stays near 1 for most steps and falls fast at the end."""
+    t = [1 - i / steps for i in range(steps + 1)]
+    return [shift * x / (1 + (shift - 1) * x) for x in t]
+
+
+def direct_cost(changes, sizes, a, b) -> float:
+    return sum(sizes[j] * sum(changes[a + 1:j + 1]) for j in range(a + 1, b)) ** 2
+
+
+def test_gap_costs_are_the_summed_lag_of_reuse_weighed_by_the_step_sizes():
+    changes, sizes = [0.0, 0.1, 0.3, 0.2, 0.5, 0.4], [0.1, 0.2, 0.1, 0.3, 0.2, 0.1]
+    cost = gap_costs(changes, sizes)
+    for a, b in itertools.combinations(range(6), 2):
+        assert cost[a, b] == pytest.approx(direct_cost(changes, sizes, a, b), abs=1e-12)
+    assert cost[2, 3] == 0.0 and cost[3, 2] == float("inf")  # adjacent: nothing skipped; backwards: no gap
+
+
+def test_the_plan_is_the_cheapest_placement_with_the_first_and_last_steps():
+    schedule = shifted_schedule(10)
+    sizes = [schedule[i] - schedule[i + 1] for i in range(10)]
+    changes = steps_in_sigma(schedule)
+    for count in range(2, 11):
+        plan = plan_steps(count, changes, sizes)
+        assert len(plan) == count and plan[0] == 0 and plan[-1] == 9
+
+        def total(chosen):
+            return sum(direct_cost(changes, sizes, a, b) for a, b in zip(chosen, chosen[1:]))
+
+        best = min((c for c in itertools.combinations(range(10), count) if c[0] == 0 and c[-1] == 9), key=total)
+        assert total(plan) == pytest.approx(total(best), rel=1e-9)
+    assert plan_steps(1, changes, sizes) == [0, 9] and plan_steps(50, changes, sizes) == list(range(10))
+    assert 5 in plan_steps(3, changes, sizes, protected={5})
+    assert plan_steps(3, changes, sizes, first=4) == [4, plan_steps(3, changes, sizes, first=4)[1], 9]
+
+
+def test_on_a_shifted_schedule_the_plan_computes_most_of_the_final_steps():
+    schedule = shifted_schedule(30)
+    budget = ForwardBudget(10)
+    budget.start(30, schedule)
+    assert len(budget.plan) == 10 and budget.plan[0] == 0
+    assert budget.plan[-4:] == [26, 27, 28, 29]  # the schedule's large sigma steps come last
+    assert sum(1 for p in budget.plan if p < 15) <= 3
+
+
+def test_a_profile_measured_on_a_schedule_gives_its_changes_back_and_fits_another_step_count():
+    schedule = shifted_schedule(30)
+    rate = lambda s: 1.0 + 4.0 * (1 - s)  # noqa: E731  a residual that changes faster as sigma falls
+    changes = [0.0] + [rate((schedule[i - 1] + schedule[i]) / 2) * (schedule[i - 1] - schedule[i])
+                       for i in range(1, 30)]
+    profile = StepProfile(tuple(schedule[:30]), tuple(changes))
+    assert profile.changes_for(schedule) == pytest.approx(changes, rel=1e-9)
+    other = shifted_schedule(20)
+    expected = [0.0] + [rate((other[i - 1] + other[i]) / 2) * (other[i - 1] - other[i]) for i in range(1, 20)]
+    assert profile.changes_for(other) == pytest.approx(expected, rel=0.02)
+    assert StepProfile.from_data(profile.to_data()).changes == pytest.approx(profile.changes, abs=1e-6)
+    for bad in ({"sigmas": [1.0]}, {"sigmas": [1.0, 0.5], "changes": [0.0, -1.0]}, [1, 2],
+                {"sigmas": [1.0, 0.5], "changes": [0.0, "x"]}):
+        with pytest.raises(ValueError):
+            StepProfile.from_data(bad)
+
+
+def test_the_threshold_brings_the_next_planned_compute_forward_by_at_most_half_its_gap():
+    budget = ForwardBudget(4)
+    budget.start(12, [1 - i / 12 for i in range(13)])  # equal steps, no profile: an even plan
+    assert budget.plan == [0, 4, 7, 11]  # equal gaps, or as near as whole steps allow
+    plan = list(budget.plan)
+    gap_end = plan[1]
+    assert budget.decide(0) == (True, BUDGET_REASON)
+    budget.settle(0, True)
+    early = 1
+    assert budget.decide(early, wants=True) == (False, None) and budget.held_back == 1  # too early in the gap
+    budget.settle(early, False)
+    middle = (gap_end + 1) // 2
+    assert budget.decide(middle, wants=True) == (True, None)
+    budget.settle(middle, True)
+    assert middle in budget.plan and gap_end not in budget.plan and budget.brought_forward == 1
+    assert budget.plan[2:] == plan[2:] and len(budget.plan) == 4  # the later steps stay, the count too
+    assert budget.decide(middle) == (True, None)  # the same step asked again: the same answer
+    for step in range(middle + 1, 12):
+        computed, _ = budget.decide(step, wants=True)
+        budget.settle(step, computed)
+    assert len(budget.computed) == 4 and budget.computed[-1] == 11  # the last step is never pulled
+    assert "forward budget 4: computed 4 of 12 steps" in budget.describe()
+
+
+def test_a_compute_the_plan_did_not_foresee_replans_the_rest_with_what_is_left():
+    budget = ForwardBudget(5)
+    budget.start(20, shifted_schedule(20))
+    first = budget.plan[1]
+    budget.settle(0, True)
+    assert budget.decide(1, must=True) == (True, None)
+    budget.settle(1, True)
+    assert len(budget.plan) == 5 and budget.plan[:2] == [0, 1] and budget.plan[-1] == 19
+    assert first not in budget.plan or budget.plan.count(first) == 1
+    assert compact([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+
+
+def tea_run(model, budget: int, threshold: float = 10.0, **kw):
+    signal = ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
+    config = TeaCacheConfig(threshold, (0.0, 0.0, 0.0, 1.0, 0.0), forward_budget=budget, few_step=FewStepRule(), **kw)
+    return apply_teacache_hook(stack_of(model), config, signal)
+
+
+def sample(model, run, schedule, branches=("c", "u")):
+    x = torch.zeros(len(branches), 4, 3, dtype=torch.float64)
+    steps = len(schedule) - 1
+    for step, s in enumerate(schedule[:-1]):
+        run.begin_call(CallContext(branches=list(branches), labels=list(branches), step=step, total_steps=steps,
+                                   sigma=s, schedule=tuple(schedule)))
+        try:
+            model(x, torch.full((x.shape[0],), s, dtype=torch.float64))
+        finally:
+            run.end_call()
+
+
+@pytest.mark.parametrize("steps, budgets", [(30, [2, 5, 8, 10, 12, 20, 30, 40]), (8, [2, 3, 4, 5, 6, 7, 8])])
+@pytest.mark.parametrize("forecast", [0, "auto"])
+def test_teacache_computes_its_budget_whatever_its_threshold_and_the_few_step_rule(steps, budgets, forecast):
+    schedule = shifted_schedule(steps)
+    for budget in budgets:
+        for threshold in (0.0, 0.05, 10.0):
+            model = Model(quadratic)
+            run = tea_run(model, budget, threshold, forecast_order=forecast)
+            sample(model, run, schedule)
+            computed = [e.step for e in run.stats.evaluations if e.computed]
+            assert len(computed) == min(budget, steps), (budget, threshold, computed)
+            assert computed[0] == 0 and computed[-1] == steps - 1
+            assert model.blocks[0].calls == len(computed)
+            summary = run.stats.summary()
+            assert summary["budget"]["steps"] == budget and summary["budget"]["computed"] == computed
+            assert any(n.startswith(f"forward budget {budget}: computed {len(computed)}") for n in summary["notes"])
+
+
+def test_magcache_retention_and_k_give_way_to_the_budget_and_the_window_counts():
+    schedule = shifted_schedule(30)
+    model = Model(quadratic)
+    config = MagCacheConfig(threshold=10.0, max_skip_steps=1, retention_ratio=0.5, mag_ratios=[1.0] * 30,
+                            forward_budget=8, end_percent=0.9)
+    run = apply_mag_cache_hook(stack_of(model), config)
+    sample(model, run, schedule)
+    computed = [e.step for e in run.stats.evaluations if e.computed]
+    outside = [s for s in range(30) if s / 29 > 0.9]  # steps 27-29 lie outside the window: always computed
+    assert len(computed) == 8 and set(outside) <= set(computed)
+    assert sum(1 for s in computed if s < 15) < 15 * 0.5  # retention (the first half) did not hold
+    reasons = {b.reason for e in run.stats.evaluations if e.computed for b in e.branches}
+    assert BUDGET_REASON in reasons and "window" in reasons
+
+
+def test_no_budget_changes_nothing_and_a_bad_budget_is_refused():
+    schedule = shifted_schedule(12)
+    patterns = []
+    for budget in (0, None):
+        model = Model(quadratic)
+        run = tea_run(model, budget or 0, threshold=0.3)
+        sample(model, run, schedule)
+        patterns.append([e.computed for e in run.stats.evaluations])
+        assert run.budget is None and run.stats.summary()["budget"] is None
+    assert patterns[0] == patterns[1] and not all(patterns[0])
+    for bad in (-1, 2.5, True, "4"):
+        with pytest.raises((ValueError, TypeError)):
+            StackCacheConfig(0.1, forward_budget=bad)
+    assert StackCacheConfig(0.1, forward_budget=4.0).forward_budget == 4
+    assert StackCacheConfig(0.1, forward_budget=4, calibrate=True).active_budget == 0
+
+
+def test_a_calibrating_run_records_the_residual_change_of_every_step():
+    schedule = shifted_schedule(10)
+    model = Model(quadratic)
+    run = tea_run(model, 0, threshold=0.0, calibrate=True)
+    sample(model, run, schedule)
+    profile = run.step_profile()
+    assert profile.sigmas == pytest.approx(schedule[:10]) and profile.changes[0] == 0.0
+    # the residual is quadratic(s, row) per branch: its relative change from step to step, mean over the branches
+    for i in range(1, 10):
+        expected = sum(float((quadratic(schedule[i], r) - quadratic(schedule[i - 1], r)).norm()
+                             / quadratic(schedule[i - 1], r).norm()) for r in (0, 1)) / 2
+        assert profile.changes[i] == pytest.approx(expected, rel=1e-5)
+    assert tea_run(Model(quadratic), 0).step_profile() is None  # nothing measured: no profile
+    assert BASE.shape == (4, 3)
+
+
+def test_computes_brought_forward_one_after_the_other_never_drift_past_half_their_planned_gap():
+    budget = ForwardBudget(6)
+    budget.start(30, [1 - i / 30 for i in range(31)])  # an even plan
+    planned = list(budget.plan)
+    for step in range(30):  # the threshold asks for every step
+        computed, _ = budget.decide(step, wants=True)
+        budget.settle(step, computed)
+    assert len(budget.computed) == 6 and budget.brought_forward == 4  # all but the first and the last
+    for got, (before, want) in zip(budget.computed[1:-1], zip(planned, planned[1:])):
+        assert 2 * got >= before + want and got <= want  # each within the second half of its planned gap
