@@ -436,6 +436,7 @@ class Bench:
         self.opts, self.device = opts, device
         self.cuda = device.type == "cuda"
         self.node = pack_module("nodes.offload.node")
+        self.session = pack_module("nodes.offload.session")  # where the run finds its offload target
         self.stats = pack_module("nodes.stats_store")
         self.shape = SHAPES[opts.shape]
         start = time.perf_counter()
@@ -508,7 +509,7 @@ class Bench:
         if row.comfy_only and not self.cuda:
             return {"label": row.label, "mode": row.mode,
                     "na": "n/a on CPU: ComfyUI loads the whole model on the CPU"}, None
-        timer = NodeTimer(self.node.OffloadSession, self.device)
+        timer = NodeTimer(self.session.OffloadSession, self.device)
         try:
             with self.capped(row) as ballast_bytes:
                 clock = Clock(self.device, self.patcher, ballast_bytes)
@@ -724,12 +725,12 @@ def run_rows(bench: Bench, report: Report) -> None:
     import folder_paths
     from omnitest.cache_nodes import save_identity_calibrations
 
-    saved_user_dir, saved_target = folder_paths.get_user_directory(), bench.node.offload_target
+    saved_user_dir, saved_target = folder_paths.get_user_directory(), bench.session.offload_target
     with tempfile.TemporaryDirectory() as user_dir:
         folder_paths.set_user_directory(user_dir)
         save_identity_calibrations(TEACACHE_CALIBRATION, bench.opts.steps)
         if not bench.cuda:  # the node's real path on the CPU, as tests/host/offload does
-            bench.node.offload_target = lambda patcher: torch.device("cpu")
+            bench.session.offload_target = lambda patcher: torch.device("cpu")
         try:
             latents: dict[str, torch.Tensor | None] = {}
             numbers = {row.label: number for number, row in enumerate(bench.rows, report.first_number)}
@@ -747,7 +748,7 @@ def run_rows(bench: Bench, report: Report) -> None:
                     result["diff"] = diff_text(latents[row.label], latents.get(reference), numbers[reference])
                 report.add(number, result)
         finally:
-            bench.node.offload_target = saved_target
+            bench.session.offload_target = saved_target
             folder_paths.set_user_directory(saved_user_dir)
 
 

@@ -1,1 +1,2 @@
-"""CPU Offload: the node and its run (``node``), and which blocks go where (``placement``)."""
+"""CPU Offload: the node and its config (``node``), its sampling run (``session``), which blocks go where
+(``placement``) and what ComfyUI itself offers and does (``host``)."""

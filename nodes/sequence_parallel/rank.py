@@ -18,7 +18,7 @@ import torch
 from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequenceParallelMesh
 from ..caches import magcache, teacache  # noqa: F401  (they register the features a run's command may carry)
 from ..families import DetectedModel, detect, family_named
-from ..offload import node as offload_node  # noqa: F401  (registers CPU Offload's feature)
+from ..offload import session as offload_session  # noqa: F401  (registers CPU Offload's feature)
 from ..features import AppliedFeature, SamplingRun, run_call
 from .shard import KIND, ShardSession
 from .protocol import OPTIONS_SLOT, Command, broadcast_tensors, tensor_signature, to_device

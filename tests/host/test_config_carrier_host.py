@@ -57,9 +57,9 @@ def test_the_offload_run_reads_the_nodes_config(monkeypatch, wan):
     from omnitest import tiny_models
     from omnitest.pack import pack_module, run_node
 
-    node = pack_module("nodes.offload.node")
-    monkeypatch.setattr(node, "offload_target", lambda patcher: torch.device("cpu"))  # the real path, on the CPU
-    runs = spy(monkeypatch, node, "LayerwiseOffloadRun")
+    node, session = pack_module("nodes.offload.node"), pack_module("nodes.offload.session")
+    monkeypatch.setattr(session, "offload_target", lambda patcher: torch.device("cpu"))  # the real path, on the CPU
+    runs = spy(monkeypatch, session, "LayerwiseOffloadRun")
     patched = run_node(node.CPUOffload, model=wan.patcher, blocks_to_offload=1, prefetch_blocks=1, pin_memory="auto",
                        vram_budget_gb=0.0)[0]
     config = applied_config(patched)

@@ -141,11 +141,11 @@ def test_cpu_offloads_prefetch_blocks_reaches_its_hook_in_one_config(monkeypatch
     from omnitest import tiny_models
     from omnitest.pack import pack_module, run_node
 
-    node = pack_module("nodes.offload.node")
+    node, session_module = pack_module("nodes.offload.node"), pack_module("nodes.offload.session")
     registry = pack_module("omni_hooks.base")
-    monkeypatch.setattr(node, "offload_target", lambda patcher: torch.device("cpu"))
+    monkeypatch.setattr(session_module, "offload_target", lambda patcher: torch.device("cpu"))
     runs, sessions = [], []
-    real_run, real_session = node.LayerwiseOffloadRun, node.OffloadSession.__init__
+    real_run, real_session = session_module.LayerwiseOffloadRun, session_module.OffloadSession.__init__
 
     def recording_run(*args, **kwargs):
         runs.append(real_run(*args, **kwargs))
@@ -164,9 +164,9 @@ def test_cpu_offloads_prefetch_blocks_reaches_its_hook_in_one_config(monkeypatch
                      if getattr(h, "run", None) is run)
         return applied
 
-    monkeypatch.setattr(node, "LayerwiseOffloadRun", recording_run)
+    monkeypatch.setattr(session_module, "LayerwiseOffloadRun", recording_run)
     monkeypatch.setattr(real_run, "apply", applying)
-    monkeypatch.setattr(node.OffloadSession, "__init__", recording_session)
+    monkeypatch.setattr(session_module.OffloadSession, "__init__", recording_session)
     wan = tiny_models.build_case("wan21_t2v", unet_overrides={"num_layers": 6})
     patched = run_node(node.CPUOffload, model=wan.patcher, blocks_to_offload=4, prefetch_blocks=3, pin_memory="auto",
                        vram_budget_gb=0.0)[0]

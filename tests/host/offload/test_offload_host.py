@@ -37,6 +37,7 @@ def env(user_dir):
     class Env:
         tiny = tiny_models
         node = offload_module
+        session = pack_module("nodes.offload.session")
         placement = pack_module("nodes.offload.placement")
         lifecycle = features
         stats = pack_module("nodes.stats_store")
@@ -66,7 +67,7 @@ def wan(env):
 @pytest.fixture
 def forced(env, monkeypatch):
     """Offload to the CPU as if it were a GPU: the real path, every byte really copied."""
-    monkeypatch.setattr(env.node, "offload_target", lambda patcher: torch.device("cpu"))
+    monkeypatch.setattr(env.session, "offload_target", lambda patcher: torch.device("cpu"))
 
 
 def with_lora(model, lora: dict, strength: float):
@@ -155,7 +156,7 @@ def test_kept_blocks_that_comfyui_left_off_the_device_are_completed_while_they_f
     ComfyUI's partial load, and completing (promoting) the kept blocks really copies them."""
     import comfy.model_management as mm
 
-    monkeypatch.setattr(env.node, "offload_target", lambda patcher: torch.device("cpu", 0))
+    monkeypatch.setattr(env.session, "offload_target", lambda patcher: torch.device("cpu", 0))
     per_block = block_bytes(wan.diffusion_model.blocks[0])
     reserve = int(mm.minimum_inference_memory())
     # the blocks hold nothing "on the device": available = free - reserve = 2 slots (prefetch 1) + room_for_kept blocks
@@ -166,7 +167,7 @@ def test_kept_blocks_that_comfyui_left_off_the_device_are_completed_while_they_f
     own_count = wan.patcher.model.model_loaded_weight_memory
     before = weights_state(wan.diffusion_model)
     events = []
-    for cls, name in ((env.node.LayerwiseOffloadRun, "apply"), (env.node.LayerwiseOffloadRun, "remove"),
+    for cls, name in ((env.session.LayerwiseOffloadRun, "apply"), (env.session.LayerwiseOffloadRun, "remove"),
                       (env.placement.Promotion, "promote"), (env.placement.Promotion, "undo")):
         monkeypatch.setattr(cls, name, lambda self, *a, _call=getattr(cls, name), _name=name:
                             (events.append(_name), _call(self, *a))[1])
@@ -529,7 +530,7 @@ def test_comfyuis_own_offload_streams_wait_for_the_copy_before_an_offloaded_bloc
     hook). Checked with stand-in streams (no CUDA here)."""
     import comfy.model_management as mm
 
-    node = env.node
+    session = env.session
     cpu = torch.device("cpu")
     blocks = [torch.nn.Linear(4, 4) for _ in range(3)]
     seen = []
@@ -545,11 +546,12 @@ def test_comfyuis_own_offload_streams_wait_for_the_copy_before_an_offloaded_bloc
     handle = pack_module("omni_hooks.offload").apply_layerwise_offload(blocks, cpu, prefetch_blocks=0)
     try:
         for block in blocks:
-            node.HookRegistry.get_or_create(block).register_hook(node.HOST_STREAMS_HOOK, node.HostStreamsHook(cpu))
+            session.HookRegistry.get_or_create(block).register_hook(session.HOST_STREAMS_HOOK,
+                                                                    session.HostStreamsHook(cpu))
         blocks[2](torch.ones(1, 4))
     finally:
         for block in blocks:
-            node.remove_hook_and_restore(block, node.HOST_STREAMS_HOOK)
+            session.remove_hook_and_restore(block, session.HOST_STREAMS_HOOK)
         handle.remove()
     assert [other for other, _ in seen] == ["compute stream"] * 2
     assert all(bound[2] for _, bound in seen), "ComfyUI's streams were ordered before block 2 was bound"

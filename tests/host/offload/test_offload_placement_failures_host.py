@@ -43,6 +43,7 @@ def env(user_dir):
                             prefetch_blocks=prefetch, pin_memory=pin, vram_budget_gb=0.0)[0]
 
     Env.node = node
+    Env.session = pack_module("nodes.offload.session")
     Env.host = pack_module("nodes.offload.host")
     Env.placement = pack_module("nodes.offload.placement")
     Env.library = pack_module("omni_hooks.offload")  # the pack's own copy of the library
@@ -63,7 +64,7 @@ def gpu(env, wan, monkeypatch):
     import comfy.model_management as mm
 
     mm.unload_all_models()
-    monkeypatch.setattr(env.node, "offload_target", lambda patcher: torch.device("cpu", 0))
+    monkeypatch.setattr(env.session, "offload_target", lambda patcher: torch.device("cpu", 0))
     per_block = block_bytes(wan.diffusion_model.blocks[0])
     free = int(mm.minimum_inference_memory()) + (LAYERS + 2) * per_block
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (free, free)
@@ -242,14 +243,14 @@ PLACEMENT_STEPS = [
     ("the copy engine", "library.copies_for", 1),
     ("a block's hook", "library.LayerwiseOffloadHook.__init__", 2),
     ("loading the stack's head", "library.LayerwiseOffloadRun._load_head", 1),
-    ("ComfyUI's offload streams", "node.OffloadSession._order_host_streams", 1),
+    ("ComfyUI's offload streams", "session.OffloadSession._order_host_streams", 1),
     ("completing a kept block", "placement.Promotion.promote", 2),
-    ("ComfyUI's accounting", "node.OffloadSession._account", 1),
+    ("ComfyUI's accounting", "session.OffloadSession._account", 1),
 ]
 
 
 def _patch(env, monkeypatch, where: str, wrap) -> None:
-    modules = {"host": env.host, "library": env.library.hooks, "flat": env.library.flat_buffer, "node": env.node,
+    modules = {"host": env.host, "library": env.library.hooks, "flat": env.library.flat_buffer, "session": env.session,
                "placement": env.placement}
     module_name, *path = where.split(".")
     owner = modules[module_name]

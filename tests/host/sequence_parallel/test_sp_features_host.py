@@ -34,7 +34,7 @@ def env(user_dir):
 
     class Env:
         tiny = tiny_models
-        offload_module = offload_node
+        offload_module = pack_module("nodes.offload.session")  # where the run finds its offload target
         stats = pack_module("nodes.stats_store")
 
         @staticmethod
