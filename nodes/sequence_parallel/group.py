@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import errno
 import functools
-import gc
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequenceParallelMesh
-from . import network
+from . import network, rendezvous
 from .control import ControlError, ControlServer
 from .protocol import (
     ANSWER_STALL_S,
@@ -90,55 +87,6 @@ def remote_worker_command(settings: GroupSettings, port: int, comfyui: str = "<C
             f"--comfyui {comfyui}")
 
 
-def check_platform(backend: str) -> None:
-    """SequenceParallelError naming this platform when it lacks what a group needs: torch.distributed with
-    ``backend``, and its ``TCPStore`` taking a socket that listens on one address only."""
-    where = f"Sequence Parallel cannot run on this platform ({sys.platform}, torch {torch.__version__}):"
-    if not dist.is_available():
-        raise SequenceParallelError(f"{where} this torch has no torch.distributed. Run without the Sequence Parallel "
-                                    "node, or on Linux")
-    available = {"gloo": getattr(dist, "is_gloo_available", None), "nccl": getattr(dist, "is_nccl_available", None)}
-    if available.get(backend) is None or not available[backend]():
-        other = [name for name, check in available.items() if check is not None and check()]
-        raise SequenceParallelError(f"{where} its torch.distributed has no {backend} backend. "
-                                    + (f"Set backend to {other[0]}, or run on Linux" if other else
-                                       "Run without the Sequence Parallel node, or on Linux"))
-    if not hasattr(socket.socket, "detach") or not hasattr(dist, "TCPStore"):
-        raise SequenceParallelError(f"{where} it cannot hand a listening socket to torch.distributed's store. Run "
-                                    "without the Sequence Parallel node, or on Linux")
-
-
-def _listening_socket(host: str, port: int) -> socket.socket:
-    """A socket listening on ``host``:``port`` only (TCPStore alone would listen on every interface).
-
-    A closed group's store keeps its port until its last reference goes (a failed call's traceback holds the process
-    groups, which hold the store): when the port is taken, garbage is collected and the bind tried once more."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    try:
-        try:
-            return _listen(family, kind, proto, address)
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE or not port:
-                raise
-            gc.collect()
-            return _listen(family, kind, proto, address)
-    except OSError as exc:
-        raise SequenceParallelError(f"Sequence Parallel: cannot listen on {host}:{port} ({exc}); choose another "
-                                    "master_port, or 0 when every rank is local") from exc
-
-
-def _listen(family: int, kind: int, proto: int, address: tuple) -> socket.socket:
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def _destroy_process_group(backend: str, broken: bool, timeout_s: float) -> None:
     """Destroy the default process group without hanging on a peer that is gone: an aborted NCCL communicator
     when the group is broken, and in any case at most ``timeout_s`` of waiting (then an error in the log)."""
@@ -186,7 +134,7 @@ class SequenceParallelGroup:
         if dist.is_initialized():
             raise SequenceParallelError("Sequence Parallel: torch.distributed is already initialised in this process "
                                         "by something else; run ComfyUI without it")
-        check_platform(s.backend)
+        rendezvous.check_platform(s.backend)
         # the group's key: from a fresh secret when every rank is here, else from the one the user set everywhere
         try:
             secret = user_secret() if s.remote_ranks else new_secret()
@@ -206,9 +154,9 @@ class SequenceParallelGroup:
         group_id = uuid.uuid4().hex
         self.key = group_key(secret, group_id)
         # rank 0 hosts the store and the control connections; their ports must be known before the workers start
-        self.control = ControlServer(_listening_socket(s.host, 0), self.key, s.world_size)
+        self.control = ControlServer(rendezvous.listening_socket(s.host, 0), self.key, s.world_size)
         try:
-            listener = _listening_socket(s.host, s.port)
+            listener = rendezvous.listening_socket(s.host, s.port)
         except BaseException:
             self.control.close()
             raise

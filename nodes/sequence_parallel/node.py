@@ -28,6 +28,7 @@ from comfy_api.latest import io
 from ...omni_hooks.sequence_parallel import SequenceParallelConfig
 from ...omni_hooks.sequence_parallel.batch import call_batch
 from . import group as sp_group
+from . import rendezvous
 from ..families import FAMILIES, DetectedModel, ModelFamily, detect
 from ..call_context import RUN_KEY
 from ..features import (CATEGORY, FEATURES_KEY, AppliedFeature, Category, FeatureSpec, attach_feature, display_name,
@@ -416,7 +417,7 @@ class SequenceParallel(io.ComfyNode):
         if world_size > len(local) and master_port == 0:
             raise ValueError(f"{NODE_TITLE}: {world_size - len(local)} rank(s) are remote: set master_port so they "
                              "know where to join")
-        sp_group.check_platform(backend)
+        rendezvous.check_platform(backend)
         config = config_for(  # every degree the model or the world cannot take, before any rank starts
             model, sp_group.GroupSettings(world_size, backend, local, master_address, master_port),
             ulysses_degree=None if ulysses_degree == AUTO else int(ulysses_degree),
