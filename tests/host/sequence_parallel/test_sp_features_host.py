@@ -44,13 +44,15 @@ def env(user_dir):
             return run_node(sp_node.SequenceParallel, node_id="30", model=model, **{**settings, **inputs})[0]
 
         @staticmethod
-        def teacache(model, threshold=5.0, forecast=None):
+        def teacache(model, threshold=5.0, forecast=None, forward_budget=None):
             # forecasting needs two computed steps before a skip: a threshold that computes more often
-            return apply_teacache(model, IDENTITY, 1.5 if forecast else threshold, forecast=forecast)
+            return apply_teacache(model, IDENTITY, 1.5 if forecast else threshold, forecast=forecast,
+                                  forward_budget=forward_budget)
 
         @staticmethod
-        def magcache(model, threshold=1.0, forecast=None):
-            return apply_magcache(model, IDENTITY, 0.3 if forecast else threshold, forecast=forecast)
+        def magcache(model, threshold=1.0, forecast=None, forward_budget=None):
+            return apply_magcache(model, IDENTITY, 0.3 if forecast else threshold, forecast=forecast,
+                                  forward_budget=forward_budget)
 
         @staticmethod
         def offload(model):
@@ -102,6 +104,27 @@ def test_a_cache_decides_alike_on_every_rank_and_rank_0_publishes_the_run(env, w
     assert parallel["node_id"] == "30" and parallel["summary"]["world_size"] == 2
     assert parallel["summary"]["calls"] == alone_summary["computed"] + alone_summary["reused"]
     assert parallel["summary"]["bytes_sent"] > 0
+
+
+@pytest.mark.parametrize("cache", ["teacache", "magcache"])
+def test_a_forward_budget_places_the_same_steps_on_every_rank_as_in_one_process(env, wan, cache):
+    """The budget's plan is made from what every rank sees alike (the schedule, the calibration, the rank-mean
+    metric): the group computes exactly the budget's steps, the ones the run alone computes, with its forecast."""
+    budget = 4
+
+    def apply_cache(model):
+        return getattr(env, cache)(model, threshold=0.0, forecast="1st order", forward_budget=budget)
+
+    alone = env.tiny.sample(wan, model=apply_cache(wan.patcher), steps=STEPS)
+    alone_entry = last_entry(env)
+    got = env.tiny.sample(wan, model=apply_cache(env.sequence_parallel(wan.patcher)), steps=STEPS)
+    entry = last_entry(env)
+    assert entry["status"] == "success" and entry["world_size"] == 2
+    computed = [e["computed"] for e in entry["evaluations"]]
+    assert computed == [e["computed"] for e in alone_entry["evaluations"]] and sum(computed) == budget
+    assert reasons(entry) == reasons(alone_entry) and "budget" in reasons(entry)
+    assert entry["summary"]["budget"] == alone_entry["summary"]["budget"]
+    assert psnr_db(got, alone) >= MIN_PSNR_DB
 
 
 def test_with_offload_and_a_cache_the_weights_reach_the_workers_before_offload_places_them(env, wan, monkeypatch):
