@@ -436,7 +436,8 @@ class Bench:
         self.opts, self.device = opts, device
         self.cuda = device.type == "cuda"
         self.node = pack_module("nodes.offload.node")
-        self.session = pack_module("nodes.offload.session")  # where the run finds its offload target
+        self.session = pack_module("nodes.offload.session")
+        self.host = pack_module("nodes.offload.host")  # where the node and its run find the offload target
         self.stats = pack_module("nodes.stats_store")
         self.shape = SHAPES[opts.shape]
         start = time.perf_counter()
@@ -725,12 +726,12 @@ def run_rows(bench: Bench, report: Report) -> None:
     import folder_paths
     from omnitest.cache_nodes import save_identity_calibrations
 
-    saved_user_dir, saved_target = folder_paths.get_user_directory(), bench.session.offload_target
+    saved_user_dir, saved_target = folder_paths.get_user_directory(), bench.host.offload_target
     with tempfile.TemporaryDirectory() as user_dir:
         folder_paths.set_user_directory(user_dir)
         save_identity_calibrations(TEACACHE_CALIBRATION, bench.opts.steps)
         if not bench.cuda:  # the node's real path on the CPU, as tests/host/offload does
-            bench.session.offload_target = lambda patcher: torch.device("cpu")
+            bench.host.offload_target = lambda patcher: torch.device("cpu")
         try:
             latents: dict[str, torch.Tensor | None] = {}
             numbers = {row.label: number for number, row in enumerate(bench.rows, report.first_number)}
@@ -748,7 +749,7 @@ def run_rows(bench: Bench, report: Report) -> None:
                     result["diff"] = diff_text(latents[row.label], latents.get(reference), numbers[reference])
                 report.add(number, result)
         finally:
-            bench.session.offload_target = saved_target
+            bench.host.offload_target = saved_target
             folder_paths.set_user_directory(saved_user_dir)
 
 

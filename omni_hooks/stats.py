@@ -176,7 +176,7 @@ class CacheRunStats:
             return f"caching was disabled for this run, so every step is computed: {self.disabled}"
         if self.threshold <= 0:
             return "threshold is 0, so every step is computed"
-        forced = (FIRST, FORCED, WINDOW, RETENTION)
+        forced = (FIRST, FORCED, WINDOW, RETENTION, LARGE_STEP_REASON)  # steps a policy computes whatever changed
         if self.few_step_note is not None and all(
                 r in (*forced, CALIBRATE, FEW_STEP_REASON, THRESHOLD, MAX_SKIPS) for r in reasons) \
                 and FEW_STEP_REASON in reasons:
@@ -184,10 +184,10 @@ class CacheRunStats:
         if MODEL_CACHE in reasons and all(r in (*forced, FEW_STEP_REASON, SHAPE, MODEL_CACHE) for r in reasons):
             return ("the model filled its own key/value cache on every call (a prompt or reference image it had not "
                     "seen), and such calls are always computed")
-        if all(r in (*forced, CALIBRATE, LARGE_STEP_REASON) for r in reasons):
+        if all(r in (*forced, CALIBRATE) for r in reasons):
             return ("every step was forced (first/last steps, retention steps, large sigma steps or outside start/end "
                     "percent); use more steps or widen the start/end window")
-        if all(r in (*forced, CALIBRATE, LARGE_STEP_REASON, MAX_SKIPS) for r in reasons):
+        if all(r in (*forced, CALIBRATE, MAX_SKIPS) for r in reasons):
             return "the maximum number of consecutive skips (K) allowed none (K = 0 computes every step)"
         if self.stack_shape_mismatch:
             return ("the block stack's output has another shape than its input for this model and input (e.g. "

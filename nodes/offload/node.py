@@ -14,7 +14,7 @@ from comfy_api.latest import io
 from ...omni_hooks.offload import OffloadConfig
 from ..families import detect_for_node, model_input
 from ..features import CATEGORY, AppliedFeature, Category, attach_feature, display_name, named
-from .host import offload_target
+from . import host
 from .placement import gib
 from .session import KIND, OffloadSession
 
@@ -79,7 +79,7 @@ def check_for_this_machine(model, block_count: int, config: OffloadConfig) -> No
         there = ", ".join(f"cuda:{i}" for i in range(torch.cuda.device_count())) or "none"
         raise ValueError(f"{NODE_TITLE}: the MODEL input runs on {load}, which this machine does not have (CUDA "
                          f"devices: {there}): load the model on a device that exists")
-    target = offload_target(model)
+    target = host.offload_target(model)
     budget = config.vram_budget_bytes
     if target is None or budget is None:
         return

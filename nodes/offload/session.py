@@ -32,8 +32,9 @@ from ...omni_hooks.offload import LayerwiseOffloadRun, OffloadConfig, OffloadSta
 from .. import families
 from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, register_feature
 from ..stats_store import FeatureReport, StepTotals
+from . import host
 from .host import ComfyPins, HostStreaming, HostStreamsHook, activation_reserve, dynamic_vram_reason, \
-    no_target_reason, offload_target, pinned_memory_budget
+    no_target_reason, pinned_memory_budget
 from .placement import BlockFootprint, OffloadPlan, Promotion, block_tensors, gib, plan_offload
 
 log = logging.getLogger("OmniHooks")
@@ -85,7 +86,7 @@ class OffloadSession(FeatureSession):
         if self._loaded:  # one placement per run
             return
         self._loaded = True
-        target = offload_target(patcher)
+        target = host.offload_target(patcher)  # read through the module: a test forces it onto the CPU there
         reason = self._reason_to_change_nothing(patcher, target)
         if reason is not None:
             self.notes.append(reason)  # logged with the run's line at close

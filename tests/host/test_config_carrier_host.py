@@ -58,7 +58,8 @@ def test_the_offload_run_reads_the_nodes_config(monkeypatch, wan):
     from omnitest.pack import pack_module, run_node
 
     node, session = pack_module("nodes.offload.node"), pack_module("nodes.offload.session")
-    monkeypatch.setattr(session, "offload_target", lambda patcher: torch.device("cpu"))  # the real path, on the CPU
+    # the real path, on the CPU
+    monkeypatch.setattr(pack_module("nodes.offload.host"), "offload_target", lambda patcher: torch.device("cpu"))
     runs = spy(monkeypatch, session, "LayerwiseOffloadRun")
     patched = run_node(node.CPUOffload, model=wan.patcher, blocks_to_offload=1, prefetch_blocks=1, pin_memory="auto",
                        vram_budget_gb=0.0)[0]

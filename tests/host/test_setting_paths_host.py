@@ -143,7 +143,7 @@ def test_cpu_offloads_prefetch_blocks_reaches_its_hook_in_one_config(monkeypatch
 
     node, session_module = pack_module("nodes.offload.node"), pack_module("nodes.offload.session")
     registry = pack_module("omni_hooks.base")
-    monkeypatch.setattr(session_module, "offload_target", lambda patcher: torch.device("cpu"))
+    monkeypatch.setattr(pack_module("nodes.offload.host"), "offload_target", lambda patcher: torch.device("cpu"))
     runs, sessions = [], []
     real_run, real_session = session_module.LayerwiseOffloadRun, session_module.OffloadSession.__init__
 

@@ -6,8 +6,9 @@ with it every decision, is known in advance) or a file written by MagCache Calib
 did is read from ``GET /omni_hooks/runs?prompt_id=<id>`` (``nodes/stats_store.py``), never from the log.
 
 With the flat curve, threshold 0.3, K = 2 and retention 0.2 over 12 steps the decisions are fixed: steps 0-1 are
-retained, then two reuses and one computed step (K reached) in turn, so 7 of 12 evaluations are reused. The tiny
-model's own calibrated ratios stay within 1 +- 0.011, so any threshold above ~0.03 gives the same K-limited pattern.
+retained, then two reuses and one computed step (K reached) in turn, and the last step, the schedule's largest
+sigma step, is always computed (large steps), so 6 of 12 evaluations are reused. The tiny model's own calibrated
+ratios stay within 1 +- 0.011, so any threshold above ~0.03 gives the same K-limited pattern.
 
 The restart test is last in the module; it restarts the shared session server (~10 s).
 """
@@ -33,8 +34,8 @@ STEPS = 12
 THRESH = 0.3
 FLAT = "server-flat"
 FLAT_FILE = {"kind": "magcache", "family": "wan", "mag_ratios": [1.0] + [0.95] * (STEPS - 1)}
-# computed (True) / reused (False) per step for the flat curve, THRESH, K = 2, retention 0.2
-FLAT_PATTERN = [True, True, False, False, True, False, False, True, False, False, True, False]
+# computed (True) / reused (False) per step for the flat curve, THRESH, K = 2, retention 0.2; the last step is large
+FLAT_PATTERN = [True, True, False, False, True, False, False, True, False, False, True, True]
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -139,9 +140,10 @@ def test_apply_magcache_skips_steps(comfy, reference, baseline):
     assert {e["total_steps"] for e in run["evaluations"]} == {STEPS}
     assert pattern(run) == FLAT_PATTERN
     assert summary["evaluations"] == STEPS and summary["reused"] == FLAT_PATTERN.count(False)
-    assert summary["branches"] == {"cond": {"computed": 5, "reused": 7}, "uncond": {"computed": 5, "reused": 7}}
+    assert summary["branches"] == {"cond": {"computed": 6, "reused": 6}, "uncond": {"computed": 6, "reused": 6}}
     reasons = [{b["reason"] for b in e["branches"]} for e in run["evaluations"]]
     assert reasons[:2] == [{"retention"}, {"retention"}] and reasons[4] == {"max-skips"}, reasons
+    assert reasons[-1] == {"large-step"}, reasons
     assert not summary["warnings"], summary["warnings"]
     assert torch.isfinite(latent).all() and latent.shape == baseline.shape
     assert not torch.equal(latent, baseline)  # reused steps change the result a little

@@ -101,7 +101,7 @@ def test_offload_from_a_filling_call_on_is_bit_identical(case, monkeypatch):
     baseline = sample_cold(case)
     plain = [t.clone() for t in kept_keys_and_values(case.diffusion_model)]
     # the real path, on the CPU
-    monkeypatch.setattr(pack_module("nodes.offload.session"), "offload_target", lambda patcher: torch.device("cpu"))
+    monkeypatch.setattr(pack_module("nodes.offload.host"), "offload_target", lambda patcher: torch.device("cpu"))
     offloaded = run_node(node.CPUOffload, node_id="20", model=case.patcher, blocks_to_offload=-1, prefetch_blocks=1,
                          pin_memory="auto", vram_budget_gb=0.0)[0]
     assert torch.equal(sample_cold(case, offloaded), baseline)
@@ -146,7 +146,7 @@ def test_with_reference_images_a_cached_and_an_offloaded_run_equal_a_plain_run(c
     assert torch.equal(sample_cold(edit, apply_teacache(case.patcher, IDENTITY, threshold=1e9), every_call=True),
                        baseline)
     node = pack_module("nodes.offload.node")
-    monkeypatch.setattr(pack_module("nodes.offload.session"), "offload_target", lambda patcher: torch.device("cpu"))
+    monkeypatch.setattr(pack_module("nodes.offload.host"), "offload_target", lambda patcher: torch.device("cpu"))
     offloaded = run_node(node.CPUOffload, node_id="20", model=case.patcher, blocks_to_offload=-1, prefetch_blocks=1,
                          pin_memory="auto", vram_budget_gb=0.0)[0]
     assert torch.equal(sample_cold(edit, offloaded, every_call=True), baseline)

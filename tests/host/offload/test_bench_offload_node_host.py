@@ -32,8 +32,8 @@ def test_the_benchmark_runs_every_row_on_the_cpu_and_offload_rows_are_bit_identi
     from omnitest.pack import pack_module
 
     bench = load_benchmark(monkeypatch)
-    session = pack_module("nodes.offload.session")
-    target, reserved, user_dir = session.offload_target, mm.EXTRA_RESERVED_VRAM, folder_paths.get_user_directory()
+    host = pack_module("nodes.offload.host")
+    target, reserved, user_dir = host.offload_target, mm.EXTRA_RESERVED_VRAM, folder_paths.get_user_directory()
     threads = torch.get_num_threads()
     out, weights = tmp_path / "offload_node.json", tmp_path / "wan.safetensors"
     summary = bench.main(["--device", "cpu", "--out", str(out), "--weights-file", str(weights)])
@@ -64,7 +64,7 @@ def test_the_benchmark_runs_every_row_on_the_cpu_and_offload_rows_are_bit_identi
     assert cached["node"]["calls_skipped"] == cached["cache"]["reused"] > 0
     assert cached["node"]["bytes_moved_on_skipped_calls"] == 0
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
-    assert session.offload_target is target and mm.EXTRA_RESERVED_VRAM == reserved
+    assert host.offload_target is target and mm.EXTRA_RESERVED_VRAM == reserved
     assert folder_paths.get_user_directory() == user_dir and torch.get_num_threads() == threads
 
     # the file is kept when it holds the shape's weights, and another shape's file is refused

@@ -38,6 +38,7 @@ def env(user_dir):
         tiny = tiny_models
         node = offload_module
         session = pack_module("nodes.offload.session")
+        host = pack_module("nodes.offload.host")
         placement = pack_module("nodes.offload.placement")
         lifecycle = features
         stats = pack_module("nodes.stats_store")
@@ -67,7 +68,7 @@ def wan(env):
 @pytest.fixture
 def forced(env, monkeypatch):
     """Offload to the CPU as if it were a GPU: the real path, every byte really copied."""
-    monkeypatch.setattr(env.session, "offload_target", lambda patcher: torch.device("cpu"))
+    monkeypatch.setattr(env.host, "offload_target", lambda patcher: torch.device("cpu"))
 
 
 def with_lora(model, lora: dict, strength: float):
@@ -156,7 +157,7 @@ def test_kept_blocks_that_comfyui_left_off_the_device_are_completed_while_they_f
     ComfyUI's partial load, and completing (promoting) the kept blocks really copies them."""
     import comfy.model_management as mm
 
-    monkeypatch.setattr(env.session, "offload_target", lambda patcher: torch.device("cpu", 0))
+    monkeypatch.setattr(env.host, "offload_target", lambda patcher: torch.device("cpu", 0))
     per_block = block_bytes(wan.diffusion_model.blocks[0])
     reserve = int(mm.minimum_inference_memory())
     # the blocks hold nothing "on the device": available = free - reserve = 2 slots (prefetch 1) + room_for_kept blocks

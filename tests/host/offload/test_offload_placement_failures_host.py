@@ -64,7 +64,7 @@ def gpu(env, wan, monkeypatch):
     import comfy.model_management as mm
 
     mm.unload_all_models()
-    monkeypatch.setattr(env.session, "offload_target", lambda patcher: torch.device("cpu", 0))
+    monkeypatch.setattr(env.host, "offload_target", lambda patcher: torch.device("cpu", 0))
     per_block = block_bytes(wan.diffusion_model.blocks[0])
     free = int(mm.minimum_inference_memory()) + (LAYERS + 2) * per_block
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (free, free)

@@ -34,7 +34,7 @@ def env(user_dir):
 
     class Env:
         tiny = tiny_models
-        offload_module = pack_module("nodes.offload.session")  # where the run finds its offload target
+        offload_module = pack_module("nodes.offload.host")  # where the node and its run find the offload target
         stats = pack_module("nodes.stats_store")
 
         @staticmethod
