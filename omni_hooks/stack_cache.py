@@ -29,12 +29,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from .base import BaseState, HookPhase, HookRegistry, ModelHook, StateManager, remove_hook_and_restore
-from .blockstack import BlockStack, ReturnedHidden
+from .base import BaseState, HookRegistry, ModelHook, StateManager, remove_hook_and_restore
+from .blockstack import BlockStack
 from .budget import ForwardBudget, StepProfile
 from .context import CallContext
 from .cache_config import StackCacheConfig
@@ -42,6 +41,7 @@ from .few_step import FEW_STEP_REASON
 from .large_steps import LARGE_STEP_REASON
 from .forecast import (AUTO, AUTO_KEPT, CANDIDATES, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, WEIGHED_ORDERS,
                        ErrorPerMetric, OrderScores, ResidualHistory, history_limit)
+from .stack_hooks import StackBlockHook, StackCaptureHook, StackHeadHook, StackTailHook
 from .stats import (CALIBRATE, FIRST, OTHER_BRANCH, OTHER_RANK, REUSE, SHAPE, THRESHOLD, WINDOW, BranchDecision,
                     CacheRunStats, EvaluationRecord)
 
@@ -446,127 +446,3 @@ class StackCacheRun:
         self._installed.clear()
         self._call = None
         self.states.reset()
-
-
-class StackHeadHook(ModelHook):
-    """On the head block: ask the policy, then run the block or pass its inputs through."""
-
-    phase = HookPhase.CACHING
-
-    def __init__(self, run: StackCacheRun):
-        self.run = run
-
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        run = self.run
-        call = run._call
-        if call is None:
-            return self.fn_ref.original_forward(*args, **kwargs)
-        stack = run.stack
-        hidden = stack.head_hidden.get(args, kwargs)
-        compute = run.decide(module, args, kwargs, hidden)
-        call.head_input = hidden.clone() if stack.clone_head_input else hidden
-        if compute:
-            return self.fn_ref.original_forward(*args, **kwargs)
-        return stack.skip_block(module, args, kwargs)
-
-    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
-        self.run.states.reset()
-        return module
-
-
-class StackBlockHook(ModelHook):
-    """On every other block: pass the inputs through while the current call is skipping."""
-
-    phase = HookPhase.CACHING
-
-    def __init__(self, run: StackCacheRun):
-        self.run = run
-
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        call = self.run._call
-        if call is not None and call.skipping:
-            return self.run.stack.skip_block(module, args, kwargs)
-        return self.fn_ref.original_forward(*args, **kwargs)
-
-
-class StackTailHook(ModelHook):
-    """On the module after the stack: store the residual after a computed call, add it after a skipped one.
-
-    A stack of packed streams has one tail per stream (``part`` of ``parts``, called in that order): each gets its
-    stream's share of the reused hidden on a skip; on a compute the last one stores the residual of all of them.
-    A stack whose ``tail_hidden`` is ``ReturnedHidden`` has its last block as tail: the hook acts on that block's
-    output instead of its input.
-    """
-
-    phase = HookPhase.CACHING
-    #: the tail's hidden is what it returns (``ReturnedHidden``): the hook acts in ``post_forward``
-    on_output = False
-
-    def __init__(self, run: StackCacheRun, part: int = 0, parts: int = 1):
-        self.run = run
-        self.part = part
-        self.parts = parts
-        self.on_output = isinstance(run.stack.tails()[part][1], ReturnedHidden)
-
-    @property
-    def last(self) -> bool:
-        return self.part == self.parts - 1
-
-    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        run = self.run
-        call = run._call
-        if call is None or call.head_input is None or call.tail_part != self.part:
-            return args, kwargs
-        if self.on_output:
-            return args, kwargs
-        where = run.stack.tails()[self.part][1]
-        if self.parts == 1:
-            head_input, call.head_input = call.head_input, None
-            if call.skipping:
-                return where.replace(args, kwargs, run.reused_hidden(head_input))
-            run.store_residual(head_input, where.get(args, kwargs))
-            return args, kwargs
-        stream = where.get(args, kwargs)
-        call.tail_part += 1
-        if call.skipping:
-            if call.reused is None:
-                call.reused = run.reused_hidden(call.head_input)
-            width = stream.numel() // max(stream.shape[0], 1)
-            share = call.reused[:, call.reused_offset:call.reused_offset + width]
-            call.reused_offset += width
-            args, kwargs = where.replace(args, kwargs, share.reshape(stream.shape))
-        else:
-            call.tail_outputs.append(stream.reshape(stream.shape[0], -1))
-        if self.last:
-            if not call.skipping:
-                run.store_residual(call.head_input, torch.cat(call.tail_outputs, dim=1))
-            call.head_input, call.reused, call.tail_outputs = None, None, []
-        return args, kwargs
-
-    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        if not self.on_output:
-            return output
-        run = self.run
-        call = run._call
-        if call is None or call.head_input is None:
-            return output
-        head_input, call.head_input = call.head_input, None
-        if call.skipping:
-            return run.reused_hidden(head_input)
-        run.store_residual(head_input, output)
-        return output
-
-
-class StackCaptureHook(ModelHook):
-    """On a module the model calls before the head block: remember its first input for the policy."""
-
-    phase = HookPhase.CACHING
-
-    def __init__(self, run: StackCacheRun):
-        self.run = run
-
-    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        call = self.run._call
-        if call is not None and args:
-            call.captured = args[0]
-        return args, kwargs
