@@ -111,17 +111,30 @@ def gap_costs(changes: list[float], sizes: list[float]) -> np.ndarray:
     return cost
 
 
+#: the most steps ``plan_steps`` plans exactly: its cost table is steps x steps and its search count x steps x steps,
+#: so a longer run (rare: hundreds of sampler steps) gets evenly spaced steps instead
+MAX_PLANNED_STEPS = 500
+
+
 def plan_steps(count: int, changes: list[float], sizes: list[float], first: int = 0,
                protected: frozenset[int] | set[int] = frozenset()) -> list[int]:
     """The ``count`` steps of ``first .. len(changes) - 1`` to compute (``first`` and the last one among them, and
     every ``protected`` step in that range) that minimise the summed gap cost (``gap_costs``); fewer or more steps
-    than that allows are clamped. Exact dynamic programming, deterministic: the same plan on every rank."""
+    than that allows are clamped. Exact dynamic programming, deterministic: the same plan on every rank. Over
+    ``MAX_PLANNED_STEPS`` steps, the other steps are spread evenly between ``first`` and the last instead."""
     last = len(changes) - 1
     must = sorted({first, last} | {p for p in protected if first <= p <= last})
     available = last - first + 1
     count = max(len(must), min(count, available))
     if count >= available:
         return list(range(first, last + 1))
+    if available > MAX_PLANNED_STEPS:
+        spread = np.linspace(first, last, count - len(must) + 2).round().astype(int).tolist()
+        plan = set(must) | set(spread)
+        free = (s for s in range(first, last + 1) if s not in plan)  # where rounding made two coincide
+        while len(plan) < count:
+            plan.add(next(free))
+        return sorted(plan)
     cost = gap_costs(changes, sizes)[first:, first:]
     span = available
     # a gap may not pass over a protected step

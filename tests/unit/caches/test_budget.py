@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from omni_hooks import budget as budget_module
 from omni_hooks.budget import BUDGET_REASON, ForwardBudget, StepProfile, compact, gap_costs, plan_steps, steps_in_sigma
 from omni_hooks.cache_config import StackCacheConfig
 from omni_hooks.few_step import FewStepRule
@@ -50,6 +51,26 @@ def test_the_plan_is_the_cheapest_placement_with_the_first_and_last_steps():
     assert plan_steps(1, changes, sizes) == [0, 9] and plan_steps(50, changes, sizes) == list(range(10))
     assert 5 in plan_steps(3, changes, sizes, protected={5})
     assert plan_steps(3, changes, sizes, first=4) == [4, plan_steps(3, changes, sizes, first=4)[1], 9]
+
+
+def test_a_run_longer_than_the_exact_plan_allows_gets_its_steps_spread_without_the_cost_table(monkeypatch):
+    """A budget on thousands of steps is planned at once, never with the steps x steps cost table."""
+    def no_table(*args):
+        raise AssertionError("the cost table of a run over MAX_PLANNED_STEPS steps")
+
+    monkeypatch.setattr(budget_module, "gap_costs", no_table)
+    total = 4 * budget_module.MAX_PLANNED_STEPS
+    schedule = shifted_schedule(total)
+    changes, sizes = steps_in_sigma(schedule), [abs(a - b) for a, b in zip(schedule, schedule[1:])]
+    for count, protected in ((10, set()), (7, {3, 4, 5}), (total - 1, set())):
+        plan = plan_steps(count, changes, sizes, protected=protected)
+        assert len(plan) == count and plan == sorted(set(plan))
+        assert plan[0] == 0 and plan[-1] == total - 1 and protected <= set(plan)
+    gaps = [b - a for a, b in zip(plan_steps(10, changes, sizes), plan_steps(10, changes, sizes)[1:])]
+    assert max(gaps) - min(gaps) <= 1
+    budget = ForwardBudget(12)
+    budget.start(total, schedule)
+    assert len(budget.plan) == 12 and budget.decide(0) == (True, BUDGET_REASON)
 
 
 def test_on_a_shifted_schedule_the_plan_computes_most_of_the_final_steps():
