@@ -223,14 +223,13 @@ class StackCacheRun:
         if self.budget is not None and step is not None and total:
             decisions = self._within_budget(call, decisions, step, total)
         few_step = self.config.active_few_step
+        large = self.config.active_large_steps
         if few_step is not None and few_step.applies(total):
+            large = None  # a run of few steps has the few-step rule (its last step included)
             if self.stats.few_step_note is None:  # once per run: the run's step count does not change
                 self.stats.few_step_note = few_step.describe(total)
             if few_step.forces(step, total, step is not None and step - 1 in self._skipped_steps):
                 decisions = [Decision(FEW_STEP_REASON, d.metric) if d.reason == REUSE else d for d in decisions]
-        large = self.config.active_large_steps
-        if few_step is not None and few_step.applies(total):
-            large = None  # a run of few steps has the few-step rule (its last step included)
         if large is not None and step is not None and call.context.schedule:
             if self._large_steps is None:  # once per run: the schedule does not change within it
                 self._large_steps = large.steps(call.context.schedule)
