@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .context import sigma_steps
+
 BUDGET_REASON = "budget"  # BranchDecision.reason of a step computed because the budget's plan placed it there
 
 
@@ -93,7 +95,7 @@ class StepProfile:
 
 def steps_in_sigma(schedule: list[float]) -> list[float]:
     """Without a profile: the change at each step taken as its sigma step (0 for step 0)."""
-    return [0.0] + [abs(schedule[i - 1] - schedule[i]) for i in range(1, len(schedule) - 1)]
+    return [0.0] + sigma_steps(schedule)[:-1]
 
 
 def gap_costs(changes: list[float], sizes: list[float]) -> np.ndarray:
@@ -188,7 +190,7 @@ class ForwardBudget:
         if schedule is None or len(schedule) != total + 1:
             schedule = [1.0 - i / total for i in range(total + 1)]
         self.total = total
-        self._sizes = [abs(schedule[i] - schedule[i + 1]) for i in range(total)]
+        self._sizes = sigma_steps(schedule)
         self._changes = self.profile.changes_for(schedule) if self.profile is not None else steps_in_sigma(schedule)
         self._protected = frozenset(protected)
         self.plan = plan_steps(self.count, self._changes, self._sizes, 0, self._protected)

@@ -81,3 +81,9 @@ class CallContext:
     schedule: tuple[float, ...] | None = None
     blocks_run: bool | None = None
     rank: RankView = RankView()
+
+
+def sigma_steps(schedule) -> list[float]:
+    """How far each step of ``schedule`` (a run's sigmas, ``CallContext.schedule``) moves sigma: ``len(schedule) - 1``
+    non-negative sizes, step i's from ``schedule[i]`` to ``schedule[i + 1]``."""
+    return [abs(schedule[i] - schedule[i + 1]) for i in range(len(schedule) - 1)]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .context import sigma_steps
+
 LARGE_STEP_REASON = "large-step"
 
 
@@ -29,7 +31,7 @@ class LargeStepRule:
 
     def steps(self, schedule: tuple[float, ...] | list[float]) -> frozenset[int]:
         """The large steps of ``schedule`` (its sigmas, the last one after the final step)."""
-        sizes = [abs(schedule[i] - schedule[i + 1]) for i in range(len(schedule) - 1)]
+        sizes = sigma_steps(schedule)
         if not sizes:
             return frozenset()
         bound = self.factor * sum(sizes) / len(sizes)
