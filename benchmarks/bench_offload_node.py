@@ -20,7 +20,13 @@ the other, and prints their rows in one table. Rows, per cap of ``--caps``:
   alone (no cap); CPU Offload auto at the cap + Apply TeaCache (compared with TeaCache alone); with ``--extra-rows``
   also the partial load with ``--async-offload`` at the first cap and CPU Offload of every block, prefetch 1 and 2;
   dynamic: fully resident; ComfyUI's dynamic VRAM at the cap; Apply TeaCache alone; CPU Offload auto + Apply TeaCache
-  at the first cap (the node stands aside there; compared with TeaCache alone).
+  at the first cap (the node stands aside there; compared with TeaCache alone); with ``--takeover-trial`` (and
+  ``--weights-file``), per cap, CPU Offload auto on the model's non-dynamic delegate (``get_non_dynamic_delegate``: the
+  model loaded again from its file with dynamic VRAM off, for that model only), the node's stand-aside rule lifted for
+  the row: what the node would do if it took a model over from dynamic VRAM.
+``--rows 1,4`` runs only those rows of a mode (numbered as in its full list), with the rows they are compared with.
+On CUDA each process first samples the fully resident model once, untimed (a warm-up): on an H200 under ComfyUI 0.33
+the first sampling call of a process ended 0.0162 (max abs) away from every later one, whatever the loading.
 A cap is made real with a ballast (``--cap-mode ballast``, the default on CUDA): before the row a tensor takes all free
 VRAM but the cap, so ComfyUI's loader, its dynamic VRAM and the node all see a card of that size; ``--cap-mode
 reserve`` sets ``--reserve-vram`` instead (``EXTRA_RESERVED_VRAM`` = free VRAM less the cap), which only ComfyUI's
@@ -110,6 +116,7 @@ class Row:
     offload: tuple[int | str, int] | None = None  # CPU Offload's (blocks_to_offload, prefetch_blocks): -1 auto, ALL
     teacache: bool = False
     reference: str | None = None           # the label of the row whose latent this one's is compared with
+    takeover: bool = False                 # dynamic mode: the node on the model's non-dynamic delegate (a trial)
 
     @property
     def comfy_only(self) -> bool:
@@ -124,16 +131,21 @@ def gib_label(cap: float) -> str:
     return f"{cap:g} GiB" if cap >= 1 else f"{cap * 1024:.1f} MiB"
 
 
-def rows_for(mode: str, caps: list[float], extra: bool) -> list[Row]:
-    """The rows of one host mode (see the module docstring)."""
+def rows_for(mode: str, caps: list[float], extra: bool, takeover: bool = False) -> list[Row]:
+    """The rows of one host mode (see the module docstring); ``takeover``: the dynamic mode's takeover trial rows
+    (they need a model loaded from a file)."""
     if mode == "dynamic":
         resident = "dynamic VRAM, no cap"
         cached = "dynamic VRAM, Apply TeaCache alone"
-        return [Row(resident, mode),
+        rows = [Row(resident, mode),
                 *(Row(f"ComfyUI dynamic VRAM at {gib_label(c)}", mode, c, reference=resident) for c in caps),
                 Row(cached, mode, teacache=True, reference=resident),
                 Row(f"dynamic VRAM at {gib_label(caps[0])}: CPU Offload auto + Apply TeaCache", mode, caps[0],
                     offload=(-1, 1), teacache=True, reference=cached)]
+        if takeover:
+            rows += [Row(f"takeover trial at {gib_label(c)}: CPU Offload auto on the non-dynamic delegate", mode, c,
+                         offload=(-1, 1), reference=resident, takeover=True) for c in caps]
+        return rows
     resident, cached = "fully resident", "Apply TeaCache alone"
     rows = [Row(resident)]
     rows += [Row(f"ComfyUI partial load at {gib_label(c)}", cap=c, reference=resident) for c in caps]
@@ -185,6 +197,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "ComfyUI that has dynamic VRAM, else legacy)")
     parser.add_argument("--extra-rows", action=argparse.BooleanOptionalAction, default=None,
                         help="also --async-offload and CPU Offload of every block (default: on with one cap)")
+    parser.add_argument("--takeover-trial", action="store_true",
+                        help="dynamic mode: also the node on the model's non-dynamic delegate (needs --weights-file)")
+    parser.add_argument("--rows", default=None,
+                        help="only these rows of each mode, by number in the mode's list (e.g. 1,4), with the rows "
+                             "they are compared with")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here (after every row)")
     parser.add_argument("--first-row", type=int, default=1, help=argparse.SUPPRESS)  # a host mode's process: its rows
     opts = parser.parse_args(argv)
@@ -212,7 +229,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("dynamic VRAM needs an NVIDIA GPU (--device cuda)")
     if opts.extra_rows is None:
         opts.extra_rows = opts.caps is None or len(opts.caps) == 1
+    if opts.takeover_trial and opts.weights_file is None:
+        parser.error("--takeover-trial needs --weights-file (the delegate loads the model again from its file)")
+    try:
+        opts.rows = sorted({int(n) for n in opts.rows.split(",")}) if opts.rows else None
+    except ValueError:
+        parser.error(f"--rows takes row numbers separated by commas, got {opts.rows!r}")
     return opts
+
+
+def chosen_rows(rows: list[Row], numbers: list[int] | None) -> list[Row]:
+    """``rows`` numbered 1.. kept where their number is in ``numbers`` (all when None), with their references."""
+    if numbers is None:
+        return rows
+    keep = {rows[n - 1].label for n in numbers if 1 <= n <= len(rows)}
+    keep |= {row.reference for row in rows if row.label in keep and row.reference}
+    return [row for row in rows if row.label in keep]
 
 
 # -- the model and its inputs ------------------------------------------------------------------------------------------
@@ -465,15 +497,36 @@ class Bench:
         self.caps = opts.caps or [default_cap / GIB]
         if not all(0 < cap * GIB < self.total for cap in self.caps):
             raise SystemExit(f"every cap must be above 0 and below the device's {self.total / GIB:.2f} GiB")
-        self.rows = rows_for(opts.host_mode, self.caps, opts.extra_rows)
+        self.rows = chosen_rows(rows_for(opts.host_mode, self.caps, opts.extra_rows, takeover=opts.takeover_trial),
+                                opts.rows)
 
     # -- one row --------------------------------------------------------------------------------------------------
 
-    def model_for(self, row: Row):
+    def base_for(self, row: Row):
+        """The patcher a row samples: the loaded model, or for a takeover trial its non-dynamic delegate (loaded
+        again from the file once, then kept by ComfyUI on the dynamic patcher)."""
+        return self.patcher.get_non_dynamic_delegate() if row.takeover else self.patcher
+
+    @contextlib.contextmanager
+    def stand_aside_rule(self, row: Row) -> Iterator[None]:
+        """For a takeover trial, the node stands aside only for a dynamic patcher (not because comfy-aimdo is on)."""
+        if not row.takeover:
+            yield
+            return
+        import comfy.model_patcher
+
+        session, saved = self.session, self.session.dynamic_vram_reason
+        session.dynamic_vram_reason = lambda patcher: (
+            saved(patcher) if isinstance(patcher, comfy.model_patcher.ModelPatcherDynamic) else None)
+        try:
+            yield
+        finally:
+            session.dynamic_vram_reason = saved
+
+    def model_for(self, row: Row, model):
         from omnitest.cache_nodes import apply_teacache
         from omnitest.pack import run_node
 
-        model = self.patcher
         if row.offload is not None:
             blocks, prefetch = row.offload
             budget = row.cap if row.cap is not None and not self.cuda else 0.0
@@ -512,12 +565,13 @@ class Bench:
                     "na": "n/a on CPU: ComfyUI loads the whole model on the CPU"}, None
         timer = NodeTimer(self.session.OffloadSession, self.device)
         try:
-            with self.capped(row) as ballast_bytes:
-                clock = Clock(self.device, self.patcher, ballast_bytes)
-                hook = self.patcher.model.diffusion_model.register_forward_pre_hook(clock.model_call)
+            base = self.base_for(row)
+            with self.capped(row) as ballast_bytes, self.stand_aside_rule(row):
+                clock = Clock(self.device, base, ballast_bytes)
+                hook = base.model.diffusion_model.register_forward_pre_hook(clock.model_call)
                 try:
                     with timer.active():
-                        out = self.sample(self.model_for(row), clock)
+                        out = self.sample(self.model_for(row, base), clock)
                 finally:
                     hook.remove()
         finally:
@@ -660,12 +714,12 @@ def diff_text(out: torch.Tensor, reference: torch.Tensor | None, number: int) ->
     return f"{(out.float() - reference.float()).abs().max().item():.3g} (row {number})"
 
 
-def check(rows: list[Row], results: list[dict[str, Any]]) -> list[str]:
+def check(rows: list[Row], results: list[dict[str, Any]], first_number: int = 1) -> list[str]:
     """What must hold on any device: offload rows identical to their reference, the node active in legacy mode and
     standing aside under dynamic VRAM (with ComfyUI's streaming on its card), no bytes moved on a skipped call, every
     latent finite, and ComfyUI's resident weights under dynamic VRAM within the row's cap. The failures, in words."""
     failures = []
-    for number, (row, r) in enumerate(zip(rows, results), 1):
+    for number, (row, r) in enumerate(zip(rows, results), first_number):
         if "error" in r:
             failures.append(f"row {number} failed: {r['error']}")
             continue
@@ -682,7 +736,11 @@ def check(rows: list[Row], results: list[dict[str, Any]]) -> list[str]:
         node = r["node"]
         if not r["diff"].startswith("0 "):
             failures.append(f"row {number}: max abs diff {r['diff']}, expected 0")
-        if row.mode == "dynamic":
+        if row.takeover:
+            if not node["active"] or node["bytes_moved"] == 0:
+                failures.append(f"row {number}: on the non-dynamic delegate the node offloaded nothing "
+                                f"({node['unchanged_reason']})")
+        elif row.mode == "dynamic":
             if node["active"] or node["host_streaming"] is None:
                 failures.append(f"row {number}: under dynamic VRAM the node should stand aside and show ComfyUI's "
                                 f"streaming ({node['unchanged_reason']})")
@@ -733,10 +791,16 @@ def run_rows(bench: Bench, report: Report) -> None:
         if not bench.cuda:  # the node's real path on the CPU, as tests/host/offload does
             bench.host.offload_target = lambda patcher: torch.device("cpu")
         try:
+            warm_up = Row(rows_for(bench.opts.host_mode, bench.caps, extra=False)[0].label, bench.opts.host_mode)
+            warm_latent = None
+            if bench.cuda:  # the first sampling call of a process can end a few bits away from every later one
+                log.info("warm-up: %s, not reported", warm_up.label)
+                _, warm_latent = bench.run(warm_up)
             latents: dict[str, torch.Tensor | None] = {}
             numbers = {row.label: number for number, row in enumerate(bench.rows, report.first_number)}
-            for number, row in enumerate(bench.rows, report.first_number):
-                log.info("row %d of %d: %s", number, len(bench.rows), row.label)
+            for index, row in enumerate(bench.rows):
+                number = report.first_number + index
+                log.info("row %d (%d of %d): %s", number, index + 1, len(bench.rows), row.label)
                 try:
                     result, latents[row.label] = bench.run(row)
                 except Exception as e:  # one failing row (e.g. out of memory) must not lose the others
@@ -747,6 +811,10 @@ def run_rows(bench: Bench, report: Report) -> None:
                 if latents[row.label] is not None:
                     reference = row.reference or row.label
                     result["diff"] = diff_text(latents[row.label], latents.get(reference), numbers[reference])
+                if warm_latent is not None and row.label == warm_up.label and latents[row.label] is not None:
+                    report.header["warm_up"] = diff_text(warm_latent, latents[row.label], number)
+                    log.info("warm-up (%s, the process's first sampling call, untimed): max abs diff to the same "
+                             "configuration later %s", warm_up.label, report.header["warm_up"])
                 report.add(number, result)
         finally:
             bench.host.offload_target = saved_target
@@ -865,7 +933,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     report.finish()
-    failures = check(bench.rows, report.results)
+    failures = check(bench.rows, report.results, opts.first_row)
     print_checks(failures)
     summary = {"header": header, "rows": report.results, "failures": failures}
     if opts.out is not None:

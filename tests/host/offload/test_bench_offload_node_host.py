@@ -86,3 +86,19 @@ def test_two_caps_make_a_row_of_each_kind_per_cap_and_dynamic_rows_compare_with_
     labels = {r.label for r in dynamic}
     assert all(r.reference in labels for r in dynamic if r.reference)  # compared within their own process
     assert [r.cap for r in dynamic if r.offload is None and not r.teacache] == [None, 12.0, 24.0]
+    assert not any(r.takeover for r in dynamic)
+    trial = bench.rows_for("dynamic", [12.0, 24.0], extra=False, takeover=True)
+    takeover = [r for r in trial if r.takeover]
+    assert [(r.cap, r.offload, r.reference) for r in takeover] == [(12.0, (-1, 1), "dynamic VRAM, no cap"),
+                                                                    (24.0, (-1, 1), "dynamic VRAM, no cap")]
+    assert trial[:len(dynamic)] == dynamic
+
+
+def test_chosen_rows_keep_the_rows_they_are_compared_with(monkeypatch):
+    bench = load_benchmark(monkeypatch)
+    legacy = bench.rows_for("legacy", [12.0, 24.0], extra=False)
+    assert bench.chosen_rows(legacy, None) == legacy
+    assert [r.label for r in bench.chosen_rows(legacy, [2, 4, 5, 8])] == [
+        "fully resident", "ComfyUI partial load at 12 GiB", "CPU Offload auto, prefetch 1, at 12 GiB",
+        "CPU Offload auto, prefetch 1, at 24 GiB", "Apply TeaCache alone",
+        "CPU Offload auto at 24 GiB + Apply TeaCache"]
