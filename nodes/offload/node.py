@@ -124,8 +124,8 @@ class CPUOffload(io.ComfyNode):
                          "memory, a copy stream), the others stay resident. Outputs are identical to sampling "
                          "without the node; LoRAs apply as usual. With Apply TeaCache / Apply MagCache a skipped "
                          "step copies nothing. It changes nothing on a CPU-only ComfyUI and where ComfyUI's dynamic "
-                         "VRAM streams the weights itself (start ComfyUI with --disable-dynamic-vram to use it "
-                         "there); its card and log line say which path a run took."),
+                         "VRAM streams the weights itself (ComfyUI 0.33's default on NVIDIA); "
+                         "its card and log line say which path a run took."),
             inputs=inputs,
             outputs=[io.Model.Output(tooltip="The same MODEL, with its blocks streamed during its sampling runs.")],
             hidden=[io.Hidden.unique_id])
