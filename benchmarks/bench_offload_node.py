@@ -131,11 +131,14 @@ def gib_label(cap: float) -> str:
     return f"{cap:g} GiB" if cap >= 1 else f"{cap * 1024:.1f} MiB"
 
 
+RESIDENT = {"legacy": "fully resident", "dynamic": "dynamic VRAM, no cap"}  # each mode's first row, the reference
+
+
 def rows_for(mode: str, caps: list[float], extra: bool, takeover: bool = False) -> list[Row]:
     """The rows of one host mode (see the module docstring); ``takeover``: the dynamic mode's takeover trial rows
     (they need a model loaded from a file)."""
+    resident = RESIDENT[mode]
     if mode == "dynamic":
-        resident = "dynamic VRAM, no cap"
         cached = "dynamic VRAM, Apply TeaCache alone"
         rows = [Row(resident, mode),
                 *(Row(f"ComfyUI dynamic VRAM at {gib_label(c)}", mode, c, reference=resident) for c in caps),
@@ -146,7 +149,7 @@ def rows_for(mode: str, caps: list[float], extra: bool, takeover: bool = False) 
             rows += [Row(f"takeover trial at {gib_label(c)}: CPU Offload auto on the non-dynamic delegate", mode, c,
                          offload=(-1, 1), reference=resident, takeover=True) for c in caps]
         return rows
-    resident, cached = "fully resident", "Apply TeaCache alone"
+    cached = "Apply TeaCache alone"
     rows = [Row(resident)]
     rows += [Row(f"ComfyUI partial load at {gib_label(c)}", cap=c, reference=resident) for c in caps]
     if extra:
@@ -791,7 +794,7 @@ def run_rows(bench: Bench, report: Report) -> None:
         if not bench.cuda:  # the node's real path on the CPU, as tests/host/offload does
             bench.host.offload_target = lambda patcher: torch.device("cpu")
         try:
-            warm_up = Row(rows_for(bench.opts.host_mode, bench.caps, extra=False)[0].label, bench.opts.host_mode)
+            warm_up = Row(RESIDENT[bench.opts.host_mode], bench.opts.host_mode)
             warm_latent = None
             if bench.cuda:  # the first sampling call of a process can end a few bits away from every later one
                 log.info("warm-up: %s, not reported", warm_up.label)
