@@ -122,21 +122,31 @@ def calibrated_case(spec: cqm.QualityModel, steps: int):
     return case, counter
 
 
-def tea(case, t: float, forecast: str, budget: int = 0):
+def tea(case, t: float, forecast: str, budget: int = 0, correction: float = 0.0):
     """The case's MODEL with Apply TeaCache at threshold ``t`` on its own calibration (``budget``: its forward
-    budget, 0 = none)."""
+    budget, 0 = none; ``correction``: its skip correction, 0 = off)."""
     return run_node(pack_module("nodes.caches.teacache").ApplyTeaCache, model=case.patcher, rel_l1_thresh=t,
                     start_percent=0.0, end_percent=1.0, cache_device="compute device",
-                    model_variant="calibration: quality", forecast=forecast, forward_budget=budget)[0]
+                    model_variant="calibration: quality", forecast=forecast, forward_budget=budget,
+                    skip_correction=correction)[0]
 
 
-def mag(case, t: float, forecast: str, budget: int = 0):
+def mag(case, t: float, forecast: str, budget: int = 0, correction: float = 0.0):
     """The case's MODEL with Apply MagCache (K ``MAG_K``, retention ``MAG_RETENTION``) at threshold ``t``
-    (``budget``: its forward budget, 0 = none)."""
+    (``budget``: its forward budget, 0 = none; ``correction``: its skip correction, 0 = off)."""
     return run_node(pack_module("nodes.caches.magcache").ApplyMagCache, model=case.patcher, threshold=t,
                     max_skip_steps=MAG_K, retention_ratio=MAG_RETENTION, start_percent=0.0, end_percent=1.0,
                     cache_device="compute device", curve="calibration: quality", forecast=forecast,
-                    forward_budget=budget)[0]
+                    forward_budget=budget, skip_correction=correction)[0]
+
+
+def corrected(name: str, correction: float) -> str:
+    """A configuration's name with its skip correction (none when 0): "TeaCache + skip correction 0.5, forecast auto",
+    so that its cache (before the first comma) and its forecast (the last word) read as without it."""
+    if not correction:
+        return name
+    head, _, tail = name.partition(", ")
+    return f"{head} + skip correction {correction:g}, {tail}"
 
 
 def main() -> None:
@@ -152,6 +162,9 @@ def main() -> None:
                         "sweep)")
     parser.add_argument("--budget-pulls", action=argparse.BooleanOptionalAction, default=True,
                         help="also sweep the budgets with the thresholds of BUDGET_PULLS")
+    parser.add_argument("--skip-corrections", type=float, nargs="*", default=[0.0],
+                        help="run every TeaCache and MagCache configuration with each of these skip corrections (0: "
+                        "off; a row's name says a correction above 0)")
     opts = parser.parse_args()
     spec, steps = cqm.MODELS[opts.model], opts.steps
     few = steps <= 10
@@ -179,12 +192,15 @@ def main() -> None:
     runs += [(f"budget, forecast {f}", partial(tea, case), 0.0, f, b) for f in opts.forecasts for b in budgets]
     runs += [(f"{caches[c][0]} {t:g} + budget, forecast {f}", caches[c][1], t, f, b)
              for c, t, f in (BUDGET_PULLS if opts.budget_pulls else []) if f in opts.forecasts for b in budgets]
+    runs = [(corrected(name, c), apply, t, forecast, budget, c) for name, apply, t, forecast, budget in runs
+            for c in (opts.skip_corrections if apply is not easy else [0.0])]
     results = []
-    for name, apply, t, forecast, budget in runs:
-        model = apply(t, forecast, budget) if budget else apply(t, forecast)
+    for name, apply, t, forecast, budget, correction in runs:
+        model = apply(t, forecast, budget, correction) if apply is not easy else apply(t, forecast)
         outs, evals = sample_all(spec, case, model, counter, steps)
         psnrs = [psnr_db(o, r) for o, r in zip(outs, reference)]
-        results.append({"configuration": name, "threshold": t, "budget": budget, "evaluations": sum(evals) / len(evals),
+        results.append({"configuration": name, "threshold": t, "budget": budget, "skip_correction": correction,
+                        "evaluations": sum(evals) / len(evals),
                         "evaluations_per_prompt": evals, "psnr_mean": sum(psnrs) / len(psnrs),
                         "psnr_min": min(psnrs), "psnr_per_prompt": psnrs})
         print(f"{name:44s} {setting(results[-1]):>10s}  evals {results[-1]['evaluations']:5.2f}  "

@@ -11,6 +11,8 @@ if TYPE_CHECKING:
     from .features import SamplingRun
 
 RUN_KEY = "omni_hooks.run"  # transformer_options of a sampling run's model-options copy: its SamplingRun
+# ... and whether its sampler takes plain Euler steps (``CallContext.euler_steps``; sent to every rank with the call)
+EULER_KEY = "omni_hooks.euler_steps"
 
 
 @dataclass
@@ -77,4 +79,4 @@ def call_context(sampling_run: SamplingRun, options: dict) -> CallContext:
     labels = [sampling_run.label_of(u, c) for u, c in zip(uuids, cond_or_uncond)]
     step = step_of(options, sampling_run.schedules)
     return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps, sigma=step.sigma,
-                       schedule=step.schedule)
+                       schedule=step.schedule, euler_steps=options.get(EULER_KEY) is True)

@@ -28,14 +28,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import comfy.k_diffusion.sampling
 import comfy.model_management
 import comfy.model_patcher
+import comfy.model_sampling
 import comfy.patcher_extension as pe
 import torch
 
 from ..omni_hooks.context import CallContext
 from . import stats_store
-from .call_context import RUN_KEY, call_context, transformer_options_of
+from .call_context import EULER_KEY, RUN_KEY, call_context, transformer_options_of
 from .families import DetectedModel, detect, drift
 from .stats_store import FeatureReport, RunHeader
 
@@ -331,6 +333,10 @@ def _outer_sample(executor, *args, **kwargs):
     sampling_run = SamplingRun(patcher=guider.model_patcher, detected=detect(guider.model_patcher))
     guider.model_options = comfy.model_patcher.create_model_options_clone(original_options)
     guider.model_options["transformer_options"][RUN_KEY] = sampling_run
+    # outer_sample(noise, latent_image, sampler, sigmas, ...); an option, so that it reaches the other ranks too
+    guider.model_options["transformer_options"][EULER_KEY] = takes_euler_steps(
+        kwargs.get("sampler", args[2] if len(args) > 2 else None),
+        guider.model_patcher.get_model_object("model_sampling"))
     status = "error"
     try:
         features = checked_for_drift(sampling_run, features)
@@ -349,6 +355,17 @@ def _outer_sample(executor, *args, **kwargs):
             sampling_run.close(status)
         finally:
             guider.model_options = original_options
+
+
+def takes_euler_steps(sampler, model_sampling) -> bool:
+    """True when each step of ``sampler`` moves the latent by ``(next sigma - sigma) * model output``: ComfyUI's
+    'euler' without churn, on a model whose denoised is ``x - sigma * output`` (EPS and flow models; not
+    v-prediction or x0 models)."""
+    plain = (getattr(sampler, "sampler_function", None) is comfy.k_diffusion.sampling.sample_euler
+             and not (getattr(sampler, "extra_options", None) or {}).get("s_churn", 0))
+    denoised = getattr(type(model_sampling), "calculate_denoised", None)
+    return plain and denoised in (comfy.model_sampling.EPS.calculate_denoised,
+                                  comfy.model_sampling.CONST.calculate_denoised)
 
 
 def carries_reference_latents(guider) -> bool:

@@ -40,6 +40,10 @@ class StackCacheConfig:
     * ``forward_budget``: compute about this many of a run's steps (``omni_hooks.budget``), placed where they matter
       most for the final latent; the policy's threshold can bring one forward, its other rules (retention, K, the
       first steps it always computes) give way to the plan; 0 = no budget, the policy alone decides.
+    * ``skip_correction`` (0 to 1): after skipped steps, the next computed step also moves the latent by this fraction
+      of what interpolating the gap between the two computed steps corrects in what the skipped steps added
+      (``omni_hooks.skip_correction``); only with a sampler that takes Euler steps (``CallContext.euler_steps``);
+      0 = off.
     * ``step_profile``: how fast the model's residual changes along sigma, from the cache's calibration; where the
       budget's plan places the computed steps (None: as if it changed in proportion to sigma).
     * ``model_label`` / ``notes``: what the run's statistics say about the model and the choice made for it.
@@ -60,6 +64,7 @@ class StackCacheConfig:
     few_step: FewStepRule | None = None
     large_steps: LargeStepRule | None = None
     forward_budget: int = 0
+    skip_correction: float = 0.0
     step_profile: StepProfile | None = None
     model_label: str = "unknown"
     notes: tuple[str, ...] = ()
@@ -74,6 +79,10 @@ class StackCacheConfig:
             raise ValueError(f"forward_budget must be a whole number of steps >= 0 (0: no budget), got "
                              f"{self.forward_budget!r}")
         object.__setattr__(self, "forward_budget", int(self.forward_budget))
+        if isinstance(self.skip_correction, bool) or not isinstance(self.skip_correction, (int, float)) \
+                or not 0.0 <= self.skip_correction <= 1.0:
+            raise ValueError(f"skip_correction must be a number from 0 (off) to 1, got {self.skip_correction!r}")
+        object.__setattr__(self, "skip_correction", float(self.skip_correction))
         if not 0.0 <= self.start_percent <= self.end_percent <= 1.0:
             raise ValueError(f"start_percent ({self.start_percent}) must not be above end_percent "
                              f"({self.end_percent}), both within 0..1")

@@ -70,7 +70,10 @@ class CallContext:
     * ``blocks_run``: the block stack's verdict for this call, written by a cache at its head block: None until
       decided (and for a model without a cache), True when the blocks compute, False when they are passed through;
       under sequence parallelism it is the same on every rank (``RankView.agreement``);
-    * ``rank``: the sequence-parallel view of this process for this call.
+    * ``rank``: the sequence-parallel view of this process for this call;
+    * ``euler_steps``: the sampler moves the latent by ``(next sigma - sigma) * output`` at each step of
+      ``schedule`` (plain Euler on a model whose denoised is ``x - sigma * output``), so what a call's output adds to
+      the latent is known (``omni_hooks.skip_correction``); False when it does not or the host cannot tell.
     """
 
     branches: list[str]
@@ -81,6 +84,7 @@ class CallContext:
     schedule: tuple[float, ...] | None = None
     blocks_run: bool | None = None
     rank: RankView = RankView()
+    euler_steps: bool = False
 
 
 def sigma_steps(schedule) -> list[float]:

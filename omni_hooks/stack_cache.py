@@ -15,7 +15,10 @@ Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_cal
   * the steps of large sigma steps are always computed (``omni_hooks.large_steps``); with a forward budget
     (``omni_hooks.budget``) the run computes about that many steps where its plan places them instead;
   * a cache whose ``weighs_metric_by_forecast`` is set weighs its metric, under "auto" and 1st order, by the
-    forecast's record (``ErrorPerMetric``), so it computes sooner where the forecast did poorly.
+    forecast's record (``ErrorPerMetric``), so it computes sooner where the forecast did poorly;
+  * with ``skip_correction`` above 0 and a sampler that takes Euler steps (``CallContext.euler_steps``), a computed
+    call after skipped ones adds to its stack output what interpolating the gap corrects
+    (``omni_hooks.skip_correction``).
 Every skipped branch's record says which order its residual came from (``BranchDecision.forecast_order``).
 The stack is skipped only when every branch of the call may skip (and, under sequence parallelism, only when every
 rank may: ``CallContext.rank.agreement``); the verdict is written to the call's ``CallContext.blocks_run``. Outside a
@@ -39,6 +42,7 @@ from .context import CallContext
 from .cache_config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
 from .large_steps import LARGE_STEP_REASON
+from .skip_correction import SkipCorrection
 from .forecast import (AUTO, AUTO_KEPT, CANDIDATES, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, WEIGHED_ORDERS,
                        ErrorPerMetric, OrderScores, ResidualHistory, history_limit)
 from .stack_hooks import StackBlockHook, StackCaptureHook, StackHeadHook, StackTailHook
@@ -72,6 +76,9 @@ class CachedResidualState(BaseState):
     # unweighted metric of the branch's latest decision (None: not measured), which a computed call is scored with
     error_per_metric: ErrorPerMetric = field(default_factory=ErrorPerMetric)
     unweighted_metric: float | None = None
+    # with ``skip_correction``: the sigma ``previous_residual`` was computed at, and the skipped steps since
+    residual_sigma: float | None = None
+    skips: SkipCorrection = field(default_factory=SkipCorrection)
 
     def reset(self) -> None:
         self.__init__()
@@ -194,7 +201,7 @@ class StackCacheRun:
         total = 0
         for key in self.states.contexts():
             st = self.branch_state(key)
-            for value in [*vars(st).values(), *st.history.residuals]:
+            for value in [*vars(st).values(), *st.history.residuals, st.skips.used]:
                 if isinstance(value, torch.Tensor) and id(value) not in seen:
                     seen.add(id(value))
                     total += value.numel() * value.element_size()
@@ -320,13 +327,45 @@ class StackCacheRun:
         last = st.history.coords[-1] if st.history.coords else None
         return None if coord is None or last is None else abs(float(coord) - float(last))
 
+    def correcting(self, context: CallContext) -> bool:
+        """Whether this call takes part in skip correction: ``config.skip_correction`` is above 0, the sampler takes
+        Euler steps, the call's sigma and step within a known schedule are known, and the stack has one stream. The
+        first call that cannot says why in the run's statistics (``CacheRunStats.skip_correction_note``)."""
+        if not self.config.skip_correction:
+            return False
+        why = None
+        if not context.euler_steps:
+            why = ("the sampler does not take plain Euler steps (use the sampler 'euler'; other samplers combine a "
+                   "step's output with earlier ones, which the correction does not model)")
+        elif context.sigma is None or context.step is None or not context.schedule \
+                or context.step + 1 >= len(context.schedule):
+            why = "the host could not tell this call's sigma and step"
+        elif len(self.stack.tails()) > 1:
+            why = "this model's block stack carries several streams"
+        if why is not None and self.stats.skip_correction_note is None:
+            self.stats.skip_correction_note = f"skip correction: not applied, {why}"
+        return why is None
+
+    @staticmethod
+    def next_sigma(context: CallContext) -> float:
+        """The sigma the call's step moves to (its schedule is known: ``correcting``)."""
+        return context.schedule[context.step + 1]
+
     def skipped_residuals(self) -> list[torch.Tensor]:
         """Per branch of the current (skipped) call: the residual to add. With forecasting, the branch's reason in
         the call's record becomes "forecast" (or "forecast-fallback" when the forecast was not finite)."""
         call = self._call
         states = [self.branch_state(k) for k in call.keys]
-        if not self.config.forecast_order:
-            return [st.previous_residual for st in states]
+        residuals = ([st.previous_residual for st in states] if not self.config.forecast_order
+                     else self._forecast_residuals(call, states))
+        if self.correcting(call.context):
+            for st, residual in zip(states, residuals):
+                st.skips.skipped(residual, call.context.sigma, self.next_sigma(call.context))
+            self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache_bytes())  # with the gap's sums
+        return residuals
+
+    def _forecast_residuals(self, call: ActiveCall, states: list[CachedResidualState]) -> list[torch.Tensor]:
+        """Per branch of the skipped call: its forecast residual (``skipped_residuals`` with a forecast)."""
         coord = self.coordinate(call.context)
         residuals = []
         for i, st in enumerate(states):
@@ -350,23 +389,32 @@ class StackCacheRun:
         residual = residuals[0] if len(residuals) == 1 else torch.cat([r.to(head_input.device) for r in residuals])
         return head_input + residual.to(device=head_input.device, dtype=head_input.dtype)
 
-    def store_residual(self, head_input: torch.Tensor, output: torch.Tensor) -> None:
-        """After a computed call: keep ``output - head_input`` per branch (on ``cache_device`` if set)."""
+    def store_residual(self, head_input: torch.Tensor, output: torch.Tensor) -> torch.Tensor | None:
+        """After a computed call: keep ``output - head_input`` per branch (on ``cache_device`` if set). Returns the
+        stack output the model goes on with: ``output`` plus each branch's skip correction, None when nothing is
+        corrected (``output`` as it is)."""
         call = self._call
         if output.shape != head_input.shape:
             self.stats.stack_shape_mismatch = True
             self.stats.warn(f"the stack output shape {tuple(output.shape)} differs from its input "
                             f"{tuple(head_input.shape)}; such calls are always computed")
-            return
+            return None
         size = output.shape[0] // call.chunk
         residual = (output - head_input).detach()
         coord = self.coordinate(call.context)
+        correcting = self.correcting(call.context)
+        corrections: list[torch.Tensor | None] = []
         measured: list[torch.Tensor | None] = []
         distances: list[float | None] = []
         changes: list[torch.Tensor] = []
         for i, key in enumerate(call.keys):
             st = self.branch_state(key)
             part = residual[i * size:(i + 1) * size]
+            if correcting:
+                corrections.append(st.skips.correction(st.previous_residual, st.residual_sigma, part,
+                                                       call.context.sigma, self.next_sigma(call.context),
+                                                       self.config.skip_correction))
+                st.residual_sigma = call.context.sigma
             if self.config.calibrate and st.previous_residual is not None and st.previous_residual.shape == part.shape:
                 changes.append(relative_change(part, st.previous_residual))
             st.previous_residual = part.to(self.config.cache_device) if self.config.cache_device is not None else part
@@ -386,6 +434,11 @@ class StackCacheRun:
             values = self.measured_floats(call, changes) if changes else [0.0]  # the first step: no change of its own
             self._calibrated_changes.setdefault(step, (sigma, []))[1].extend(values)
         self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache_bytes())
+        if not any(c is not None for c in corrections):
+            return None
+        self.stats.corrected_steps += 1
+        return torch.cat([output[i * size:(i + 1) * size] + (c.to(output.dtype) if c is not None else 0)
+                          for i, c in enumerate(corrections)])
 
     def step_profile(self) -> StepProfile | None:
         """What a calibrating run measured for a forward budget: per computed step its sigma and the relative change

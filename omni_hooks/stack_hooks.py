@@ -59,7 +59,8 @@ class StackBlockHook(ModelHook):
 
 
 class StackTailHook(ModelHook):
-    """On the module after the stack: store the residual after a computed call, add it after a skipped one.
+    """On the module after the stack: store the residual after a computed call (its input then carries the skip
+    correction, if any: ``StackCacheRun.store_residual``), add it after a skipped one.
 
     A stack of packed streams has one tail per stream (``part`` of ``parts``, called in that order): each gets its
     stream's share of the reused hidden on a skip; on a compute the last one stores the residual of all of them.
@@ -93,8 +94,8 @@ class StackTailHook(ModelHook):
             head_input, call.head_input = call.head_input, None
             if call.skipping:
                 return where.replace(args, kwargs, run.reused_hidden(head_input))
-            run.store_residual(head_input, where.get(args, kwargs))
-            return args, kwargs
+            corrected = run.store_residual(head_input, where.get(args, kwargs))
+            return (args, kwargs) if corrected is None else where.replace(args, kwargs, corrected)
         stream = where.get(args, kwargs)
         call.tail_part += 1
         if call.skipping:
@@ -107,7 +108,7 @@ class StackTailHook(ModelHook):
         else:
             call.tail_outputs.append(stream.reshape(stream.shape[0], -1))
         if self.last:
-            if not call.skipping:
+            if not call.skipping:  # several streams: never corrected (``StackCacheRun.correcting``)
                 run.store_residual(call.head_input, torch.cat(call.tail_outputs, dim=1))
             call.head_input, call.reused, call.tail_outputs = None, None, []
         return args, kwargs
@@ -122,8 +123,8 @@ class StackTailHook(ModelHook):
         head_input, call.head_input = call.head_input, None
         if call.skipping:
             return run.reused_hidden(head_input)
-        run.store_residual(head_input, output)
-        return output
+        corrected = run.store_residual(head_input, output)
+        return output if corrected is None else corrected
 
 
 class StackCaptureHook(ModelHook):

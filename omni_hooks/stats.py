@@ -113,6 +113,10 @@ class CacheRunStats:
     largest_forecast_weight: float = 1.0
     # the run's large steps in words (``omni_hooks.large_steps``), when it had any
     large_step_note: str | None = None
+    # skip correction (``omni_hooks.skip_correction``): computed calls whose output carried one, and why the run
+    # could not correct, if it could not
+    corrected_steps: int = 0
+    skip_correction_note: str | None = None
     # the run's forward budget (``omni_hooks.budget.ForwardBudget``: its ``summary()`` and ``describe()``), if any
     budget: Any = None
 
@@ -239,10 +243,18 @@ class CacheRunStats:
             "cache_bytes": self.cache_bytes,
             "warnings": warnings,
             "notes": list(self.config.notes) + [n for n in (self.budget_note(), self.forecast_note(),
-                                                            self.few_step_note, self.large_step_note) if n],
+                                                            self.few_step_note, self.large_step_note,
+                                                            self.correction_note()) if n],
             "forecast_orders": self.forecast_orders(),
             "budget": self.budget.summary() if self.budget is not None and self.budget.total else None,
         }
+
+    def correction_note(self) -> str | None:
+        """In words, what skip correction did (None: it was off)."""
+        if self.skip_correction_note is not None or not self.config.skip_correction:
+            return self.skip_correction_note
+        return (f"skip correction {self.config.skip_correction:g}: {self.corrected_steps} computed step(s) also "
+                "corrected the skipped steps before them")
 
     def budget_note(self) -> str | None:
         """In words, what the forward budget asked and where the computed steps went (None: no budget)."""

@@ -163,7 +163,7 @@ class BlockStackCache(abc.ABC):
                           few_step=FewStepRule(), large_steps=LargeStepRule(),
                           step_profile=None if calibrate else self.step_profile(value),
                           notes=tuple(detected.auto_choice(self.kind).notes) if auto else ())
-            for optional in ("forecast_order", "forward_budget"):  # a workflow saved before them has the defaults
+            for optional in ("forecast_order", "forward_budget", "skip_correction"):  # older workflows: defaults
                 if optional in tuning:
                     shared[optional] = tuning.pop(optional)
             if "forecast_order" in shared:

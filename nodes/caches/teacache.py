@@ -14,7 +14,8 @@ from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
-                     config_default, forecast_input, forward_budget_input, window_inputs)
+                     config_default, forecast_input, forward_budget_input, skip_correction_input,
+                     window_inputs)
 from ..features import CATEGORY, display_name
 from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients, for_family
 from ..families import DetectedModel
@@ -165,6 +166,7 @@ class ApplyTeaCache(ApplyCacheNode):
                                "conditioning carries reference latents (Kontext) uses Kontext's coefficients."),
                 forecast_input(),  # the optional inputs last: a saved workflow's widget values keep their positions
                 forward_budget_input(),
+                skip_correction_input(),
             ],
             outputs=[io.Model.Output(tooltip="The same MODEL with TeaCache attached for its sampling runs.")],
             hidden=[io.Hidden.unique_id])
