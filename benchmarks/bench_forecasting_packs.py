@@ -132,6 +132,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=[p.name for p in fp.PACKS], help="run only these packs")
     parser.add_argument("--compare-only", action="store_true",
                         help="run nothing: compare the packs' results already in --out with this pack's")
+    parser.add_argument("--more-rows", type=Path, nargs="*", default=[],
+                        help="folders with more of this pack's rows for the same model and steps (the --out of "
+                        "bench_cache_quality.py, e.g. a sweep with --skip-corrections)")
     opts = parser.parse_args()
     spec, steps = cqm.MODELS[opts.model], opts.steps
     packs_file = opts.out / (result_name("forecasting_packs", spec.name, steps) + ".json")
@@ -156,7 +159,11 @@ def main() -> None:
     if not ours_file.is_file():
         sys.exit(f"bench_forecasting_packs: no {ours_file.name}; run bench_cache_quality.py --model {spec.name} "
                  f"--steps {steps} first")
-    ours = [r for r in json.loads(ours_file.read_text()) if "EasyCache" not in r["configuration"]]
+    more = [folder / ours_file.name for folder in opts.more_rows]
+    missing = [str(f) for f in more if not f.is_file()]
+    if missing:
+        sys.exit(f"bench_forecasting_packs: no {', '.join(missing)}")
+    ours = [r for f in (ours_file, *more) for r in json.loads(f.read_text()) if "EasyCache" not in r["configuration"]]
     table, _ = comparison(ours, packs, steps)
     groups = {OURS: ours, **{name: [r for r in packs if r["configuration"] == name]
                              for name in dict.fromkeys(r["configuration"] for r in packs)}}

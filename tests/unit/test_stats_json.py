@@ -16,8 +16,9 @@ def strict(value) -> str:
 
 
 def run_with(threshold: float, metrics: list[float | None], reasons: list[str] | None = None) -> CacheRunStats:
-    # the three fields of a cache config the statistics read (a real config refuses a threshold that is not finite)
-    stats = CacheRunStats("teacache", SimpleNamespace(model_label="test", threshold=threshold, notes=()))
+    # the fields of a cache config the statistics read (a real config refuses a threshold that is not finite)
+    stats = CacheRunStats("teacache", SimpleNamespace(model_label="test", threshold=threshold, notes=(),
+                                                      skip_correction=0.0))
     for i, metric in enumerate(metrics):
         reason = reasons[i] if reasons else ("reuse" if i % 2 else "threshold")
         computed = reason != "reuse"

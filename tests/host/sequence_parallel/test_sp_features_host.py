@@ -44,10 +44,10 @@ def env(user_dir):
             return run_node(sp_node.SequenceParallel, node_id="30", model=model, **{**settings, **inputs})[0]
 
         @staticmethod
-        def teacache(model, threshold=5.0, forecast=None, forward_budget=None):
+        def teacache(model, threshold=5.0, forecast=None, forward_budget=None, skip_correction=None):
             # forecasting needs two computed steps before a skip: a threshold that computes more often
             return apply_teacache(model, IDENTITY, 1.5 if forecast else threshold, forecast=forecast,
-                                  forward_budget=forward_budget)
+                                  forward_budget=forward_budget, skip_correction=skip_correction)
 
         @staticmethod
         def magcache(model, threshold=1.0, forecast=None, forward_budget=None):
@@ -125,6 +125,24 @@ def test_a_forward_budget_places_the_same_steps_on_every_rank_as_in_one_process(
     assert reasons(entry) == reasons(alone_entry) and "budget" in reasons(entry)
     assert entry["summary"]["budget"] == alone_entry["summary"]["budget"]
     assert psnr_db(got, alone) >= MIN_PSNR_DB
+
+
+def test_skip_correction_corrects_every_ranks_shard_as_one_process_does(env, wan):
+    """Whether the sampler takes Euler steps travels with each call to the workers: every rank corrects its shard
+    after the same gaps, so the group's latent is the one process's."""
+    def apply_cache(model, correction):
+        return env.teacache(model, threshold=0.0, forecast="1st order", forward_budget=4, skip_correction=correction)
+
+    uncorrected = env.tiny.sample(wan, model=apply_cache(wan.patcher, 0.0), steps=STEPS)
+    alone = env.tiny.sample(wan, model=apply_cache(wan.patcher, 0.5), steps=STEPS)
+    alone_notes = last_entry(env)["summary"]["notes"]
+    got = env.tiny.sample(wan, model=apply_cache(env.sequence_parallel(wan.patcher), 0.5), steps=STEPS)
+    entry = last_entry(env)
+    assert entry["status"] == "success" and entry["world_size"] == 2
+    corrected = [n for n in entry["summary"]["notes"] if n.startswith("skip correction 0.5: ")]
+    assert corrected and corrected == [n for n in alone_notes if n.startswith("skip correction")]
+    assert psnr_db(got, alone) >= MIN_PSNR_DB
+    assert psnr_db(alone, uncorrected) < MIN_PSNR_DB  # the correction is there to be matched
 
 
 def test_with_offload_and_a_cache_the_weights_reach_the_workers_before_offload_places_them(env, wan, monkeypatch):
