@@ -42,6 +42,14 @@ def apply_magcache(model, calibration: str, threshold: float = 1.0, node_id: str
                     **_forecast(forecast, forward_budget, skip_correction))[0]
 
 
+def last_summary() -> dict:
+    """The summary of the newest run in the pack's statistics store."""
+    from omnitest.pack import pack_module
+
+    store = pack_module("nodes.stats_store")
+    return store.get_run(store.recent_runs()[0]["run_id"])["summary"]
+
+
 def tiny_lora(dm: torch.nn.Module, rank: int = 2, seed: int = 3) -> dict:
     """A LoRA state dict (kohya-style up/down/alpha) on every linear layer of the blocks."""
     g = torch.Generator().manual_seed(seed)

@@ -6,44 +6,17 @@ plan places them by."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from omnitest.comfy_path import PACK_ROOT
+from omnitest.cache_nodes import last_summary
+from omnitest.quality import benchmark_modules
 
 pytestmark = pytest.mark.host
 
 BUDGETS = {30: (3, 6, 10, 16, 25), 8: (2, 4, 6, 8)}
 PROMPT = 1  # one prompt per run: the count does not depend on it
-
-
-def benchmark_modules():
-    sys.path.insert(0, str(PACK_ROOT / "benchmarks"))
-    try:
-        import bench_cache_quality
-        import cache_quality_model
-    finally:
-        sys.path.remove(str(PACK_ROOT / "benchmarks"))
-    return bench_cache_quality, cache_quality_model
-
-
-def last_summary() -> dict:
-    from omnitest.pack import pack_module
-
-    store = pack_module("nodes.stats_store")
-    return store.get_run(store.recent_runs()[0]["run_id"])["summary"]
-
-
-@pytest.fixture
-def own_user_directory():
-    """The benchmark's calibration points ComfyUI's user directory at a folder of its own: put it back after."""
-    import folder_paths
-
-    previous = folder_paths.get_user_directory()
-    yield
-    folder_paths.set_user_directory(previous)
 
 
 @pytest.mark.parametrize("steps", [30, 8])

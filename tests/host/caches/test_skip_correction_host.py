@@ -4,13 +4,10 @@ the statistics say why, and a workflow without the input runs as before; on two 
 models (``benchmarks/cache_quality_model.py``) it gains quality at the same threshold."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from omnitest.cache_nodes import apply_magcache, apply_teacache, save_identity_calibrations
-from omnitest.comfy_path import PACK_ROOT
-from omnitest.quality import psnr_db
+from omnitest.cache_nodes import apply_magcache, apply_teacache, last_summary, save_identity_calibrations
+from omnitest.quality import benchmark_modules, psnr_db
 
 pytestmark = pytest.mark.host
 
@@ -25,13 +22,6 @@ def wan():
 
     save_identity_calibrations(IDENTITY, STEPS)
     return tiny_models.build_case("wan21_t2v")
-
-
-def last_summary() -> dict:
-    from omnitest.pack import pack_module
-
-    store = pack_module("nodes.stats_store")
-    return store.get_run(store.recent_runs()[0]["run_id"])["summary"]
 
 
 def apply(cache: str, model, correction: float | None):
@@ -70,26 +60,6 @@ def test_with_another_sampler_nothing_changes_and_the_statistics_say_why(wan, sa
     assert got.equal(plain)
     notes = last_summary()["notes"]
     assert "skip correction: not applied, the sampler does not take plain Euler steps" in " ".join(notes)
-
-
-def benchmark_modules():
-    sys.path.insert(0, str(PACK_ROOT / "benchmarks"))
-    try:
-        import bench_cache_quality
-        import cache_quality_model
-    finally:
-        sys.path.remove(str(PACK_ROOT / "benchmarks"))
-    return bench_cache_quality, cache_quality_model
-
-
-@pytest.fixture
-def own_user_directory():
-    """The benchmark's calibration points ComfyUI's user directory at a folder of its own: put it back after."""
-    import folder_paths
-
-    previous = folder_paths.get_user_directory()
-    yield
-    folder_paths.set_user_directory(previous)
 
 
 @pytest.mark.parametrize("name", ["small", "long"])

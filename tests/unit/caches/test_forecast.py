@@ -3,52 +3,20 @@ known function of sigma: exactness on polynomials, per-branch histories, the non
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import pytest
 import torch
 
-from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from omni_hooks.forecast import (ACCUMULATED_GAPS, ALTERNATING_COHERENCE, AUTO, AUTO_KEPT, CANDIDATE, CANDIDATES,
                                  CHEBYSHEV, CHEBYSHEV_WINDOW, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, TAYLOR,
                                  WEIGHT_RANGE, ErrorPerMetric, OrderScores, ResidualHistory, accumulation,
                                  chebyshev_weights, history_limit, lagrange_weights, taylor_weights)
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omnitest.sigma_stack import Model, stack_of
 
-X = TensorArg("x", 0)
 ALWAYS_REUSE = (0.0, 0.0, 0.0, 0.0, 0.0)
 SIGMAS = [1.0, 0.93, 0.81, 0.64, 0.45, 0.3, 0.17, 0.05]  # non-uniform, like a shifted flow schedule
-
-
-class SigmaBlock(torch.nn.Module):
-    """Adds ``residual(sigma, row)`` to each batch row: the stack's residual is known exactly."""
-
-    def __init__(self, residual: Callable[[float, int], torch.Tensor]):
-        super().__init__()
-        self.residual = residual
-        self.calls = 0
-
-    def forward(self, x, *, sigma):
-        self.calls += 1
-        return x + torch.stack([self.residual(float(s), i) for i, s in enumerate(sigma)])
-
-
-class Model(torch.nn.Module):
-    def __init__(self, residual):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList([SigmaBlock(residual), SigmaBlock(lambda s, i: torch.zeros(4, 3))])
-        self.tail = torch.nn.Identity()
-
-    def forward(self, x, sigma):
-        for block in self.blocks:
-            x = block(x, sigma=sigma)
-        return self.tail(x)
-
-
-def stack_of(model: Model) -> BlockStack:
-    return BlockStack(blocks=list(model.blocks), tail=model.tail, head_hidden=X, tail_hidden=TensorArg("input", 0),
-                      skip_block=skip_returning(X))
 
 
 BASE = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3)

@@ -8,12 +8,11 @@ import math
 import pytest
 import torch
 
-from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.skip_correction import SkipCorrection
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omnitest.sigma_stack import Model, stack_of
 
-X = TensorArg("x", 0)
 SIGMAS = [1.0, 0.96, 0.9, 0.81, 0.68, 0.52, 0.33, 0.15]  # one sigma per step, like a shifted flow schedule
 SCHEDULE = tuple(SIGMAS + [0.0])                          # ... and the sigma after the last step
 BASE = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3)
@@ -26,32 +25,6 @@ def linear(s: float, row: int) -> torch.Tensor:
 
 def quadratic(s: float, row: int) -> torch.Tensor:
     return linear(s, row) + 4 * s * s * BASE.flip(1)
-
-
-class SigmaBlock(torch.nn.Module):
-    def __init__(self, residual):
-        super().__init__()
-        self.residual = residual
-
-    def forward(self, x, *, sigma):
-        return x + torch.stack([self.residual(float(s), i) for i, s in enumerate(sigma)])
-
-
-class Model(torch.nn.Module):
-    def __init__(self, residual):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList([SigmaBlock(residual), SigmaBlock(lambda s, i: torch.zeros(4, 3))])
-        self.tail = torch.nn.Identity()
-
-    def forward(self, x, sigma):
-        for block in self.blocks:
-            x = block(x, sigma=sigma)
-        return self.tail(x)
-
-
-def stack_of(model: Model) -> BlockStack:
-    return BlockStack(blocks=list(model.blocks), tail=model.tail, head_hidden=X, tail_hidden=TensorArg("input", 0),
-                      skip_block=skip_returning(X))
 
 
 def teacache(model: Model, strength: float, budget: int = 4, order: int | str = 0):
