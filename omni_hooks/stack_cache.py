@@ -335,8 +335,9 @@ class StackCacheRun:
             return False
         why = None
         if not context.euler_steps:
-            why = ("the sampler does not take plain Euler steps (use the sampler 'euler'; other samplers combine a "
-                   "step's output with earlier ones, which the correction does not model)")
+            why = ("the sampler does not take plain Euler steps (use the sampler 'euler'; other samplers move the "
+                   "latent otherwise, with several evaluations per step or outputs combined across steps, which the "
+                   "correction does not model)")
         elif context.sigma is None or context.step is None or not context.schedule \
                 or context.step + 1 >= len(context.schedule):
             why = "the host could not tell this call's sigma and step"
