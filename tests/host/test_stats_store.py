@@ -47,7 +47,8 @@ def finished_run(store, evaluations: int, threshold: float = 0.2, metric: float 
 
     stats_mod = pack_module("omni_hooks.stats")
     config = pack_module("omni_hooks.cache_config").StackCacheConfig(threshold=threshold, model_label="tiny") \
-        if math.isfinite(threshold) else SimpleNamespace(model_label="tiny", threshold=threshold, notes=())
+        if math.isfinite(threshold) else SimpleNamespace(model_label="tiny", threshold=threshold, notes=(),
+                                                          skip_correction=0.0)
     stats = stats_mod.CacheRunStats("teacache", config)
     feature = applied("teacache", "cache", "Apply TeaCache", "10")
     header = store.run_started(feature)
