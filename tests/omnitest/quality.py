@@ -14,15 +14,19 @@ def psnr_db(got: torch.Tensor, want: torch.Tensor) -> float:
     return math.inf if error == 0 else 10 * math.log10(peak ** 2 / error)
 
 
-def benchmark_modules():
-    """The quality benchmark's modules (``benchmarks/bench_cache_quality.py`` and its models), imported in this process
-    (a host test: they need a ComfyUI)."""
+def benchmark_module(name: str):
+    """The module ``name`` of ``benchmarks/``, imported in this process (a host test: the benchmarks need a ComfyUI)."""
+    import importlib
+
     from omnitest.comfy_path import PACK_ROOT
 
     sys.path.insert(0, str(PACK_ROOT / "benchmarks"))
     try:
-        import bench_cache_quality
-        import cache_quality_model
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(PACK_ROOT / "benchmarks"))
-    return bench_cache_quality, cache_quality_model
+
+
+def benchmark_modules():
+    """The quality benchmark (``benchmarks/bench_cache_quality.py``) and its models."""
+    return benchmark_module("bench_cache_quality"), benchmark_module("cache_quality_model")
