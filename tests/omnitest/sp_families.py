@@ -162,6 +162,24 @@ def relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
     return ((got - reference).abs().max() / reference.abs().max()).item()
 
 
+#: How far (``relative_error``) a Ulysses latent may be from the one-process latent. A rank runs the same arithmetic
+#: on its shard as one process on the whole sequence, but not the same kernels: the CPU BLAS picks a linear layer's
+#: kernel by its row count and by the CPU (MKL's dispatch, pinned by ``MKL_CBWR``), and the kernels round float32
+#: differently. Measured on these tiny models at 3-8 steps: 0 with ``MKL_CBWR=AVX512``, up to 6.2e-7 with
+#: ``COMPATIBLE`` or ``AVX2`` (float32's epsilon is 1.2e-7). A wrong split (a shard attending to the wrong tokens,
+#: a missed exchange, RoPE positions off by a shard) errs by 1e-2 or more.
+SPLIT_RELATIVE = 1e-5
+#: Ring attention merges the shards' partial softmaxes in another order than one attention over the whole sequence.
+RING_RELATIVE = 1e-3
+
+
+def assert_split_close(got: torch.Tensor, reference: torch.Tensor, ring: bool = False) -> None:
+    """A latent of a split run against the one-process latent: within ``RING_RELATIVE`` with ring attention, else
+    within ``SPLIT_RELATIVE`` (bit-equality holds only where every rank runs the same kernels on the same shapes)."""
+    error = relative_error(got, reference)
+    assert error < (RING_RELATIVE if ring else SPLIT_RELATIVE), error
+
+
 CallInputs = Sequence[tuple[Optional[str], Optional[Sequence[int]]]]
 
 
@@ -169,8 +187,8 @@ def rank_calls_against_one_process(case_name: str, unet_overrides: Optional[dict
                                    cfg: Optional[float], inputs: CallInputs):
     """On every rank: one sampling run per entry of ``inputs`` (``(variant, latent shape)``, either None: the case's
     own), all with the same plan applied (the sequence changes between calls when the inputs do), each against the
-    same inputs sampled in one process first. Returns, per run, (bit-identical, ``relative_error``), and the exchange
-    calls by kind over every run."""
+    same inputs sampled in one process first. Returns, per run, its ``relative_error``, and the exchange calls by kind
+    over every run."""
     from omnitest.comfy_path import use_comfyui_in_process
 
     use_comfyui_in_process()
@@ -189,7 +207,7 @@ def rank_calls_against_one_process(case_name: str, unet_overrides: Optional[dict
     with family_plan_applied(built, ulysses, ring) as (clone, runtime, _family):
         for case, reference in cases:
             got = sample(case, clone, cfg=cfg)
-            results.append((bool(torch.equal(got, reference)), relative_error(got, reference)))
+            results.append(relative_error(got, reference))
     return results, {kind: record.calls for kind, record in runtime.stats.snapshot().items()}
 
 
