@@ -9,13 +9,18 @@ replaced by a recorder, and accepts it as a pass-through when exactly this holds
 returned, unchanged. That function is then checked in its place (it may be a wrapper itself, or the original).
 
 Nothing shared is changed while probing: the wrapper runs as a copy of its function over a copy of its globals, and
-no model code runs (the recorders stand in for it). ``__wrapped__`` is not trusted on its own: only the call is.
-What a probe cannot tell: a wrapper that changes only some calls, depending on their values.
+no model code runs (the recorders stand in for it). The wrapper's own statements do run, once: a counter or profiler
+in it sees one call that computed nothing. So a wrapper is probed once per process: the answer is kept for as long as
+the wrapper and the functions it refers to are the same objects (a pack that wraps again, or rebinds what its wrapper
+calls, is probed anew), and every later sampling run reads it without running the wrapper. ``__wrapped__`` is not
+trusted on its own: only the call is. What a probe cannot tell: a wrapper that changes only some calls, depending on
+their values.
 """
 from __future__ import annotations
 
 import inspect
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -80,8 +85,13 @@ def _code_names(code: types.CodeType) -> Iterator[str]:
             yield from _code_names(const)
 
 
+# per wrapper: (the functions it refers to, the instance's class, the call's shape) -> what its probe found
+_PROBED: weakref.WeakKeyDictionary[Callable, dict[tuple, tuple[Callable | None, str | None]]] = \
+    weakref.WeakKeyDictionary()
+
+
 def _passed_to(fn: Callable, instance: Any, call: tuple[tuple, dict]) -> tuple[Callable | None, str | None]:
-    """The function ``fn`` passes its call through to, or None and why not."""
+    """The function ``fn`` passes its call through to, or None and why not; probed once per wrapper (see above)."""
     if not isinstance(fn, types.FunctionType):
         return None, f"it is a {type(fn).__name__}, not a Python function whose calls could be followed"
     recorders: dict[int, _Recorder] = {}
@@ -99,6 +109,17 @@ def _passed_to(fn: Callable, instance: Any, call: tuple[tuple, dict]) -> tuple[C
             namespace[name] = recorder_for(namespace[name])
     if not recorders:
         return None, "it calls no function that could be followed"
+    args, kwargs = call
+    key = (tuple(r.replaces for r in recorders.values()), type(instance), len(args), tuple(kwargs))
+    probed = _PROBED.setdefault(fn, {})
+    if key not in probed:
+        probed[key] = _probe(fn, instance, call, namespace, closure, recorders)
+    return probed[key]
+
+
+def _probe(fn: types.FunctionType, instance: Any, call: tuple[tuple, dict], namespace: dict, closure: tuple,
+           recorders: dict[int, _Recorder]) -> tuple[Callable | None, str | None]:
+    """Run a copy of ``fn`` over ``namespace`` and ``closure`` (its functions replaced by ``recorders``) once."""
     probe = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, closure or None)
     probe.__kwdefaults__ = fn.__kwdefaults__
     args, kwargs = call

@@ -162,3 +162,31 @@ def test_what_cannot_be_followed_is_said(env):
 
     followed = follow(passes, Block(), lambda f: f is not original, call)
     assert followed.function is original and followed.problem is None and followed.wrappers[0].endswith(".passes")
+
+
+NEVER_SKIP = {"teacache": lambda model: apply_teacache(model, IDENTITY, threshold=0.0),
+              "magcache": lambda model: apply_magcache(model, IDENTITY, threshold=0.0)}
+
+
+@pytest.mark.parametrize("cache", list(NEVER_SKIP))
+def test_a_cache_that_skips_nothing_calls_each_block_once_per_step(env, wan, cache):
+    """Block calls counted as a benchmark counts them, by a wrapper around ``WanAttentionBlock.forward``: a cache that
+    skips nothing gives exactly one call per block and step, as the model without it does. The drift check probes a
+    new wrapper once per process (its statements run, recorders stand in for the model's code: one count, nothing
+    computed); every later run reads the answer and adds no call."""
+    steps = 30
+    blocks = len(wan.patcher.model.diffusion_model.blocks)
+    model = NEVER_SKIP[cache](wan.patcher)
+    with env.pack.installed("plain"):
+        env.tiny.sample(wan, steps=steps)
+        assert env.pack.CALLS["count"] == steps * blocks  # cond and uncond in one batch
+        env.pack.CALLS["count"] = 0
+        env.tiny.sample(wan, model=model, steps=steps)
+        first = env.pack.CALLS["count"]
+        for _ in range(2):
+            env.pack.CALLS["count"] = 0
+            env.tiny.sample(wan, model=model, steps=steps)
+            assert env.pack.CALLS["count"] == steps * blocks
+    summary = env.stats.recent_runs(1)[0]["summary"]
+    assert (summary["computed"], summary["reused"]) == (steps, 0)
+    assert first == steps * blocks + 1  # the probe, once
