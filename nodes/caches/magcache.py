@@ -14,8 +14,9 @@ and start/end to its own steps.
 ComfyUI's own Wan 2.2 14B T2V template (20 steps, shift 5 since comfyui-workflow-templates 0.11, 8 before;
 KSamplerAdvanced 0-10 on the high-noise model, 10-end on the low-noise one) fits that rule: its switch falls near the
 noise level of the official 40-step calibration's (boundary sigma 0.875: the template's low-noise expert starts at
-sigma 0.833 with shift 5, 0.889 with shift 8; the calibration's at 0.866, step 26 of 40 with shift 12), so "(high noise)" (official steps 0-25) is resampled onto the high-noise expert's 10 steps and
-"(low noise)" (steps 26-39) onto the low-noise expert's 10; the I2V template (shift 8, switch at 10 of 20, sigma
+sigma 0.833 with shift 5, 0.889 with shift 8; the calibration's at 0.866, step 26 of 40 with shift 12), so
+"(high noise)" (official steps 0-25) is resampled onto the high-noise expert's 10 steps and "(low noise)" (steps
+26-39) onto the low-noise expert's 10; the I2V template (shift 8, switch at 10 of 20, sigma
 0.889 vs the I2V boundary 0.900) fits as well. As with any step count other than the calibrated one, nearest
 interpolation keeps the per-step ratios of the finer calibration: with fewer steps per phase the accumulated error is
 underestimated and more steps may be skipped than the threshold suggests (a lower threshold compensates).
