@@ -119,6 +119,8 @@ class CacheRunStats:
     skip_correction_note: str | None = None
     # the run's forward budget (``omni_hooks.budget.ForwardBudget``: its ``summary()`` and ``describe()``), if any
     budget: Any = None
+    # what the host changed for this run, in words (e.g. a compiler left out), set by the host's side
+    host_notes: list[str] = field(default_factory=list)
 
     @property
     def model(self) -> str:
@@ -244,7 +246,7 @@ class CacheRunStats:
             "warnings": warnings,
             "notes": list(self.config.notes) + [n for n in (self.budget_note(), self.forecast_note(),
                                                             self.few_step_note, self.large_step_note,
-                                                            self.correction_note()) if n],
+                                                            self.correction_note()) if n] + self.host_notes,
             "forecast_orders": self.forecast_orders(),
             "budget": self.budget.summary() if self.budget is not None and self.budget.total else None,
         }

@@ -28,6 +28,7 @@ from ...omni_hooks.large_steps import LargeStepRule
 from ...omni_hooks.stack_cache import StackCacheRun
 from ...omni_hooks.stats import DISABLED, BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
+from .compiler import CompilerDrift, CompilerLeftOut
 from .. import families
 from .. import stats_store
 from ..families.drift import ModelDriftError
@@ -225,6 +226,22 @@ class CacheSession(FeatureSession):
         self.run: StackCacheRun | None = None
         self.recorded: list[Any] = []  # what each installed run recorded while calibrating
         self.profiles: list[StepProfile] = []  # ... and its step profile (for a forward budget)
+        self.compiler = CompilerLeftOut()
+
+    def after_load(self, patcher) -> None:
+        try:
+            note = self.compiler.leave_out(patcher.load_device)
+        except CompilerDrift as e:  # a cache under the compiler is not safe: every step computed
+            self.stats.disabled = self.stats.disabled or str(e)
+            return
+        if note is not None and note not in self.stats.host_notes:
+            self.stats.host_notes.append(note)
+
+    def close(self, status: str) -> None:
+        try:
+            super().close(status)
+        finally:
+            self.compiler.restore()
 
     def install(self, diffusion_model: torch.nn.Module) -> None:
         if self.stats.disabled is None:

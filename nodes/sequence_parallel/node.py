@@ -34,7 +34,7 @@ from ..call_context import RUN_KEY
 from ..features import (CATEGORY, FEATURES_KEY, AppliedFeature, Category, FeatureSpec, attach_feature, display_name,
                         register_feature)
 from ..stats_store import FeatureReport, StepTotals
-from .shard import ATTENTION_OVERRIDE, KIND, ShardSession
+from .shard import ATTENTION_OVERRIDE, KIND, ShardSession, attention_taken_error
 from .plain import PlainDataError
 from .protocol import (OPTIONS_SLOT, CommandRefused, check_sendable, is_collective_failure,
                        tensor_signature)
@@ -228,7 +228,13 @@ class SequenceParallelSession(ShardSession):
         self.interface: str | None = None  # the process group's network interface ("lo (127.0.0.1)")
 
     def after_load(self, patcher) -> None:
+        self._refuse_another_attention_override(patcher.model_options.get("transformer_options", {}))
         self._join(patcher)
+
+    def _refuse_another_attention_override(self, transformer_options: dict) -> None:
+        """Before anything reaches another rank (the run's start, each call): no other node's attention override."""
+        if ATTENTION_OVERRIDE in transformer_options:
+            raise attention_taken_error(self.feature.describe(), transformer_options[ATTENTION_OVERRIDE])
 
     def _join(self, patcher) -> None:
         """The group of this run's config, holding the model's current weights."""
@@ -248,9 +254,7 @@ class SequenceParallelSession(ShardSession):
         self.sharded = True
 
     def before_call(self, args: tuple, kwargs: dict, transformer_options: dict) -> None:
-        if ATTENTION_OVERRIDE in transformer_options:
-            raise ValueError(f"{self.feature.describe()}: another node already overrides attention on this model "
-                             f"({transformer_options[ATTENTION_OVERRIDE]!r}); remove it or Sequence Parallel")
+        self._refuse_another_attention_override(transformer_options)
         sent = {k: v for k, v in transformer_options.items() if k not in LOCAL_ONLY_OPTIONS}
         self.group.sync_weights(self.patcher, self.detected.family.name)
         slot = lambda v: OPTIONS_SLOT if v is transformer_options else v  # noqa: E731

@@ -18,6 +18,23 @@ from ..features import FeatureSession
 KIND = "sequence_parallel"
 ATTENTION_OVERRIDE = "optimized_attention_override"
 OPTIONS_NAME = "transformer_options"
+# the modules of other nodes known to set ATTENTION_OVERRIDE, by the name a user knows them by
+ATTENTION_OVERRIDERS = {"comfy_extras.nodes_sparse_attention": "ComfyUI's Model Sparse Attention node "
+                                                               "(BlockSparseAttention, ComfyUI 0.35 and later)",
+                        "comfy.model_patcher": "a node that sets the model's attention function (e.g. ComfyUI's "
+                                               "ModelAttentionBackend)"}
+
+
+def attention_taken_error(node: str, override: Any) -> ValueError:
+    """The error for a MODEL whose ATTENTION_OVERRIDE another node already set: Sequence Parallel needs the seam to
+    split attention over the ranks, and the other ranks would not run the other node's attention (they build the model
+    from its config and weights). Names the other node (known ones by name, others by their function)."""
+    module = getattr(override, "__module__", None) or type(override).__module__
+    other = ATTENTION_OVERRIDERS.get(module) or (
+        f"{module}.{getattr(override, '__qualname__', type(override).__qualname__)}")
+    return ValueError(f"{node}: {other} already overrides ComfyUI's attention on this model; Sequence Parallel needs "
+                      "that override to split attention across the ranks, and the other ranks would not run the other "
+                      f"node's attention. Fix: use one of them on this model (remove {other}, or Sequence Parallel)")
 
 
 class ShardSession(FeatureSession):

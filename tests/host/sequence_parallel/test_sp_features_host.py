@@ -394,3 +394,26 @@ def test_an_audio_video_latent_larger_than_a_command_reaches_the_worker(env):
     alone = env.tiny.sample(case, steps=2)
     got = env.tiny.sample(case, model=parallel(env, case.patcher, ring=False), steps=2)
     assert_split_close(got, alone, ring=False)
+
+
+@pytest.mark.parametrize("sparse_first", [True, False], ids=["sparse_then_sp", "sp_then_sparse"])
+def test_block_sparse_attention_on_the_same_model_is_refused_naming_both_before_any_exchange(env, wan, sparse_first):
+    """ComfyUI 0.35's BlockSparseAttention (the stand-in of ``omnitest.newer_comfy``) sets the attention override
+    Sequence Parallel splits attention through: one clear error naming both, whichever node comes first, raised before
+    the run joins the group; the group runs the next sampling run as before."""
+    from omnitest.newer_comfy import block_sparse_attention_035
+
+    if sparse_first:
+        model = env.sequence_parallel(block_sparse_attention_035(wan.patcher)[0])
+    else:
+        model = block_sparse_attention_035(env.sequence_parallel(wan.patcher))[0]
+    with pytest.raises(ValueError) as refused:
+        env.tiny.sample(wan, model=model, steps=2)
+    message = str(refused.value)
+    assert message.startswith("Sequence Parallel (node #30): ComfyUI's Model Sparse Attention node "
+                              "(BlockSparseAttention")
+    assert "Fix: use one of them on this model" in message
+    entry = last_entry(env)
+    assert (entry["kind"], entry["status"], entry["summary"]) == ("sequence_parallel", "error", None)  # never joined
+    alone = env.tiny.sample(wan, steps=2)
+    assert psnr_db(env.tiny.sample(wan, model=env.sequence_parallel(wan.patcher), steps=2), alone) >= MIN_PSNR_DB
