@@ -6,7 +6,10 @@
   is left as it is; runs without a cache compile as before. Without that, the compiler's recorded pattern breaks
   (the stand-in raises as ``--assert-graph-breaks`` makes the real one raise).
 * BlockSparseAttention (0.35): Sequence Parallel on the same MODEL is refused in one clear error naming both, before
-  anything reaches another rank, whichever node comes first; the caches compose with it (they leave attention alone).
+  anything reaches another rank, whichever node comes first (tests/host/sequence_parallel/test_sp_features_host.py);
+  the caches compose with it (they leave attention alone).
+* Fast pins (0.37): per-model fast disk is a matter of dynamic VRAM's pins, where CPU Offload stands aside as on 0.33;
+  on ComfyUI's legacy path, a model marked fast-disk, CPU Offload places the blocks as before, bit for bit.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 
 from omnitest.cache_nodes import apply_magcache, apply_teacache, save_identity_calibrations
 from omnitest.comfy_path import requires_comfy_class
-from omnitest.newer_comfy import block_sparse_attention_035, model_compiler_035
+from omnitest.newer_comfy import block_sparse_attention_035, fast_pins_037, model_compiler_035
 
 pytestmark = pytest.mark.host
 # the compiler came into comfy/model_prefetch.py, which ComfyUI 0.33 has and 0.3.x had not
@@ -138,3 +141,27 @@ def test_a_compiler_the_switch_does_not_turn_off_makes_the_cache_compute_every_s
     assert summary["reused"] == 0 and summary["computed"] == STEPS and len(record.regions) == STEPS
     assert any("did not turn it off" in w for w in summary["warnings"]), summary["warnings"]
     assert torch.equal(got, env.tiny.sample(wan, steps=STEPS))
+
+
+@requires_comfy_class("comfy.model_management", "pin_memory")  # the static pinning path, from ComfyUI 0.3.75
+def test_cpu_offload_on_a_fast_disk_model_keeps_its_placement_rules(env, wan, monkeypatch):
+    from omnitest.pack import pack_module, run_node
+
+    host = pack_module("nodes.offload.host")
+    monkeypatch.setattr(host, "offload_target", lambda patcher: torch.device("cpu"))  # the real path, on the CPU
+    node = pack_module("nodes.offload.node").CPUOffload
+
+    def offloaded():
+        model = run_node(node, node_id="20", model=wan.patcher, blocks_to_offload=1, prefetch_blocks=1,
+                         pin_memory="auto", vram_budget_gb=0.0)[0]
+        latent = env.tiny.sample(wan, model=model, steps=STEPS)
+        (card,) = env.stats.recent_runs(1)[0]["features"]
+        return latent, card["summary"]
+
+    reference, as_before = offloaded()
+    with fast_pins_037(wan.patcher):
+        got, summary = offloaded()
+    assert as_before["active"] and as_before["bytes_moved"] > 0
+    assert (summary["active"], summary["blocks"], summary["bytes_moved"]) == (
+        as_before["active"], as_before["blocks"], as_before["bytes_moved"])
+    assert torch.equal(got, reference) and torch.equal(got, env.tiny.sample(wan, steps=STEPS))

@@ -12,6 +12,9 @@ ComfyUI 0.33 under test for one test and removed after. Each is named after the 
   its override put into the clone's ``transformer_options["optimized_attention_override"]`` at patch time and again
   at every step (``ON_PREPARE_STATE``), on top of whatever override was there, which it calls for the calls it
   declines (here: all of them, computing dense attention, and counting them).
+* ``fast_pins_037``: per-model fast disk and fast pin subsets (``comfy/model_patcher.py``,
+  ``comfy/model_management.py``): ``ModelPatcher.fast_disk``, ``model_management.FAST_PIN_SUBSETS`` and the static
+  ``pin_memory(tensor, evict_active=True)`` with its new keyword.
 """
 from __future__ import annotations
 
@@ -160,3 +163,23 @@ def block_sparse_attention_035(model) -> tuple[Any, SparseAttentionRecord]:
     clone.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_PREPARE_STATE, "block_sparse_attention",
                                 each_step)
     return clone, record
+
+
+@contextlib.contextmanager
+def fast_pins_037(patcher, fast_disk: bool = True) -> Iterator[list[bool]]:
+    """ComfyUI 0.37's per-model fast disk on ``patcher``, its fast pin subsets, and the static ``pin_memory`` with its
+    ``evict_active`` keyword. Yields the ``evict_active`` of each pin made through it."""
+    import comfy.model_management
+    import comfy.model_patcher
+
+    pins: list[bool] = []
+    pin_memory = comfy.model_management.pin_memory
+
+    def pin_memory_037(tensor, evict_active=True):
+        pins.append(evict_active)
+        return pin_memory(tensor)
+
+    with _attributes((comfy.model_patcher.ModelPatcher, "fast_disk", False), (patcher, "fast_disk", fast_disk),
+                     (comfy.model_management, "FAST_PIN_SUBSETS", ["weights-fast", "patches-fast"]),
+                     (comfy.model_management, "pin_memory", pin_memory_037)):
+        yield pins
