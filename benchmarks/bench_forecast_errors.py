@@ -54,12 +54,12 @@ def pack_module(name: str):
 
 def stack_cache_run() -> type:
     """The pack's ``StackCacheRun`` class, as ComfyUI loaded it."""
-    return pack_module("stack_cache").StackCacheRun
+    return pack_module("caching.run").StackCacheRun
 
 
 def candidate_names() -> dict[int, str]:
-    """Every candidate forecast's key and name (``omni_hooks.forecast.CANDIDATE_NAMES``)."""
-    return dict(pack_module("forecast").CANDIDATE_NAMES)
+    """Every candidate forecast's key and name (``omni_hooks.caching.forecast.CANDIDATE_NAMES``)."""
+    return dict(pack_module("caching.forecast").CANDIDATE_NAMES)
 
 
 @contextlib.contextmanager
@@ -70,7 +70,7 @@ def observed(observer: Observer):
 
     def store_residual(self, head_input, output):
         if observer.recording and output.shape == head_input.shape:
-            call, residual = self._call, (output - head_input).detach().float()
+            call, residual = self.active_call, (output - head_input).detach().float()
             size = output.shape[0] // call.chunk
             for i, label in enumerate(call.labels):
                 key = (observer.prompt, label, round(float(self.coordinate(call.context)), 6))
@@ -78,7 +78,7 @@ def observed(observer: Observer):
         return store(self, head_input, output)
 
     def skipped_residuals(self):
-        call = self._call
+        call = self.active_call
         residuals = skipped(self)
         sigma = self.coordinate(call.context)
         for i, (key, label) in enumerate(zip(call.keys, call.labels)):

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
 
-from ..omni_hooks.stats import CacheRunStats, json_safe
+from ..omni_hooks.caching.stats import CacheRunStats, json_safe
 
 log = logging.getLogger("OmniHooks")
 

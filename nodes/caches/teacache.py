@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
-from ...omni_hooks.cache_config import StackCacheConfig
+from ...omni_hooks.caching.config import StackCacheConfig
 from ...omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients
 from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,

@@ -1,4 +1,4 @@
-"""MagCache: the decision policy on top of the shared block-stack cache mechanics (``omni_hooks.stack_cache``).
+"""MagCache: the decision policy on top of the shared block-stack cache mechanics (``omni_hooks.caching``).
 
 After vllm-omni ``vllm_omni/diffusion/cache/magcache/hook.py`` and diffusers ``hooks/mag_cache.py`` (MagCache paper,
 Ma et al. 2025), on the model's own blocks (``BlockStack``): the shared head hook decides per branch, a skip passes
@@ -23,8 +23,9 @@ import torch
 
 from ..blockstack import BlockStack
 from ..context import CallContext
-from ..stack_cache import ActiveCall, Decision, StackCacheRun
-from ..stats import CALIBRATE, MAX_SKIPS, RETENTION, REUSE, THRESHOLD, WINDOW, CacheRunStats
+from ..caching.run import StackCacheRun
+from ..caching.state import ActiveCall, Decision
+from ..caching.stats import CALIBRATE, MAX_SKIPS, RETENTION, REUSE, THRESHOLD, WINDOW, CacheRunStats
 from .config import MagCacheConfig
 from .state import MagCacheState
 

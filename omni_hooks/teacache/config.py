@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..cache_config import StackCacheConfig
+from ..caching.config import StackCacheConfig
 
 RECOMMENDED = -1.0  # a ``threshold`` that means: the coefficients' ``recommended_threshold``
 

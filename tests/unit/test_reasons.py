@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from omni_hooks import stats
+from omni_hooks.caching import stats
 
 ROOT = Path(__file__).resolve().parents[2]
 PANEL = ROOT / "web" / "stats_model.js"

@@ -7,10 +7,11 @@ import itertools
 import pytest
 import torch
 
-from omni_hooks import budget as budget_module
-from omni_hooks.budget import BUDGET_REASON, ForwardBudget, StepProfile, compact, gap_costs, plan_steps, steps_in_sigma
-from omni_hooks.cache_config import StackCacheConfig
-from omni_hooks.few_step import FewStepRule
+from omni_hooks.caching import budget as budget_module
+from omni_hooks.caching.budget import (BUDGET_REASON, ForwardBudget, StepProfile, compact, gap_costs, plan_steps,
+                                       steps_in_sigma)
+from omni_hooks.caching.config import StackCacheConfig
+from omni_hooks.caching.few_step import FewStepRule
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 

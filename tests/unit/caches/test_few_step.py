@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_hooks.few_step import FewStepRule
+from omni_hooks.caching.few_step import FewStepRule
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.teacache import ModulatedInput, TeaCacheConfig, apply_teacache_hook
 

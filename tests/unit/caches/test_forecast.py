@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from omni_hooks.forecast import (ACCUMULATED_GAPS, ALTERNATING_COHERENCE, AUTO, AUTO_KEPT, CANDIDATE, CANDIDATES,
-                                 CHEBYSHEV, CHEBYSHEV_WINDOW, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, TAYLOR,
-                                 WEIGHT_RANGE, ErrorPerMetric, OrderScores, ResidualHistory, accumulation,
-                                 chebyshev_weights, history_limit, lagrange_weights, taylor_weights)
+from omni_hooks.caching.forecast import (ACCUMULATED_GAPS, ALTERNATING_COHERENCE, AUTO, AUTO_KEPT, CANDIDATE,
+                                         CANDIDATES, CHEBYSHEV, CHEBYSHEV_WINDOW, COHERENCE_RANGE, FORECAST,
+                                         FORECAST_FALLBACK, TAYLOR, WEIGHT_RANGE, ErrorPerMetric, OrderScores,
+                                         ResidualHistory, accumulation, chebyshev_weights, history_limit,
+                                         lagrange_weights, taylor_weights)
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 from omnitest.sigma_stack import Model, stack_of

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_hooks.large_steps import LARGE_STEP_REASON, LargeStepRule
+from omni_hooks.caching.large_steps import LARGE_STEP_REASON, LargeStepRule
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
 from .test_budget import shifted_schedule

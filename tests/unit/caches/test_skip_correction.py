@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
-from omni_hooks.skip_correction import SkipCorrection
+from omni_hooks.caching.skip_correction import SkipCorrection
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 from omnitest.sigma_stack import Model, stack_of
 

@@ -6,19 +6,19 @@ Per model call (bracketed by the host with ``begin_call(CallContext)``/``end_cal
     input becomes *head input + cached residual*: the residual is added exactly once, however many blocks there are;
   * on a compute, the tail stores ``tail input - head input`` per branch (the residual the next skip reuses);
   * with ``forecast_order`` k > 0 a branch keeps its last k + 1 residuals and a skip adds their extrapolation to the
-    call's sigma (``omni_hooks.forecast``) instead of the last one; its reason becomes "forecast";
-  * with ``forecast_order`` "auto" each computed call scores every candidate forecast (``omni_hooks.forecast``:
+    call's sigma (``omni_hooks.caching.forecast``) instead of the last one; its reason becomes "forecast";
+  * with ``forecast_order`` "auto" each computed call scores every candidate forecast (``omni_hooks.caching.forecast``:
     the orders, TaylorSeer's Taylor step, a Chebyshev fit) on predicting its residual from the older
     ones (means over the ranks under sequence parallelism) and a skip uses the order expected to err least at its
     distance from the last computed step, counting how each order's errors add up over the coming gaps (0: reuse;
     a cache whose ``coherence_floor`` is below 0 counts errors that alternate as partly cancelling);
-  * the steps of large sigma steps are always computed (``omni_hooks.large_steps``); with a forward budget
-    (``omni_hooks.budget``) the run computes about that many steps where its plan places them instead;
+  * the steps of large sigma steps are always computed (``omni_hooks.caching.large_steps``); with a forward budget
+    (``omni_hooks.caching.budget``) the run computes about that many steps where its plan places them instead;
   * a cache whose ``weighs_metric_by_forecast`` is set weighs its metric, under "auto" and 1st order, by the
     forecast's record (``ErrorPerMetric``), so it computes sooner where the forecast did poorly;
   * with ``skip_correction`` above 0 and a sampler that takes Euler steps (``CallContext.euler_steps``), a computed
     call after skipped ones adds to its stack output what interpolating the gap corrects
-    (``omni_hooks.skip_correction``).
+    (``omni_hooks.caching.skip_correction``).
 Every skipped branch's record says which order its residual came from (``BranchDecision.forecast_order``).
 The stack is skipped only when every branch of the call may skip (and, under sequence parallelism, only when every
 rank may: ``CallContext.rank.agreement``); the verdict is written to the call's ``CallContext.blocks_run``. Outside a
@@ -31,21 +31,20 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from .base import BaseState, HookRegistry, ModelHook, StateManager, remove_hook_and_restore
-from .blockstack import BlockStack
+from ..base import HookRegistry, ModelHook, StateManager, remove_hook_and_restore
+from ..blockstack import BlockStack
 from .budget import ForwardBudget, StepProfile
-from .context import CallContext
-from .cache_config import StackCacheConfig
+from ..context import CallContext
+from .config import StackCacheConfig
 from .few_step import FEW_STEP_REASON
 from .large_steps import LARGE_STEP_REASON
-from .skip_correction import SkipCorrection
 from .forecast import (AUTO, AUTO_KEPT, CANDIDATES, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, WEIGHED_ORDERS,
-                       ErrorPerMetric, OrderScores, ResidualHistory, history_limit)
-from .stack_hooks import StackBlockHook, StackCaptureHook, StackHeadHook, StackTailHook
+                       history_limit)
+from .hooks import StackBlockHook, StackCaptureHook, StackHeadHook, StackTailHook
+from .state import ActiveCall, CachedResidualState, Decision
 from .stats import (CALIBRATE, FIRST, OTHER_BRANCH, OTHER_RANK, REUSE, SHAPE, THRESHOLD, WINDOW, BranchDecision,
                     CacheRunStats, EvaluationRecord)
 
@@ -59,65 +58,6 @@ def relative_change(current: torch.Tensor, previous: torch.Tensor) -> torch.Tens
     """``|current - previous| / |previous|`` (L2, in float32) as a 0-d tensor, no host sync."""
     prev = previous.to(current.device).float()
     return ((current.float() - prev).square().sum() / (prev.square().sum() + 1e-12)).sqrt()
-
-
-@dataclass
-class CachedResidualState(BaseState):
-    """Per-branch fields the shared mechanics use; each cache's state class extends this."""
-
-    previous_residual: torch.Tensor | None = None
-    # shape of the head input the residual was measured on: a skip is only valid for the same shape
-    residual_input_shape: torch.Size | None = None
-    # with forecasting: the last computed residuals (the newest is ``previous_residual``)
-    history: ResidualHistory = field(default_factory=ResidualHistory)
-    # with the "auto" forecast: how well each order has predicted this branch's computed residuals
-    scores: OrderScores = field(default_factory=OrderScores)
-    # ... and, for a cache that weighs its metric by the forecast: the forecast's error per unit of metric, and the
-    # unweighted metric of the branch's latest decision (None: not measured), which a computed call is scored with
-    error_per_metric: ErrorPerMetric = field(default_factory=ErrorPerMetric)
-    unweighted_metric: float | None = None
-    # with ``skip_correction``: the sigma ``previous_residual`` was computed at, and the skipped steps since
-    residual_sigma: float | None = None
-    skips: SkipCorrection = field(default_factory=SkipCorrection)
-
-    def reset(self) -> None:
-        self.__init__()
-
-
-@dataclass
-class ActiveCall:
-    """The cache's own bookkeeping for the call in progress."""
-
-    context: CallContext
-    keys: list[str]
-    labels: list[str]
-    chunk: int
-    started: float
-    record: EvaluationRecord | None = None
-    head_input: torch.Tensor | None = None
-    captured: torch.Tensor | None = None
-    # per branch key: what the policy measured at the head and compares at the tail (TeaCache: the input change;
-    # MagCache: the residual the new one is compared with)
-    head_measures: dict[str, float | torch.Tensor] = field(default_factory=dict)
-    # a stack with several tails (one per packed stream): the next tail's part, the stream outputs seen so far (a
-    # computed call) or the packed reused hidden and how much of it the earlier tails took (a skipped call)
-    tail_part: int = 0
-    tail_outputs: list[torch.Tensor] = field(default_factory=list)
-    reused: torch.Tensor | None = None
-    reused_offset: int = 0
-
-    @property
-    def skipping(self) -> bool:
-        return self.context.blocks_run is False
-
-
-@dataclass
-class Decision:
-    """One branch's verdict from a policy: ``reason`` (one of ``stats.REASONS``) ``REUSE`` means it may skip;
-    anything else means compute."""
-
-    reason: str
-    metric: float | None = None
 
 
 class StackCacheRun:
@@ -143,7 +83,7 @@ class StackCacheRun:
         self.states = StateManager(state_cls)
         self.stats = stats
         self.capture_module = capture_module
-        self._call: ActiveCall | None = None
+        self._active: ActiveCall | None = None
         self._installed: list[tuple[torch.nn.Module, str]] = []
         self.budget = ForwardBudget(config.active_budget, config.step_profile) if config.active_budget else None
         self.stats.budget = self.budget
@@ -177,13 +117,18 @@ class StackCacheRun:
 
     # -- host interface -------------------------------------------------------------------------------------------
 
+    @property
+    def active_call(self) -> ActiveCall | None:
+        """The call in progress between ``begin_call`` and ``end_call`` (None outside one: the hooks pass through)."""
+        return self._active
+
     def begin_call(self, context: CallContext) -> None:
-        self._call = ActiveCall(context=context, keys=list(context.branches), labels=list(context.labels),
-                                chunk=len(context.branches), started=time.perf_counter())
+        self._active = ActiveCall(context=context, keys=list(context.branches), labels=list(context.labels),
+                                  chunk=len(context.branches), started=time.perf_counter())
 
     def end_call(self) -> EvaluationRecord | None:
         """Close the current call; returns its record (with the seconds spent) if the head block ran."""
-        call, self._call = self._call, None
+        call, self._active = self._active, None
         if call is None or call.record is None:
             return None
         call.record.seconds = time.perf_counter() - call.started
@@ -211,7 +156,7 @@ class StackCacheRun:
 
     def decide(self, head: torch.nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor) -> bool:
         """Decide for the current call; True means compute the blocks."""
-        call = self._call
+        call = self._active
         batch = hidden.shape[0]
         self._keep_own_part(call)
         if call.chunk == 0 or batch % call.chunk:
@@ -267,7 +212,7 @@ class StackCacheRun:
         return compute
 
     def _within_budget(self, call: ActiveCall, decisions: list[Decision], step: int, total: int) -> list[Decision]:
-        """The call's decisions under the forward budget (``omni_hooks.budget``): the plan's steps compute, a
+        """The call's decisions under the forward budget (``omni_hooks.caching.budget``): the plan's steps compute, a
         branch's threshold may bring one forward, what must compute does (nothing cached, a new shape, a step
         outside the start/end window); the policy's other rules (its first steps, retention, K) give way."""
         budget = self.budget
@@ -355,7 +300,7 @@ class StackCacheRun:
     def skipped_residuals(self) -> list[torch.Tensor]:
         """Per branch of the current (skipped) call: the residual to add. With forecasting, the branch's reason in
         the call's record becomes "forecast" (or "forecast-fallback" when the forecast was not finite)."""
-        call = self._call
+        call = self._active
         states = [self.branch_state(k) for k in call.keys]
         residuals = ([st.previous_residual for st in states] if not self.config.forecast_order
                      else self._forecast_residuals(call, states))
@@ -394,7 +339,7 @@ class StackCacheRun:
         """After a computed call: keep ``output - head_input`` per branch (on ``cache_device`` if set). Returns the
         stack output the model goes on with: ``output`` plus each branch's skip correction, None when nothing is
         corrected (``output`` as it is)."""
-        call = self._call
+        call = self._active
         if output.shape != head_input.shape:
             self.stats.stack_shape_mismatch = True
             self.stats.warn(f"the stack output shape {tuple(output.shape)} differs from its input "
@@ -497,5 +442,5 @@ class StackCacheRun:
         for module, name in reversed(self._installed):
             remove_hook_and_restore(module, name)
         self._installed.clear()
-        self._call = None
+        self._active = None
         self.states.reset()

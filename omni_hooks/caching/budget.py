@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .context import sigma_steps
+from ..context import sigma_steps
 
 BUDGET_REASON = "budget"  # BranchDecision.reason of a step computed because the budget's plan placed it there
 

@@ -11,7 +11,7 @@ import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .cache_config import StackCacheConfig
+from .config import StackCacheConfig
 from .budget import BUDGET_REASON
 from .few_step import FEW_STEP_REASON
 from .forecast import CANDIDATE_NAMES, FORECAST, FORECAST_FALLBACK
@@ -105,19 +105,19 @@ class CacheRunStats:
     # set when the block stack's output had another shape than its input, so no residual could be kept
     stack_shape_mismatch: bool = False
     disabled: str | None = None  # why caching was disabled for the whole run (every step computed), if it was
-    # set when the run had so few steps that the few-step rule (omni_hooks.few_step) applied: what it allowed, in words
+    # set when the run had so few steps that the few-step rule (caching.few_step) applied: what it allowed, in words
     few_step_note: str | None = None
     # branch evaluations computed only because the forecast's record weighed the metric (ErrorPerMetric), and
     # the largest weight that did so
     sooner_by_forecast: int = 0
     largest_forecast_weight: float = 1.0
-    # the run's large steps in words (``omni_hooks.large_steps``), when it had any
+    # the run's large steps in words (``caching.large_steps``), when it had any
     large_step_note: str | None = None
-    # skip correction (``omni_hooks.skip_correction``): computed calls whose output carried one, and why the run
+    # skip correction (``caching.skip_correction``): computed calls whose output carried one, and why the run
     # could not correct, if it could not
     corrected_steps: int = 0
     skip_correction_note: str | None = None
-    # the run's forward budget (``omni_hooks.budget.ForwardBudget``: its ``summary()`` and ``describe()``), if any
+    # the run's forward budget (``caching.budget.ForwardBudget``: its ``summary()`` and ``describe()``), if any
     budget: Any = None
 
     @property
