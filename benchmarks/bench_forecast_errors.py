@@ -57,6 +57,11 @@ def stack_cache_run() -> type:
     return pack_module("caching.run").StackCacheRun
 
 
+def coordinate(context) -> float | None:
+    """Where a call lies for forecasting (``omni_hooks.caching.residuals.coordinate``)."""
+    return pack_module("caching.residuals").coordinate(context)
+
+
 def candidate_names() -> dict[int, str]:
     """Every candidate forecast's key and name (``omni_hooks.caching.forecast.CANDIDATE_NAMES``)."""
     return dict(pack_module("caching.forecast").CANDIDATE_NAMES)
@@ -73,14 +78,14 @@ def observed(observer: Observer):
             call, residual = self.active_call, (output - head_input).detach().float()
             size = output.shape[0] // call.chunk
             for i, label in enumerate(call.labels):
-                key = (observer.prompt, label, round(float(self.coordinate(call.context)), 6))
+                key = (observer.prompt, label, round(float(coordinate(call.context)), 6))
                 observer.reference[key] = residual[i * size:(i + 1) * size].clone()
         return store(self, head_input, output)
 
     def skipped_residuals(self):
         call = self.active_call
         residuals = skipped(self)
-        sigma = self.coordinate(call.context)
+        sigma = coordinate(call.context)
         for i, (key, label) in enumerate(zip(call.keys, call.labels)):
             want = observer.reference.get((observer.prompt, label, round(float(sigma), 6)))
             history = self.branch_state(key).history

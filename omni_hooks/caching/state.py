@@ -47,6 +47,10 @@ class ActiveCall:
     chunk: int
     started: float
     record: EvaluationRecord | None = None
+    # at the head block (``StackCacheRun.decide``): its arguments, each branch's state and the shape of its input
+    head_call: tuple[tuple, dict] = ((), {})
+    states: list[CachedResidualState] = field(default_factory=list)
+    branch_shapes: list[torch.Size] = field(default_factory=list)
     head_input: torch.Tensor | None = None
     captured: torch.Tensor | None = None
     # per branch key: what the policy measured at the head and compares at the tail (TeaCache: the input change;
@@ -63,6 +67,26 @@ class ActiveCall:
     def skipping(self) -> bool:
         return self.context.blocks_run is False
 
+    def keep_own_part(self) -> None:
+        """CFG parallel: keep the branches of the part of the batch this rank computes (``RankView.batch_part``);
+        branches that do not divide into the parts become one."""
+        batch_part = self.context.rank.batch_part
+        index, parts = batch_part() if batch_part is not None else (0, 1)
+        if parts == 1:
+            return
+        if self.chunk == 0 or self.chunk % parts:
+            self.as_one_branch()
+            return
+        size = self.chunk // parts
+        self.keys = self.keys[index * size:(index + 1) * size]
+        self.labels = self.labels[index * size:(index + 1) * size]
+        self.chunk = size
+
+    def as_one_branch(self) -> None:
+        """Treat the whole batch as one branch (its chunks unknown or inconsistent)."""
+        self.keys, self.labels = ["|".join(self.keys) or "default"], ["+".join(self.labels) or "all"]
+        self.chunk = 1
+
 
 @dataclass
 class Decision:
@@ -72,3 +96,32 @@ class Decision:
     reason: str
     metric: float | None = None
 
+
+def measured_floats(call: ActiveCall, values: list[torch.Tensor | None]) -> list[float | None]:
+    """Per-branch measured 0-d tensors (None: not measured) as host floats, with one host sync.
+
+    Under sequence parallelism (``call.context.rank.agreement``) each value is the mean over the ranks, since a
+    rank measures only its shard of the tokens; the agreement is then called exactly once per call, on every
+    rank, measured or not, so no rank waits on a collective another one skipped.
+    """
+    agreement = call.context.rank.agreement
+    measured = [v for v in values if v is not None]
+    if agreement is None:
+        floats = iter(torch.stack(measured).tolist() if measured else [])
+        return [next(floats) if v is not None else None for v in values]
+    zero = torch.zeros((), dtype=torch.float32, device=measured[0].device if measured else None)
+    means = agreement.mean(torch.stack([zero if v is None else v.float() for v in values])).tolist()
+    return [m if v is not None else None for v, m in zip(values, means)]
+
+
+def held_bytes(states: list[CachedResidualState]) -> int:
+    """Bytes of the tensors the branch states hold (each tensor once: the newest residual is also in the forecast
+    history)."""
+    seen: set[int] = set()
+    total = 0
+    for st in states:
+        for value in [*vars(st).values(), *st.history.residuals, st.skips.used]:
+            if isinstance(value, torch.Tensor) and id(value) not in seen:
+                seen.add(id(value))
+                total += value.numel() * value.element_size()
+    return total

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .config import StackCacheConfig
 from .budget import BUDGET_REASON
@@ -90,6 +90,17 @@ class EvaluationRecord:
     seconds: float = 0.0
 
 
+class RuleEntry(Protocol):
+    """What the statistics read of a step rule (``caching.rules.StepRule``): its name, what it did in words and its
+    figures."""
+
+    name: str
+
+    def note(self) -> str | None: ...
+
+    def summary(self) -> dict[str, Any] | None: ...
+
+
 @dataclass
 class CacheRunStats:
     """Everything one sampling run's cache did. Cheap to update; ``summary()`` is for logs and the stats panel.
@@ -105,20 +116,17 @@ class CacheRunStats:
     # set when the block stack's output had another shape than its input, so no residual could be kept
     stack_shape_mismatch: bool = False
     disabled: str | None = None  # why caching was disabled for the whole run (every step computed), if it was
-    # set when the run had so few steps that the few-step rule (caching.few_step) applied: what it allowed, in words
-    few_step_note: str | None = None
     # branch evaluations computed only because the forecast's record weighed the metric (ErrorPerMetric), and
     # the largest weight that did so
     sooner_by_forecast: int = 0
     largest_forecast_weight: float = 1.0
-    # the run's large steps in words (``caching.large_steps``), when it had any
-    large_step_note: str | None = None
     # skip correction (``caching.skip_correction``): computed calls whose output carried one, and why the run
     # could not correct, if it could not
     corrected_steps: int = 0
     skip_correction_note: str | None = None
-    # the run's forward budget (``caching.budget.ForwardBudget``: its ``summary()`` and ``describe()``), if any
-    budget: Any = None
+    # the run's step rules (``caching.rules.StepRule``), in the order it asks them: each is its own entry here, with
+    # its ``note()`` and ``summary()``
+    rules: list[RuleEntry] = field(default_factory=list)
 
     @property
     def model(self) -> str:
@@ -181,10 +189,11 @@ class CacheRunStats:
         if self.threshold <= 0:
             return "threshold is 0, so every step is computed"
         forced = (FIRST, FORCED, WINDOW, RETENTION, LARGE_STEP_REASON)  # steps a policy computes whatever changed
-        if self.few_step_note is not None and all(
+        few_step_note = self.rule_note(FEW_STEP_REASON)
+        if few_step_note is not None and all(
                 r in (*forced, CALIBRATE, FEW_STEP_REASON, THRESHOLD, MAX_SKIPS) for r in reasons) \
                 and FEW_STEP_REASON in reasons:
-            return self.few_step_note
+            return few_step_note
         if MODEL_CACHE in reasons and all(r in (*forced, FEW_STEP_REASON, SHAPE, MODEL_CACHE) for r in reasons):
             return ("the model filled its own key/value cache on every call (a prompt or reference image it had not "
                     "seen), and such calls are always computed")
@@ -242,11 +251,10 @@ class CacheRunStats:
             "estimated_speedup": (model_seconds + saved) / model_seconds if model_seconds > 0 else 1.0,
             "cache_bytes": self.cache_bytes,
             "warnings": warnings,
-            "notes": list(self.config.notes) + [n for n in (self.budget_note(), self.forecast_note(),
-                                                            self.few_step_note, self.large_step_note,
-                                                            self.correction_note()) if n],
+            "notes": list(self.config.notes) + [n for n in (*(rule.note() for rule in self.rules),
+                                                            self.forecast_note(), self.correction_note()) if n],
             "forecast_orders": self.forecast_orders(),
-            "budget": self.budget.summary() if self.budget is not None and self.budget.total else None,
+            "budget": self.rule_summary(BUDGET_REASON),
         }
 
     def correction_note(self) -> str | None:
@@ -256,9 +264,13 @@ class CacheRunStats:
         return (f"skip correction {self.config.skip_correction:g}: {self.corrected_steps} computed step(s) also "
                 "corrected the skipped steps before them")
 
-    def budget_note(self) -> str | None:
-        """In words, what the forward budget asked and where the computed steps went (None: no budget)."""
-        return self.budget.describe() if self.budget is not None and self.budget.total else None
+    def rule_note(self, name: str) -> str | None:
+        """What the run's step rule ``name`` did, in words (None: the run has no such rule, or it did nothing)."""
+        return next((rule.note() for rule in self.rules if rule.name == name), None)
+
+    def rule_summary(self, name: str) -> dict[str, Any] | None:
+        """The figures of the run's step rule ``name`` (None: the run has no such rule, or it has none)."""
+        return next((rule.summary() for rule in self.rules if rule.name == name), None)
 
     def log_line(self) -> str:
         s = self.summary()

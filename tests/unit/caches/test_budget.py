@@ -195,7 +195,7 @@ def test_no_budget_changes_nothing_and_a_bad_budget_is_refused():
         run = tea_run(model, budget or 0, threshold=0.3)
         sample(model, run, schedule)
         patterns.append([e.computed for e in run.stats.evaluations])
-        assert run.budget is None and run.stats.summary()["budget"] is None
+        assert run.rule(BUDGET_REASON) is None and run.stats.summary()["budget"] is None
     assert patterns[0] == patterns[1] and not all(patterns[0])
     for bad in (-1, 2.5, True, "4"):
         with pytest.raises((ValueError, TypeError)):
