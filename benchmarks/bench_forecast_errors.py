@@ -91,7 +91,7 @@ def observed(observer: Observer):
             history = self.branch_state(key).history
             if want is None or not history.residuals:
                 continue
-            made = [history.forecast(sigma, order=key).residual for key in candidate_names()]
+            made = [history.forecast(sigma, candidate=key).residual for key in candidate_names()]
             errors = [m.float() - want for m in made]
             chosen = call.record.branches[i].forecast_order if call.record is not None else 0
             observer.skips.append((observer.prompt, label, float(sigma), errors, chosen))

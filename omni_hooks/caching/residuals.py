@@ -46,13 +46,13 @@ class Forecaster:
         coord = coordinate(call.context)
         residuals = []
         for i, st in enumerate(states):
-            order = (st.scores.best(len(st.history.residuals), distance(st, coord), self.coherence_floor)
-                     if self.config.forecast_order == AUTO else None)
-            made = st.history.forecast(coord, order=order)
+            candidate = (st.scores.best(len(st.history.residuals), distance(st, coord), self.coherence_floor)
+                         if self.config.forecast_order == AUTO else None)
+            made = st.history.forecast(coord, candidate=candidate)
             residuals.append(made.residual if made.residual is not None else st.previous_residual)
-            reason = FORECAST_FALLBACK if made.fell_back else FORECAST if made.order else None
+            reason = FORECAST_FALLBACK if made.fell_back else FORECAST if made.candidate else None
             if call.record is not None and i < len(call.record.branches):
-                call.record.branches[i].forecast_order = made.order
+                call.record.branches[i].forecast_order = made.candidate
                 if reason:
                     call.record.branches[i].reason = reason
             if made.fell_back:
@@ -78,7 +78,7 @@ class Forecaster:
 
     def score(self, call: ActiveCall, states: list[CachedResidualState], measured: list[torch.Tensor | None],
               distances: list[float | None]) -> None:
-        """Update each branch's ``OrderScores`` from its prediction errors (``ResidualHistory.prediction_errors``,
+        """Update each branch's ``CandidateScores`` from its prediction errors (``ResidualHistory.prediction_errors``,
         concatenated over the call's branches) made over ``distances``: one host sync, and under sequence
         parallelism the means over the ranks, so that every rank chooses the same orders. A policy that weighs its
         metric by the forecast also scores the order a skip at that distance would have used against the metric
@@ -89,7 +89,7 @@ class Forecaster:
             branch = floats[i * width:(i + 1) * width]
             errors, norm = branch[:len(CANDIDATES)], branch[-1]
             if self.weighs_metric and norm is not None:
-                order = self.config.forecast_order
+                order = self.config.forecast_order  # a set order forecasts by the candidate of that key
                 error = errors[st.scores.best(AUTO_KEPT, distances[i], self.coherence_floor)
                                if order == AUTO else order]
                 error = errors[0] if error is None else error

@@ -9,7 +9,7 @@ import torch
 
 from ..base import BaseState
 from ..context import CallContext
-from .forecast import ErrorPerMetric, OrderScores, ResidualHistory
+from .forecast import ErrorPerMetric, CandidateScores, ResidualHistory
 from .skip_correction import SkipCorrection
 from .stats import EvaluationRecord
 
@@ -24,7 +24,7 @@ class CachedResidualState(BaseState):
     # with forecasting: the last computed residuals (the newest is ``previous_residual``)
     history: ResidualHistory = field(default_factory=ResidualHistory)
     # with the "auto" forecast: how well each order has predicted this branch's computed residuals
-    scores: OrderScores = field(default_factory=OrderScores)
+    scores: CandidateScores = field(default_factory=CandidateScores)
     # ... and, for a cache that weighs its metric by the forecast: the forecast's error per unit of metric, and the
     # unweighted metric of the branch's latest decision (None: not measured), which a computed call is scored with
     error_per_metric: ErrorPerMetric = field(default_factory=ErrorPerMetric)

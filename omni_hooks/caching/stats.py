@@ -40,8 +40,6 @@ REASONS: tuple[str, ...] = (REUSE, FORECAST, FORECAST_FALLBACK, FIRST, SHAPE, FO
 SKIP_REASONS = frozenset({REUSE, FORECAST, FORECAST_FALLBACK})
 
 NON_FINITE_TEXT = ("NaN", "Infinity", "-Infinity")
-# what a skipped branch's residual came from, by ``BranchDecision.forecast_order``
-ORDER_NAMES = CANDIDATE_NAMES
 
 
 def json_safe(value: Any) -> Any:
@@ -74,8 +72,8 @@ class BranchDecision:
     reason: str            # one of ``REASONS``; a skipped branch's is one of ``SKIP_REASONS``
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
-    # with a forecast: the candidate a skipped branch's residual came from (``ORDER_NAMES``; 0: the last residual
-    # reused); None otherwise
+    # with a forecast: the candidate a skipped branch's residual came from (its key in ``forecast.CANDIDATE_NAMES``;
+    # 0: the last residual reused); None otherwise. The statistics' JSON keeps this released name
     forecast_order: int | None = None
 
 
@@ -211,11 +209,12 @@ class CacheRunStats:
                 "few-step/distilled, where caching has little to skip")
 
     def forecast_orders(self) -> dict[str, int] | None:
-        """With a forecast: how many skipped branch evaluations used each order (``ORDER_NAMES``); None without."""
+        """With a forecast: how many skipped branch evaluations used each candidate (by its name in
+        ``forecast.CANDIDATE_NAMES``); None without."""
         used = [b.forecast_order for e in self.evaluations for b in e.branches if b.forecast_order is not None]
         if not used:
             return None
-        return {name: used.count(order) for order, name in ORDER_NAMES.items() if order in used}
+        return {name: used.count(key) for key, name in CANDIDATE_NAMES.items() if key in used}
 
     def summary(self) -> dict[str, Any]:
         total = len(self.evaluations)

@@ -62,6 +62,8 @@ class MagCacheRun(StackCacheRun):
         self.config: MagCacheConfig = config
         # calibration lists of branches whose generation ended (fallback counting), by branch label
         self._emitted: dict[str, dict[str, list[float]]] = {}
+        # each branch's curve resampled to a step count (``MagRatioTable.for_branch``), by (label, steps)
+        self._curves: dict[tuple[str, int], list[float]] = {}
 
     # -- step position ----------------------------------------------------------------------------------------------
 
@@ -116,7 +118,9 @@ class MagCacheRun(StackCacheRun):
                 st.reset_accumulators()
                 decisions.append(Decision(RETENTION))
                 continue
-            ratios = cfg.ratio_table.for_branch(label, n)
+            ratios = self._curves.get((label, n))
+            if ratios is None:
+                ratios = self._curves[(label, n)] = cfg.ratio_table.for_branch(label, n)
             gamma = ratios[step] if step < len(ratios) else 1.0
             st.accumulated_ratio *= gamma
             st.accumulated_steps += 1
