@@ -16,8 +16,7 @@ from ...omni_hooks.caching.config import StackCacheConfig
 from ...omni_hooks.caching.forecast import AUTO
 from . import calibration_files
 from ..families import model_input
-from ..call_context import RUN_KEY
-from ..features import AppliedFeature, FeatureSession, SamplingRun, attach_feature, named
+from ..features import RUN_KEY, AppliedFeature, FeatureSession, SamplingRun, attach_feature, named
 
 CACHE_DEVICES = ["compute device", "offload device"]
 
