@@ -92,7 +92,7 @@ class Budget(StepRule):
 
     @classmethod
     def for_run(cls, config: StackCacheConfig, stack: BlockStack) -> StepRule | None:
-        return cls(ForwardBudget(config.active_budget, config.step_profile), config) if config.active_budget else None
+        return cls(ForwardBudget(config), config) if config.active_budget else None
 
     def revise(self, call: ActiveCall, decisions: list[Decision]) -> list[Decision]:
         step, total = call.context.step, call.context.total_steps

@@ -24,6 +24,11 @@ def shifted_schedule(steps: int, shift: float = 5.0) -> list[float]:
     return [shift * x / (1 + (shift - 1) * x) for x in t]
 
 
+def budget_config(steps: int) -> StackCacheConfig:
+    """A cache config with a forward budget of ``steps`` (what ``ForwardBudget`` reads)."""
+    return StackCacheConfig(threshold=0.0, forward_budget=steps)
+
+
 def direct_cost(changes, sizes, a, b) -> float:
     return sum(sizes[j] * sum(changes[a + 1:j + 1]) for j in range(a + 1, b)) ** 2
 
@@ -69,14 +74,14 @@ def test_a_run_longer_than_the_exact_plan_allows_gets_its_steps_spread_without_t
         assert plan[0] == 0 and plan[-1] == total - 1 and protected <= set(plan)
     gaps = [b - a for a, b in zip(plan_steps(10, changes, sizes), plan_steps(10, changes, sizes)[1:])]
     assert max(gaps) - min(gaps) <= 1
-    budget = ForwardBudget(12)
+    budget = ForwardBudget(budget_config(12))
     budget.start(total, schedule)
     assert len(budget.plan) == 12 and budget.decide(0) == (True, BUDGET_REASON)
 
 
 def test_on_a_shifted_schedule_the_plan_computes_most_of_the_final_steps():
     schedule = shifted_schedule(30)
-    budget = ForwardBudget(10)
+    budget = ForwardBudget(budget_config(10))
     budget.start(30, schedule)
     assert len(budget.plan) == 10 and budget.plan[0] == 0
     assert budget.plan[-4:] == [26, 27, 28, 29]  # the schedule's large sigma steps come last
@@ -101,7 +106,7 @@ def test_a_profile_measured_on_a_schedule_gives_its_changes_back_and_fits_anothe
 
 
 def test_the_threshold_brings_the_next_planned_compute_forward_by_at_most_half_its_gap():
-    budget = ForwardBudget(4)
+    budget = ForwardBudget(budget_config(4))
     budget.start(12, [1 - i / 12 for i in range(13)])  # equal steps, no profile: an even plan
     assert budget.plan == [0, 4, 7, 11]  # equal gaps, or as near as whole steps allow
     plan = list(budget.plan)
@@ -125,7 +130,7 @@ def test_the_threshold_brings_the_next_planned_compute_forward_by_at_most_half_i
 
 
 def test_a_compute_the_plan_did_not_foresee_replans_the_rest_with_what_is_left():
-    budget = ForwardBudget(5)
+    budget = ForwardBudget(budget_config(5))
     budget.start(20, shifted_schedule(20))
     first = budget.plan[1]
     budget.settle(0, True)
@@ -221,7 +226,7 @@ def test_a_calibrating_run_records_the_residual_change_of_every_step():
 
 
 def test_computes_brought_forward_one_after_the_other_never_drift_past_half_their_planned_gap():
-    budget = ForwardBudget(6)
+    budget = ForwardBudget(budget_config(6))
     budget.start(30, [1 - i / 30 for i in range(31)])  # an even plan
     planned = list(budget.plan)
     for step in range(30):  # the threshold asks for every step
