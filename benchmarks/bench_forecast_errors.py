@@ -2,7 +2,7 @@
 
 The reference run's block-stack residual is kept at every step (threshold 0), then a cached run (``--cache``,
 ``--threshold``, ``--forecast``) is observed: at each skipped step and branch, every candidate forecast the branch's
-history allows (``omni_hooks.forecast.CANDIDATES``: reuse, 1st and 2nd order, the Taylor step, the Chebyshev fit; one
+history allows (``caching.forecast.CANDIDATES``: reuse, 1st and 2nd order, the Taylor step, the Chebyshev fit; one
 the history is too short for falls back as the cache's own forecast does) is compared with the reference's residual at
 that sigma. What reaches the latent at cfg c is
 ``dt * (c * e_cond - (c - 1) * e_uncond)`` per skipped step; the table gives, for the same skipped steps, the norm of

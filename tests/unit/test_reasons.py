@@ -70,7 +70,7 @@ def test_every_reason_the_library_records_has_a_legend_entry_and_a_tooltip():
 
 def test_the_product_records_no_reason_outside_the_list():
     strays = sorted((where, r) for where, r in literal_reasons() if r not in stats.REASONS)
-    assert not strays, f"reasons written as literals that omni_hooks.stats.REASONS does not list: {strays}"
+    assert not strays, f"reasons written as literals that omni_hooks.caching.stats.REASONS does not list: {strays}"
 
 
 def test_the_panel_and_the_library_agree_on_what_a_skip_is():

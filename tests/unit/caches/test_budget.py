@@ -1,4 +1,4 @@
-"""The forward budget (omni_hooks.budget) and a cache run under it: the plan, its placement, its count, the policy's
+"""The forward budget (caching.budget) and a cache run under it: the plan, its placement, its count, the policy's
 threshold inside it, what a calibrating run records for it and what the statistics say."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Few-step runs (``omni_hooks.few_step``): with at most 8 steps both caches compute the first two and the last step
+"""Few-step runs (``caching.few_step``): with at most 8 steps both caches compute the first two and the last step
 and never skip two steps in a row, on every branch alike; longer runs are unchanged; the statistics say in words what
 the rule allowed, and that a run too short to skip anything gained nothing."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Forecasting skipped residuals (omni_hooks.forecast) in TeaCache and MagCache on a model whose block stack adds a
+"""Forecasting skipped residuals (caching.forecast) in TeaCache and MagCache on a model whose block stack adds a
 known function of sigma: exactness on polynomials, per-branch histories, the non-finite fallback, memory."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Large steps (omni_hooks.large_steps): the steps of a schedule's large sigma steps are always computed, by either
+"""Large steps (caching.large_steps): the steps of a schedule's large sigma steps are always computed, by either
 cache's threshold policy; not under a forward budget (its plan places them) and not without a schedule."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Skip correction (omni_hooks.skip_correction): once the step after a run of skipped steps is computed, its stack
+"""Skip correction (caching.skip_correction): once the step after a run of skipped steps is computed, its stack
 output carries what interpolating the gap corrects in what the skipped steps added, for a sampler that takes Euler
 steps; nothing changes otherwise."""
 from __future__ import annotations
