@@ -163,6 +163,7 @@ class LargeSteps(StepRule):
         self.rule = config.active_large_steps
         self.few_step = config.active_few_step
         self.steps: frozenset[int] | None = None  # the run's large steps, once its schedule is known
+        self.total = 0  # ... and its step count
 
     @classmethod
     def for_run(cls, config: StackCacheConfig, stack: BlockStack) -> StepRule | None:

@@ -48,7 +48,7 @@ class ActiveCall:
     started: float
     record: EvaluationRecord | None = None
     # at the head block (``StackCacheRun.decide``): its arguments, each branch's state and the shape of its input
-    head_call: tuple[tuple, dict] = ((), {})
+    head_call: tuple[tuple, dict] = field(default_factory=lambda: ((), {}))
     states: list[CachedResidualState] = field(default_factory=list)
     branch_shapes: list[torch.Size] = field(default_factory=list)
     head_input: torch.Tensor | None = None
