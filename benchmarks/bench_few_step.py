@@ -1,4 +1,4 @@
-"""Few-step runs: the caches with and without the few-step rule (``omni_hooks.few_step``) at 4 and 8 steps.
+"""Few-step runs: the caches with and without the few-step rule (``caching.few_step``) at 4 and 8 steps.
 
 ComfyUI's own Wan 2.1 T2V model class (random weights) at dim 256, 4 blocks, on a [1, 16, 3, 16, 16] latent, euler,
 cfg 5, in-process through ComfyUI's KSampler. TeaCache Calibrate and MagCache Calibrate first run once on the same

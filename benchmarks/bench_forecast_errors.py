@@ -2,7 +2,7 @@
 
 The reference run's block-stack residual is kept at every step (threshold 0), then a cached run (``--cache``,
 ``--threshold``, ``--forecast``) is observed: at each skipped step and branch, every candidate forecast the branch's
-history allows (``omni_hooks.forecast.CANDIDATES``: reuse, 1st and 2nd order, the Taylor step, the Chebyshev fit; one
+history allows (``caching.forecast.CANDIDATES``: reuse, 1st and 2nd order, the Taylor step, the Chebyshev fit; one
 the history is too short for falls back as the cache's own forecast does) is compared with the reference's residual at
 that sigma. What reaches the latent at cfg c is
 ``dt * (c * e_cond - (c - 1) * e_uncond)`` per skipped step; the table gives, for the same skipped steps, the norm of
@@ -54,12 +54,17 @@ def pack_module(name: str):
 
 def stack_cache_run() -> type:
     """The pack's ``StackCacheRun`` class, as ComfyUI loaded it."""
-    return pack_module("stack_cache").StackCacheRun
+    return pack_module("caching.run").StackCacheRun
+
+
+def coordinate(context) -> float | None:
+    """Where a call lies for forecasting (``omni_hooks.caching.residuals.coordinate``)."""
+    return pack_module("caching.residuals").coordinate(context)
 
 
 def candidate_names() -> dict[int, str]:
-    """Every candidate forecast's key and name (``omni_hooks.forecast.CANDIDATE_NAMES``)."""
-    return dict(pack_module("forecast").CANDIDATE_NAMES)
+    """Every candidate forecast's key and name (``omni_hooks.caching.forecast.CANDIDATE_NAMES``)."""
+    return dict(pack_module("caching.forecast").CANDIDATE_NAMES)
 
 
 @contextlib.contextmanager
@@ -70,23 +75,23 @@ def observed(observer: Observer):
 
     def store_residual(self, head_input, output):
         if observer.recording and output.shape == head_input.shape:
-            call, residual = self._call, (output - head_input).detach().float()
+            call, residual = self.active_call, (output - head_input).detach().float()
             size = output.shape[0] // call.chunk
             for i, label in enumerate(call.labels):
-                key = (observer.prompt, label, round(float(self.coordinate(call.context)), 6))
+                key = (observer.prompt, label, round(float(coordinate(call.context)), 6))
                 observer.reference[key] = residual[i * size:(i + 1) * size].clone()
         return store(self, head_input, output)
 
     def skipped_residuals(self):
-        call = self._call
+        call = self.active_call
         residuals = skipped(self)
-        sigma = self.coordinate(call.context)
+        sigma = coordinate(call.context)
         for i, (key, label) in enumerate(zip(call.keys, call.labels)):
             want = observer.reference.get((observer.prompt, label, round(float(sigma), 6)))
             history = self.branch_state(key).history
             if want is None or not history.residuals:
                 continue
-            made = [history.forecast(sigma, order=key).residual for key in candidate_names()]
+            made = [history.forecast(sigma, candidate=key).residual for key in candidate_names()]
             errors = [m.float() - want for m in made]
             chosen = call.record.branches[i].forecast_order if call.record is not None else 0
             observer.skips.append((observer.prompt, label, float(sigma), errors, chosen))

@@ -24,7 +24,7 @@ empty). Without a cache, ``summary`` is None, ``evaluations`` empty and ``thresh
 ``node_title`` is the node's title in the prompt (``_meta.title``) and ``workflow_id`` the id of the UI workflow it
 was queued from, when the client sent them.
 
-Everything sent or served is valid JSON (``omni_hooks.stats.json_safe``: non-finite numbers become "NaN",
+Everything sent or served is valid JSON (``omni_hooks.caching.stats.json_safe``: non-finite numbers become "NaN",
 "Infinity", "-Infinity"). Sizes are bounded: an entry is at most ``ENTRY_BYTES_LIMIT`` of JSON (so is the run event),
 the history at most ``HISTORY_LIMIT`` entries and ``HISTORY_BYTES_LIMIT`` bytes (oldest dropped first).
 
@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
 
-from ..omni_hooks.stats import CacheRunStats, json_safe
+from ..omni_hooks.caching.stats import CacheRunStats, json_safe
 
 log = logging.getLogger("OmniHooks")
 

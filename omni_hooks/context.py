@@ -73,7 +73,7 @@ class CallContext:
     * ``rank``: the sequence-parallel view of this process for this call;
     * ``euler_steps``: the sampler moves the latent by ``(next sigma - sigma) * output`` at each step of
       ``schedule`` (plain Euler on a model whose denoised is ``x - sigma * output``), so what a call's output adds to
-      the latent is known (``omni_hooks.skip_correction``); False when it does not or the host cannot tell.
+      the latent is known (``omni_hooks.caching.skip_correction``); False when it does not or the host cannot tell.
     """
 
     branches: list[str]

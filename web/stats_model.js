@@ -7,7 +7,7 @@ export const STEP_EVENT = "omni_hooks.step";
 export const RUN_EVENT = "omni_hooks.run";
 export const MAX_RUNS = 20;
 
-/** Every reason a cache records for a branch (omni_hooks/stats.py REASONS), with its legend label and tooltip, in the
+/** Every reason a cache records for a branch (omni_hooks/caching/stats.py REASONS), with its legend label and tooltip, in the
  * legend's order. */
 export const REASONS = {
   reuse: { label: "reused", help: "the change since the last computed step stayed under the threshold: the cached residual was reused" },
@@ -32,7 +32,7 @@ export const REASONS = {
   mixed: { label: "mixed", help: "several evaluations summarised in one cell" },
 };
 
-/** What a skipped branch's residual came from (omni_hooks/stats.py BranchDecision.forecast_order). */
+/** What a skipped branch's residual came from (omni_hooks/caching/stats.py BranchDecision.forecast_order). */
 export const FORECAST_ORDERS = { 0: "reuse", 1: "1st order", 2: "2nd order", 3: "Taylor", 4: "Chebyshev fit" };
 
 const NON_FINITE = new Set(["NaN", "Infinity", "-Infinity"]);

@@ -20,13 +20,13 @@ from typing import Any, ClassVar, Mapping, Protocol
 import torch
 from comfy_api.latest import io
 
-from ...omni_hooks.budget import StepProfile
+from ...omni_hooks.caching.budget import StepProfile
 from ...omni_hooks.context import CallContext
-from ...omni_hooks.cache_config import StackCacheConfig
-from ...omni_hooks.few_step import FewStepRule
-from ...omni_hooks.large_steps import LargeStepRule
-from ...omni_hooks.stack_cache import StackCacheRun
-from ...omni_hooks.stats import DISABLED, BranchDecision, CacheRunStats, EvaluationRecord
+from ...omni_hooks.caching.config import StackCacheConfig
+from ...omni_hooks.caching.few_step import FewStepRule
+from ...omni_hooks.caching.large_steps import LargeStepRule
+from ...omni_hooks.caching.run import StackCacheRun
+from ...omni_hooks.caching.stats import DISABLED, BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
 from .compiler import CompilerDrift, CompilerLeftOut
 from .. import families

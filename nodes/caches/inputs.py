@@ -12,12 +12,11 @@ import nodes as comfy_nodes  # ComfyUI's nodes.py (this pack's own nodes/ packag
 import torch
 from comfy_api.latest import io
 
-from ...omni_hooks.cache_config import StackCacheConfig
-from ...omni_hooks.forecast import AUTO
+from ...omni_hooks.caching.config import StackCacheConfig
+from ...omni_hooks.caching.forecast import AUTO
 from . import calibration_files
 from ..families import model_input
-from ..call_context import RUN_KEY
-from ..features import AppliedFeature, FeatureSession, SamplingRun, attach_feature, named
+from ..features import RUN_KEY, AppliedFeature, FeatureSession, SamplingRun, attach_feature, named
 
 CACHE_DEVICES = ["compute device", "offload device"]
 

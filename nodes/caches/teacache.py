@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
-from ...omni_hooks.cache_config import StackCacheConfig
+from ...omni_hooks.caching.config import StackCacheConfig
+from ...omni_hooks.teacache.config import DEFAULT_RECOMMENDED_THRESHOLD
 from ...omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients
 from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
@@ -72,7 +73,7 @@ class TeaCacheCalibration(CacheCalibration):
             raise _bad_file(name, f"has signal {str(signal)[:40]!r}, which {detected.family.name} models do not have "
                                   f"(one of {sorted(signals)})")
         try:
-            threshold = float(data.get("recommended_threshold", 0.2))
+            threshold = float(data.get("recommended_threshold", DEFAULT_RECOMMENDED_THRESHOLD))
         except (TypeError, ValueError):
             raise _bad_file(name, "has a 'recommended_threshold' that is not a number") from None
         return TeaCacheCoefficients(key=value, family=data.get("family", detected.family.name),

@@ -31,7 +31,7 @@ import sys
 import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from ...omni_hooks.stats import MODEL_CACHE
+from ...omni_hooks.caching.stats import MODEL_CACHE
 from ...omni_hooks.teacache import ModulatedInput
 from .base import Expectations, ForwardParameters, ModelFamily, Variant, calibrate_first, call_arg
 

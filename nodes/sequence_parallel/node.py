@@ -30,9 +30,8 @@ from ...omni_hooks.sequence_parallel.batch import call_batch
 from . import group as sp_group
 from . import rendezvous
 from ..families import FAMILIES, DetectedModel, ModelFamily, detect
-from ..call_context import RUN_KEY
-from ..features import (CATEGORY, FEATURES_KEY, AppliedFeature, Category, FeatureSpec, attach_feature, display_name,
-                        register_feature)
+from ..features import (CATEGORY, FEATURES_KEY, RUN_KEY, AppliedFeature, Category, FeatureSpec, attach_feature,
+                        display_name, register_feature)
 from ..stats_store import FeatureReport, StepTotals
 from .shard import ATTENTION_OVERRIDE, KIND, ShardSession, attention_taken_error
 from .plain import PlainDataError

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from ..cache_config import StackCacheConfig
+from ..caching.config import StackCacheConfig
 from .interp import MagRatioTable
 
 MISSING_RATIOS = ("MagCache needs mag_ratios (the per-step magnitude ratios of this model's residual). Run once with "

@@ -1,4 +1,4 @@
-"""MagCache: the decision policy on top of the shared block-stack cache mechanics (``omni_hooks.stack_cache``).
+"""MagCache: the decision policy on top of the shared block-stack cache mechanics (``omni_hooks.caching``).
 
 After vllm-omni ``vllm_omni/diffusion/cache/magcache/hook.py`` and diffusers ``hooks/mag_cache.py`` (MagCache paper,
 Ma et al. 2025), on the model's own blocks (``BlockStack``): the shared head hook decides per branch, a skip passes
@@ -23,8 +23,9 @@ import torch
 
 from ..blockstack import BlockStack
 from ..context import CallContext
-from ..stack_cache import ActiveCall, Decision, StackCacheRun
-from ..stats import CALIBRATE, MAX_SKIPS, RETENTION, REUSE, THRESHOLD, WINDOW, CacheRunStats
+from ..caching.run import StackCacheRun
+from ..caching.state import ActiveCall, Decision
+from ..caching.stats import CALIBRATE, MAX_SKIPS, RETENTION, REUSE, THRESHOLD, WINDOW, CacheRunStats
 from .config import MagCacheConfig
 from .state import MagCacheState
 
@@ -61,6 +62,8 @@ class MagCacheRun(StackCacheRun):
         self.config: MagCacheConfig = config
         # calibration lists of branches whose generation ended (fallback counting), by branch label
         self._emitted: dict[str, dict[str, list[float]]] = {}
+        # each branch's curve resampled to a step count (``MagRatioTable.for_branch``), by (label, steps)
+        self._curves: dict[tuple[str, int], list[float]] = {}
 
     # -- step position ----------------------------------------------------------------------------------------------
 
@@ -115,7 +118,9 @@ class MagCacheRun(StackCacheRun):
                 st.reset_accumulators()
                 decisions.append(Decision(RETENTION))
                 continue
-            ratios = cfg.ratio_table.for_branch(label, n)
+            ratios = self._curves.get((label, n))
+            if ratios is None:
+                ratios = self._curves[(label, n)] = cfg.ratio_table.for_branch(label, n)
             gamma = ratios[step] if step < len(ratios) else 1.0
             st.accumulated_ratio *= gamma
             st.accumulated_steps += 1

@@ -58,7 +58,8 @@ def branch_base(label: str) -> str:
 
 
 class MagRatioTable:
-    """One curve per branch kind, resampled on demand (and cached) to a run's step count.
+    """One curve per branch kind, resampled on demand to a run's step count. Part of the frozen ``MagCacheConfig``:
+    it never changes after it is built (a run keeps the curves it resampled: ``MagCacheRun``).
 
     ``curves`` keys are branch kinds ("cond", "uncond", any other label a host uses) or ``"default"``. A branch
     reads the curve of its own kind, else ``"default"``, else the cond curve.
@@ -75,7 +76,6 @@ class MagRatioTable:
             if not all(np.isfinite(values)) or min(values) < 0:
                 raise ValueError(f"the {name!r} ratio curve must hold finite non-negative ratios")
             self.curves[str(name)] = values
-        self._resampled: dict[tuple[str, int], list[float]] = {}
 
     @classmethod
     def from_values(cls, mag_ratios: Sequence[float] | Mapping[str, Sequence[float]],
@@ -102,12 +102,7 @@ class MagRatioTable:
 
     def for_branch(self, label: str, steps: int) -> list[float]:
         """The branch's curve with ``steps`` entries (nearest interpolation)."""
-        name = self.curve_name(label)
-        key = (name, steps)
-        found = self._resampled.get(key)
-        if found is None:
-            found = self._resampled[key] = nearest_interp(self.curves[name], steps)
-        return found
+        return nearest_interp(self.curves[self.curve_name(label)], steps)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{k}: {len(v)}" for k, v in self.curves.items())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..stack_cache import CachedResidualState
+from ..caching.state import CachedResidualState
 
 
 @dataclass

@@ -1,12 +1,13 @@
 """TeaCache configuration."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from ..cache_config import StackCacheConfig
+from ..caching.config import StackCacheConfig
 
 RECOMMENDED = -1.0  # a ``threshold`` that means: the coefficients' ``recommended_threshold``
+#: the recommended threshold of coefficients that come without one (a calibration file that does not say)
+DEFAULT_RECOMMENDED_THRESHOLD = 0.2
 
 
 @dataclass(frozen=True)
@@ -30,15 +31,12 @@ class TeaCacheConfig(StackCacheConfig):
     ret_steps: int = 1
     force_last_step: bool = True
     signal: str = "default"
-    recommended_threshold: float = 0.2
+    recommended_threshold: float = DEFAULT_RECOMMENDED_THRESHOLD
 
     def __post_init__(self) -> None:
         if self.threshold == RECOMMENDED:
             object.__setattr__(self, "threshold", self.recommended_threshold)
-        elif not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold) and self.threshold >= 0):
-            raise ValueError(f"threshold must be {RECOMMENDED:g} (recommended) or a finite number >= 0, got "
-                             f"{self.threshold}")
-        super().__post_init__()
+        super().__post_init__()  # checks the threshold
         object.__setattr__(self, "coefficients", tuple(float(c) for c in self.coefficients))
         if len(self.coefficients) != 5:
             raise ValueError(f"coefficients must contain exactly 5 elements, got {len(self.coefficients)}")

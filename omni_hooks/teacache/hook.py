@@ -1,4 +1,4 @@
-"""TeaCache: the decision policy on top of the shared block-stack cache mechanics (``omni_hooks.stack_cache``).
+"""TeaCache: the decision policy on top of the shared block-stack cache mechanics (``omni_hooks.caching``).
 
 The algorithm is the TeaCache paper's (Liu et al. 2024). The hooks sit on the model's own blocks (``BlockStack``), so
 the model's forward runs unchanged; only the modulated input it measures is model-specific (``ModulatedInput``).
@@ -18,9 +18,10 @@ import torch
 
 from ..blockstack import BlockStack
 from ..context import CallContext
-from ..forecast import ALTERNATING_COHERENCE
-from ..stack_cache import ActiveCall, Decision, StackCacheRun
-from ..stats import CALIBRATE, FIRST, FORCED, MEASURE, REUSE, SHAPE, THRESHOLD, WINDOW, CacheRunStats
+from ..caching.forecast import ALTERNATING_COHERENCE
+from ..caching.run import StackCacheRun
+from ..caching.state import ActiveCall, Decision
+from ..caching.stats import CALIBRATE, FIRST, FORCED, MEASURE, REUSE, SHAPE, THRESHOLD, WINDOW, CacheRunStats
 from .config import TeaCacheConfig
 from .state import TeaCacheState
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..stack_cache import CachedResidualState
+from ..caching.state import CachedResidualState
 
 
 @dataclass

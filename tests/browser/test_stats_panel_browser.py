@@ -549,7 +549,7 @@ def test_a_10000_evaluation_run_is_drawn_binned_with_its_features(page):
     from omnitest.pack import pack_module  # the store's own code builds the entry (no ComfyUI needed for it)
 
     store = pack_module("nodes.stats_store")
-    stats_mod = pack_module("omni_hooks.stats")
+    stats_mod = pack_module("omni_hooks.caching.stats")
     config = pack_module("omni_hooks.magcache").MagCacheConfig(mag_ratios=[1.0], model_label="Wan 2.1 T2V 1.3B")
     stats = stats_mod.CacheRunStats("magcache", config)
     for i in range(10_000):

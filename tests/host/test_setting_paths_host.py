@@ -95,13 +95,23 @@ def sessions_of(monkeypatch, cache) -> list:
     return made
 
 
+# the inputs of the two Apply nodes besides the one a test follows (which it sets over these)
+TEACACHE_INPUTS = dict(rel_l1_thresh=0.2, start_percent=0.0, end_percent=1.0, cache_device="compute device",
+                       model_variant="calibration: path")
+MAGCACHE_INPUTS = dict(threshold=0.3, max_skip_steps=2, retention_ratio=0.0, start_percent=0.0, end_percent=1.0,
+                       cache_device="compute device", curve="calibration: path")
 CACHE_SETTINGS = [
     # (cache module, node class, the input, the config field it sets, a value nothing else in the run has, the rest)
-    ("teacache", "ApplyTeaCache", "rel_l1_thresh", "threshold", 0.4321,
-     dict(start_percent=0.0, end_percent=1.0, cache_device="compute device", model_variant="calibration: path")),
-    ("magcache", "ApplyMagCache", "max_skip_steps", "max_skip_steps", 13,
-     dict(threshold=0.3, retention_ratio=0.0, start_percent=0.0, end_percent=1.0, cache_device="compute device",
-          curve="calibration: path")),
+    ("teacache", "ApplyTeaCache", "rel_l1_thresh", "threshold", 0.4321, TEACACHE_INPUTS),
+    ("magcache", "ApplyMagCache", "max_skip_steps", "max_skip_steps", 13, MAGCACHE_INPUTS),
+    # the forward budget's plan and the skip correction read their cache's config too (a budget above the run's
+    # steps: every step computes, and the plan, the steps and their counts hold no 11; a threshold that skips, so
+    # that a computed step corrects)
+    ("teacache", "ApplyTeaCache", "forward_budget", "forward_budget", 11, TEACACHE_INPUTS),
+    ("magcache", "ApplyMagCache", "forward_budget", "forward_budget", 11, MAGCACHE_INPUTS),
+    ("teacache", "ApplyTeaCache", "skip_correction", "skip_correction", 0.4375,
+     {**TEACACHE_INPUTS, "rel_l1_thresh": 2.0}),
+    ("magcache", "ApplyMagCache", "skip_correction", "skip_correction", 0.4375, MAGCACHE_INPUTS),
 ]
 
 
@@ -116,7 +126,7 @@ def test_a_cache_setting_reaches_its_hook_in_one_config(monkeypatch, wan, kind, 
     cache = getattr(module, kind.upper())
     sessions = sessions_of(monkeypatch, cache)
     runs = stops_of(monkeypatch, module, "apply_teacache_hook" if kind == "teacache" else "apply_mag_cache_hook")
-    patched = run_node(getattr(module, node_class), model=wan.patcher, **{input_name: value}, **rest)[0]
+    patched = run_node(getattr(module, node_class), model=wan.patcher, **{**rest, input_name: value})[0]
     (feature,) = pack_module("nodes.features").applied_features(patched)
     config = feature.config
     assert getattr(config, field) == value
@@ -130,7 +140,7 @@ def test_a_cache_setting_reaches_its_hook_in_one_config(monkeypatch, wan, kind, 
     stops = {"feature": feature, "session": sessions[0], "run": runs[0][0], "hooks": runs[0][1]}
     copies = [path for name, stop in stops.items()
               for path in holding(value, stop, skip=(config, sessions[0].stats.evaluations, wan.patcher, patched),
-                                  where=name)]
+                                  depth=6, where=name)]
     assert not copies, f"{input_name}={value} is held beside the config at {copies}"
 
 

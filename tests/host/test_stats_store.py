@@ -45,8 +45,8 @@ def finished_run(store, evaluations: int, threshold: float = 0.2, metric: float 
     report with ``reports`` (other features') at the end."""
     from omnitest.pack import pack_module
 
-    stats_mod = pack_module("omni_hooks.stats")
-    config = pack_module("omni_hooks.cache_config").StackCacheConfig(threshold=threshold, model_label="tiny") \
+    stats_mod = pack_module("omni_hooks.caching.stats")
+    config = pack_module("omni_hooks.caching.config").StackCacheConfig(threshold=threshold, model_label="tiny") \
         if math.isfinite(threshold) else SimpleNamespace(model_label="tiny", threshold=threshold, notes=(),
                                                           skip_correction=0.0)
     stats = stats_mod.CacheRunStats("teacache", config)

@@ -199,7 +199,48 @@ def test_the_docs_name_machines_and_hosts_not_who_had_what():
 
 
 def test_nodes_keeps_only_what_every_feature_shares_at_its_top_level():
-    # the run lifecycle (features, call_context), the statistics store and the registration; everything else lives in
-    # a feature's folder (caches, offload, sequence_parallel) or with the families
+    # the run lifecycle (features), the statistics store and the registration; everything else lives in a feature's
+    # folder (caches, offload, sequence_parallel) or with the families
     top = sorted(p.name for p in (ROOT / "nodes").glob("*.py") if p.name != "__init__.py")
-    assert top == ["call_context.py", "extension.py", "features.py", "stats_store.py"], top
+    assert top == ["extension.py", "features.py", "stats_store.py"], top
+
+
+def design_task(title: str) -> str:
+    """The text of docs/design.md's section ``## <title>`` (up to the next section)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    found = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## )", text, re.M | re.S)
+    assert found, f"docs/design.md has no section '{title}'"
+    return found.group(1)
+
+
+@pytest.mark.parametrize("task", ["Adding a cache", "Adding a forecast", "Adding a step rule",
+                                  "Adding a model family"])
+def test_each_tasks_list_of_files_names_files_of_this_repository(task):
+    files = tracked_files()
+    paths = [t for t in re.findall(r"`([^`\s]+)`", design_task(task))
+             if re.fullmatch(r"[\w.-]+(/[\w.<>-]*)+", t) and "<" not in t]
+    assert paths, task
+    missing = [p for p in paths if p not in files]
+    assert not missing, f"design.md, '{task}', names what is not in the repository: {missing}"
+
+
+def test_a_new_caches_list_holds_every_module_that_names_each_cache():
+    # a module outside the caches' own that imports every cache's node module, or holds every cache's Apply node id,
+    # gets a line for a new cache too
+    listed = set(re.findall(r"`([\w./-]+)`", design_task("Adding a cache")))
+    caches = sorted(p.stem for p in (ROOT / "nodes" / "caches").glob("*.py") if re.search(
+        r'^NODE_ID = "', p.read_text(), re.M))
+    ids = [re.search(r'^NODE_ID = "(.*?)"$', (ROOT / "nodes" / "caches" / f"{c}.py").read_text(), re.M).group(1)
+           for c in caches]
+    naming = set()
+    for path in [*(ROOT / "nodes").rglob("*.py"), *(ROOT / "web").glob("*.js")]:
+        where = path.relative_to(ROOT).as_posix()
+        if where.startswith("nodes/caches/"):
+            continue
+        text = path.read_text()
+        imports = [m for line in re.findall(r"^from \.+caches(?:\.\w+)? import .*$", text, re.M)
+                   for m in re.findall(r"\w+", line.split("import", 1)[1])]
+        if all(c in imports or f"caches.{c}" in text for c in caches) or all(i in text for i in ids):
+            naming.add(where)
+    assert len(caches) >= 2 and {"nodes/extension.py", "web/omni_hooks_stats.js"} <= naming
+    assert naming <= listed, f"name every cache but are not in design.md's 'Adding a cache': {naming - listed}"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from omni_hooks import HookPhase, HookRegistry, ModelHook
-from omni_hooks.stack_hooks import StackTailHook
+from omni_hooks.caching.hooks import StackTailHook
 
 
 class EchoModule(torch.nn.Module):

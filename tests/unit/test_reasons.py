@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from omni_hooks import stats
+from omni_hooks.caching import stats
 
 ROOT = Path(__file__).resolve().parents[2]
 PANEL = ROOT / "web" / "stats_model.js"
@@ -70,11 +70,31 @@ def test_every_reason_the_library_records_has_a_legend_entry_and_a_tooltip():
 
 def test_the_product_records_no_reason_outside_the_list():
     strays = sorted((where, r) for where, r in literal_reasons() if r not in stats.REASONS)
-    assert not strays, f"reasons written as literals that omni_hooks.stats.REASONS does not list: {strays}"
+    assert not strays, f"reasons written as literals that omni_hooks.caching.stats.REASONS does not list: {strays}"
 
 
 def test_the_panel_and_the_library_agree_on_what_a_skip_is():
-    text = PANEL.read_text(encoding="utf-8")
-    found = re.search(r"export const SKIP_REASONS = new Set\(\[(.*?)\]\);", text)
-    assert found
-    assert {json.loads(r) for r in found.group(1).split(", ")} == stats.SKIP_REASONS
+    assert js_set("SKIP_REASONS", PANEL) == stats.SKIP_REASONS
+
+
+def js_set(name: str, source: Path) -> set[str]:
+    """The strings of ``const <name> = new Set([...]);`` in ``source``."""
+    found = re.search(rf"const {name} = new Set\(\[(.*?)\]\);", source.read_text(encoding="utf-8"))
+    assert found, f"no {name} set in {source}"
+    return {json.loads(r) for r in found.group(1).split(", ")}
+
+
+def test_the_panel_names_every_forecast_candidate_as_the_library_does():
+    from omni_hooks.caching.forecast import CANDIDATE_NAMES
+
+    found = re.search(r"export const FORECAST_ORDERS = \{(.*?)\};", PANEL.read_text(encoding="utf-8"), re.S)
+    assert found, f"no FORECAST_ORDERS object in {PANEL}"
+    entries = re.findall(r'(\d+): "(.*?)"', found.group(1))
+    assert {int(key): name for key, name in entries} == CANDIDATE_NAMES
+
+
+def test_the_panel_badges_the_apply_node_of_every_cache():
+    # each cache's module (nodes/caches/<cache>.py) names its Apply node NODE_ID; the panel badges those nodes
+    ids = {found.group(1) for path in sorted((ROOT / "nodes" / "caches").glob("*.py"))
+           if (found := re.search(r'^NODE_ID = "(.*?)"$', path.read_text(encoding="utf-8"), re.M))}
+    assert len(ids) >= 2 and js_set("APPLY_NODES", ROOT / "web" / "omni_hooks_stats.js") == ids

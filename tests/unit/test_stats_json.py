@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from omni_hooks.stats import BranchDecision, CacheRunStats, EvaluationRecord, json_safe
+from omni_hooks.caching.stats import BranchDecision, CacheRunStats, EvaluationRecord, json_safe
 
 
 def strict(value) -> str:

@@ -1,4 +1,4 @@
-"""The forward budget (omni_hooks.budget) and a cache run under it: the plan, its placement, its count, the policy's
+"""The forward budget (caching.budget) and a cache run under it: the plan, its placement, its count, the policy's
 threshold inside it, what a calibrating run records for it and what the statistics say."""
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import itertools
 import pytest
 import torch
 
-from omni_hooks import budget as budget_module
-from omni_hooks.budget import BUDGET_REASON, ForwardBudget, StepProfile, compact, gap_costs, plan_steps, steps_in_sigma
-from omni_hooks.cache_config import StackCacheConfig
-from omni_hooks.few_step import FewStepRule
+from omni_hooks.caching import budget as budget_module
+from omni_hooks.caching.budget import (BUDGET_REASON, ForwardBudget, StepProfile, compact, gap_costs, plan_steps,
+                                       steps_in_sigma)
+from omni_hooks.caching.config import StackCacheConfig
+from omni_hooks.caching.few_step import FewStepRule
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
@@ -21,6 +22,11 @@ def shifted_schedule(steps: int, shift: float = 5.0) -> list[float]:
     """A flow model's shifted schedule (as Wan's): sigma stays near 1 for most steps and falls fast at the end."""
     t = [1 - i / steps for i in range(steps + 1)]
     return [shift * x / (1 + (shift - 1) * x) for x in t]
+
+
+def budget_config(steps: int) -> StackCacheConfig:
+    """A cache config with a forward budget of ``steps`` (what ``ForwardBudget`` reads)."""
+    return StackCacheConfig(threshold=0.0, forward_budget=steps)
 
 
 def direct_cost(changes, sizes, a, b) -> float:
@@ -68,14 +74,14 @@ def test_a_run_longer_than_the_exact_plan_allows_gets_its_steps_spread_without_t
         assert plan[0] == 0 and plan[-1] == total - 1 and protected <= set(plan)
     gaps = [b - a for a, b in zip(plan_steps(10, changes, sizes), plan_steps(10, changes, sizes)[1:])]
     assert max(gaps) - min(gaps) <= 1
-    budget = ForwardBudget(12)
+    budget = ForwardBudget(budget_config(12))
     budget.start(total, schedule)
     assert len(budget.plan) == 12 and budget.decide(0) == (True, BUDGET_REASON)
 
 
 def test_on_a_shifted_schedule_the_plan_computes_most_of_the_final_steps():
     schedule = shifted_schedule(30)
-    budget = ForwardBudget(10)
+    budget = ForwardBudget(budget_config(10))
     budget.start(30, schedule)
     assert len(budget.plan) == 10 and budget.plan[0] == 0
     assert budget.plan[-4:] == [26, 27, 28, 29]  # the schedule's large sigma steps come last
@@ -100,7 +106,7 @@ def test_a_profile_measured_on_a_schedule_gives_its_changes_back_and_fits_anothe
 
 
 def test_the_threshold_brings_the_next_planned_compute_forward_by_at_most_half_its_gap():
-    budget = ForwardBudget(4)
+    budget = ForwardBudget(budget_config(4))
     budget.start(12, [1 - i / 12 for i in range(13)])  # equal steps, no profile: an even plan
     assert budget.plan == [0, 4, 7, 11]  # equal gaps, or as near as whole steps allow
     plan = list(budget.plan)
@@ -124,7 +130,7 @@ def test_the_threshold_brings_the_next_planned_compute_forward_by_at_most_half_i
 
 
 def test_a_compute_the_plan_did_not_foresee_replans_the_rest_with_what_is_left():
-    budget = ForwardBudget(5)
+    budget = ForwardBudget(budget_config(5))
     budget.start(20, shifted_schedule(20))
     first = budget.plan[1]
     budget.settle(0, True)
@@ -194,7 +200,7 @@ def test_no_budget_changes_nothing_and_a_bad_budget_is_refused():
         run = tea_run(model, budget or 0, threshold=0.3)
         sample(model, run, schedule)
         patterns.append([e.computed for e in run.stats.evaluations])
-        assert run.budget is None and run.stats.summary()["budget"] is None
+        assert run.rule(BUDGET_REASON) is None and run.stats.summary()["budget"] is None
     assert patterns[0] == patterns[1] and not all(patterns[0])
     for bad in (-1, 2.5, True, "4"):
         with pytest.raises((ValueError, TypeError)):
@@ -220,7 +226,7 @@ def test_a_calibrating_run_records_the_residual_change_of_every_step():
 
 
 def test_computes_brought_forward_one_after_the_other_never_drift_past_half_their_planned_gap():
-    budget = ForwardBudget(6)
+    budget = ForwardBudget(budget_config(6))
     budget.start(30, [1 - i / 30 for i in range(31)])  # an even plan
     planned = list(budget.plan)
     for step in range(30):  # the threshold asks for every step

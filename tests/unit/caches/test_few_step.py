@@ -1,4 +1,4 @@
-"""Few-step runs (``omni_hooks.few_step``): with at most 8 steps both caches compute the first two and the last step
+"""Few-step runs (``caching.few_step``): with at most 8 steps both caches compute the first two and the last step
 and never skip two steps in a row, on every branch alike; longer runs are unchanged; the statistics say in words what
 the rule allowed, and that a run too short to skip anything gained nothing."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_hooks.few_step import FewStepRule
+from omni_hooks.caching.few_step import FEW_STEP_REASON, FewStepRule
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.teacache import ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
@@ -63,7 +63,7 @@ def test_longer_runs_and_runs_without_the_rule_are_unchanged(apply):
     run_steps(model, without, 9, x, branches=("c", "u"), labels=("cond", "uncond"))
     without.remove()
     assert computed(with_rule) == computed(without)
-    assert with_rule.stats.few_step_note is None
+    assert with_rule.stats.rule_note(FEW_STEP_REASON) is None
     short = apply(model, 8, None)
     run_steps(model, short, 8, x, branches=("c", "u"), labels=("cond", "uncond"))
     assert computed(short)[1] is False  # without the rule the second step of a short run may reuse

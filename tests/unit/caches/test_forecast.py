@@ -1,4 +1,4 @@
-"""Forecasting skipped residuals (omni_hooks.forecast) in TeaCache and MagCache on a model whose block stack adds a
+"""Forecasting skipped residuals (caching.forecast) in TeaCache and MagCache on a model whose block stack adds a
 known function of sigma: exactness on polynomials, per-branch histories, the non-finite fallback, memory."""
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from omni_hooks.forecast import (ACCUMULATED_GAPS, ALTERNATING_COHERENCE, AUTO, AUTO_KEPT, CANDIDATE, CANDIDATES,
-                                 CHEBYSHEV, CHEBYSHEV_WINDOW, COHERENCE_RANGE, FORECAST, FORECAST_FALLBACK, TAYLOR,
-                                 WEIGHT_RANGE, ErrorPerMetric, OrderScores, ResidualHistory, accumulation,
-                                 chebyshev_weights, history_limit, lagrange_weights, taylor_weights)
+from omni_hooks.caching.forecast import (ACCUMULATED_GAPS, ALTERNATING_COHERENCE, AUTO, AUTO_KEPT, CANDIDATE,
+                                         CANDIDATES, CHEBYSHEV, CHEBYSHEV_WINDOW, COHERENCE_RANGE, FORECAST,
+                                         FORECAST_FALLBACK, TAYLOR, WEIGHT_RANGE, ErrorPerMetric, CandidateScores,
+                                         ResidualHistory, accumulation, chebyshev_weights, history_limit,
+                                         lagrange_weights, taylor_weights)
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 from omnitest.sigma_stack import Model, stack_of
@@ -177,7 +178,7 @@ def test_history_restarts_on_a_new_shape_and_replaces_a_repeated_coordinate():
     assert h.coords == [1.0, 0.5] and torch.equal(h.last, torch.full((2,), 2.0))
     h.add(0.25, torch.zeros(3))
     assert h.coords == [0.25]
-    assert h.forecast(0.1).order == 0 and h.forecast(None).residual is h.last
+    assert h.forecast(0.1).candidate == 0 and h.forecast(None).residual is h.last
 
 
 def test_magcache_forecasts_too():
@@ -280,7 +281,7 @@ def measurement(errors: list, norm: float | None, products: list | None = None, 
 
 
 def test_order_scores_choose_the_smallest_running_error():
-    scores = OrderScores()
+    scores = CandidateScores()
     assert scores.best() == 0  # nothing measured: reuse
     scores.update(measurement([4.0, 1.0, None], 4.0))  # relative errors 1, 0.25; order 2 not measurable yet
     assert scores.best() == 1 and scores.best(kept=1) == 0
@@ -303,7 +304,7 @@ def test_accumulation_is_the_power_of_a_sum_of_correlated_errors_over_independen
 
 
 def test_an_order_whose_errors_add_up_loses_to_one_of_the_same_size_whose_errors_alternate():
-    scores = OrderScores()  # reuse and 1st order err alike, predicting each computed step
+    scores = CandidateScores()  # reuse and 1st order err alike, predicting each computed step
     scores.update(measurement([1.0, 1.0, None], 1.0))
     assert scores.best() == 0  # a tie: reuse
     # reuse's consecutive errors point the same way (a drift it lags behind); 1st order's alternate
@@ -319,7 +320,7 @@ def test_a_cache_that_credits_alternating_errors_picks_an_order_reuse_beats_on_s
     assert accumulation(-0.5, low=ALTERNATING_COHERENCE) < 1.0 == accumulation(-0.5)
     floor = ALTERNATING_COHERENCE
     assert accumulation(-1.0, low=floor) == accumulation(floor, low=floor)  # bounded below
-    scores = OrderScores()  # 1st order errs 1.5x as much as reuse per step, but its errors alternate
+    scores = CandidateScores()  # 1st order errs 1.5x as much as reuse per step, but its errors alternate
     scores.update(measurement([1.0, 1.5, None], 1.0, products=[0.0, -0.5 * 1.5, None], before=[1.0, 1.5, None]))
     assert scores.coherence[1] == pytest.approx(-0.5)
     assert scores.best() == 0  # not credited: 1.5 > 1
@@ -337,7 +338,7 @@ def test_teacache_credits_alternating_errors_and_magcache_does_not():
 
 def test_the_history_measures_how_consecutive_errors_of_an_order_align():
     def coherence_after(residual) -> list[float | None]:
-        h, scores = ResidualHistory(limit=history_limit(AUTO)), OrderScores()
+        h, scores = ResidualHistory(limit=history_limit(AUTO)), CandidateScores()
         for s in SIGMAS[:5]:
             scores.update([None if m is None else float(m) for m in h.prediction_errors(s, residual(s, 0))])
             h.add(s, residual(s, 0))
@@ -362,12 +363,12 @@ def test_auto_with_threshold_zero_is_bit_identical_and_forecast_values_are_check
 
 
 def test_order_scores_carry_their_errors_to_the_distance_of_the_skip():
-    scores = OrderScores()
+    scores = CandidateScores()
     scores.update(measurement([1.0, 1.2, None], 1.0), horizon=0.2)  # 1st order erred 1.2x reuse over 0.2
     assert scores.horizon == 0.2
     assert scores.best() == 0 and scores.best(horizon=0.2) == 0
     assert scores.best(horizon=0.1) == 1  # half the distance: 1.2 * 0.5 ** 2 < 1
-    scores = OrderScores()
+    scores = CandidateScores()
     scores.update(measurement([1.0, 0.3, 0.2], 1.0), horizon=0.2)
     assert scores.best() == 2 and scores.best(horizon=0.2) == 2
     assert scores.best(horizon=0.3) == 1  # 1.5x the distance: 0.3 * 1.5 ** 2 < 0.2 * 1.5 ** 4, both below 1
@@ -534,7 +535,7 @@ def test_auto_chooses_the_chebyshev_fit_where_the_computed_residuals_alternate_a
 
 
 def test_order_scores_choose_a_pack_candidate_that_predicted_best():
-    scores = OrderScores()
+    scores = CandidateScores()
     errors = [1.0, 0.5, 0.4, 0.2, 0.3]  # the Taylor step predicted the computed steps best
     scores.update(measurement(errors, 1.0), horizon=0.1)
     assert scores.best() == TAYLOR

@@ -1,11 +1,11 @@
-"""Large steps (omni_hooks.large_steps): the steps of a schedule's large sigma steps are always computed, by either
+"""Large steps (caching.large_steps): the steps of a schedule's large sigma steps are always computed, by either
 cache's threshold policy; not under a forward budget (its plan places them) and not without a schedule."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from omni_hooks.large_steps import LARGE_STEP_REASON, LargeStepRule
+from omni_hooks.caching.large_steps import LARGE_STEP_REASON, LargeStepRule
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 
 from .test_budget import shifted_schedule

@@ -1,4 +1,4 @@
-"""Skip correction (omni_hooks.skip_correction): once the step after a run of skipped steps is computed, its stack
+"""Skip correction (caching.skip_correction): once the step after a run of skipped steps is computed, its stack
 output carries what interpolating the gap corrects in what the skipped steps added, for a sampler that takes Euler
 steps; nothing changes otherwise."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
-from omni_hooks.skip_correction import SkipCorrection
+from omni_hooks.caching.skip_correction import SkipCorrection
 from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
 from omnitest.sigma_stack import Model, stack_of
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from omni_hooks.context import CallContext
-from omni_hooks.forecast import AUTO, CANDIDATES
+from omni_hooks.caching.forecast import AUTO, CANDIDATES
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.offload import apply_layerwise_offload
 from omni_hooks.sequence_parallel import (

@@ -1,7 +1,7 @@
 """``StackCacheConfig``: the fields every block-stack cache shares (TeaCache and MagCache extend it).
 
 A cache's config is built once (by the caller: a node, a test, a script), checked once (``__post_init__``) and then
-read, unchanged, by the cache's run (``omni_hooks.stack_cache.StackCacheRun.config``): it is frozen, holds only plain
+read, unchanged, by the cache's run (``caching.run.StackCacheRun.config``): it is frozen, holds only plain
 values (numbers, strings, tuples, a ``torch.device``) and can be copied or sent as data. What changes during a run
 (accumulators, residuals, the call in progress) lives in the run and its branch states, never here.
 """
@@ -29,20 +29,20 @@ class StackCacheConfig:
     * ``cache_device``: where cached residuals are kept; None keeps them where they were computed.
     * ``calibrate``: compute every step and record what the cache's calibration needs.
     * ``forecast_order`` (0, 1, 2): a skipped step adds the residual of the last computed step (0) or the
-      extrapolation through the last 1 + order computed residuals to the step's sigma (``omni_hooks.forecast``);
+      extrapolation through the last 1 + order computed residuals to the step's sigma (``caching.forecast``);
       "auto" chooses the order per branch and skipped step from how well each predicted the run's computed
       residuals.
-    * ``few_step``: the steps a run of few steps always computes (``omni_hooks.few_step``); None: no rule. A
+    * ``few_step``: the steps a run of few steps always computes (``caching.few_step``); None: no rule. A
       calibrating run ignores it (it computes every step anyway), and so does a run with a forward budget (its plan
       keeps the first and last steps).
-    * ``large_steps``: the steps whose sigma step is large (``omni_hooks.large_steps``), always computed; None: no
+    * ``large_steps``: the steps whose sigma step is large (``caching.large_steps``), always computed; None: no
       rule. A calibrating run and a run with a forward budget (its plan places them) ignore it.
-    * ``forward_budget``: compute about this many of a run's steps (``omni_hooks.budget``), placed where they matter
+    * ``forward_budget``: compute about this many of a run's steps (``caching.budget``), placed where they matter
       most for the final latent; the policy's threshold can bring one forward, its other rules (retention, K, the
       first steps it always computes) give way to the plan; 0 = no budget, the policy alone decides.
     * ``skip_correction`` (0 to 1): after skipped steps, the next computed step also moves the latent by this fraction
       of what interpolating the gap between the two computed steps corrects in what the skipped steps added
-      (``omni_hooks.skip_correction``); only with a sampler that takes Euler steps (``CallContext.euler_steps``);
+      (``caching.skip_correction``); only with a sampler that takes Euler steps (``CallContext.euler_steps``);
       0 = off.
     * ``step_profile``: how fast the model's residual changes along sigma, from the cache's calibration; where the
       budget's plan places the computed steps (None: as if it changed in proportion to sigma).

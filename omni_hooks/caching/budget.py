@@ -27,10 +27,11 @@ rank plans alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from .context import sigma_steps
+from ..context import sigma_steps
 
 BUDGET_REASON = "budget"  # BranchDecision.reason of a step computed because the budget's plan placed it there
 
@@ -159,9 +160,18 @@ def plan_steps(count: int, changes: list[float], sizes: list[float], first: int 
     return sorted(plan)
 
 
+class BudgetSettings(Protocol):
+    """What a budget reads of its cache's config (``StackCacheConfig``): how many steps, and the calibration's step
+    profile the plan places them by (None: none)."""
+
+    forward_budget: int
+    step_profile: StepProfile | None
+
+
 @dataclass
 class ForwardBudget:
-    """One run's budget of ``count`` computed steps (see the module docstring).
+    """One run's budget of ``count`` computed steps (see the module docstring): ``config.forward_budget`` and
+    ``config.step_profile``, read from the config as it is (never copied).
 
     ``start(total, schedule, protected)`` plans the run; ``decide(step, wants, must)`` says whether that step
     computes and why; ``settle(step, computed)`` takes the step's final verdict (a group's agreed one, or one forced
@@ -169,8 +179,7 @@ class ForwardBudget:
     evaluates twice per step) gets the same answer.
     """
 
-    count: int
-    profile: StepProfile | None = None
+    config: BudgetSettings
     total: int | None = None
     plan: list[int] = field(default_factory=list)
     planned: list[int] = field(default_factory=list)  # the first plan, for the statistics
@@ -182,6 +191,14 @@ class ForwardBudget:
     _protected: frozenset[int] = frozenset()
     _verdicts: dict[int, bool] = field(default_factory=dict)
     _origin: dict[int, int] = field(default_factory=dict)  # a planned step -> where the plan first put it
+
+    @property
+    def count(self) -> int:
+        return self.config.forward_budget
+
+    @property
+    def profile(self) -> StepProfile | None:
+        return self.config.step_profile
 
     def start(self, total: int, schedule: list[float] | None, protected: set[int] | frozenset[int] = frozenset()) \
             -> None:

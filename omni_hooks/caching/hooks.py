@@ -1,20 +1,36 @@
-"""The hooks a ``StackCacheRun`` registers on its block stack (``StackCacheRun.install``): the head block's, which asks
-the policy and runs or passes through the stack; every other block's, which passes through on a skip; the tail's,
-which adds the cached residual on a skip and stores a computed one; and the capture module's. All of the caching
-phase: a placement hook (offload) on a block runs only when that block really computes. Outside a call every hook
-passes through.
+"""The hooks a ``StackCacheRun`` (``run.py``) registers on its block stack (``StackCacheRun.install``): the head
+block's, which asks the policy and runs or passes through the stack; every other block's, which passes through on a
+skip; the tail's, which adds the cached residual on a skip and stores a computed one; and the capture module's. All of
+the caching phase: a placement hook (offload) on a block runs only when that block really computes. Outside a call
+every hook passes through. They reach their run through ``StackRun``, its public face, and import nothing of it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from .base import HookPhase, ModelHook
-from .blockstack import ReturnedHidden
+from ..base import HookPhase, ModelHook, StateManager
+from ..blockstack import BlockStack, ReturnedHidden
+from .state import ActiveCall
 
-if TYPE_CHECKING:
-    from .stack_cache import StackCacheRun
+
+class StackRun(Protocol):
+    """What the hooks ask of their run (``StackCacheRun``): the call in progress (None outside a call, when every
+    hook passes through), the stack, the verdict at the head, and the residual to add (a skip) or to keep (a
+    compute) at the tail."""
+
+    stack: BlockStack
+    states: StateManager
+
+    @property
+    def active_call(self) -> ActiveCall | None: ...
+
+    def decide(self, head: torch.nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor) -> bool: ...
+
+    def reused_hidden(self, head_input: torch.Tensor) -> torch.Tensor: ...
+
+    def store_residual(self, head_input: torch.Tensor, output: torch.Tensor) -> torch.Tensor | None: ...
 
 
 class StackHeadHook(ModelHook):
@@ -22,12 +38,12 @@ class StackHeadHook(ModelHook):
 
     phase = HookPhase.CACHING
 
-    def __init__(self, run: StackCacheRun):
+    def __init__(self, run: StackRun):
         self.run = run
 
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         run = self.run
-        call = run._call
+        call = run.active_call
         if call is None:
             return self.fn_ref.original_forward(*args, **kwargs)
         stack = run.stack
@@ -48,11 +64,11 @@ class StackBlockHook(ModelHook):
 
     phase = HookPhase.CACHING
 
-    def __init__(self, run: StackCacheRun):
+    def __init__(self, run: StackRun):
         self.run = run
 
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        call = self.run._call
+        call = self.run.active_call
         if call is not None and call.skipping:
             return self.run.stack.skip_block(module, args, kwargs)
         return self.fn_ref.original_forward(*args, **kwargs)
@@ -72,7 +88,7 @@ class StackTailHook(ModelHook):
     #: the tail's hidden is what it returns (``ReturnedHidden``): the hook acts in ``post_forward``
     on_output = False
 
-    def __init__(self, run: StackCacheRun, part: int = 0, parts: int = 1):
+    def __init__(self, run: StackRun, part: int = 0, parts: int = 1):
         self.run = run
         self.part = part
         self.parts = parts
@@ -84,7 +100,7 @@ class StackTailHook(ModelHook):
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         run = self.run
-        call = run._call
+        call = run.active_call
         if call is None or call.head_input is None or call.tail_part != self.part:
             return args, kwargs
         if self.on_output:
@@ -117,7 +133,7 @@ class StackTailHook(ModelHook):
         if not self.on_output:
             return output
         run = self.run
-        call = run._call
+        call = run.active_call
         if call is None or call.head_input is None:
             return output
         head_input, call.head_input = call.head_input, None
@@ -132,11 +148,11 @@ class StackCaptureHook(ModelHook):
 
     phase = HookPhase.CACHING
 
-    def __init__(self, run: StackCacheRun):
+    def __init__(self, run: StackRun):
         self.run = run
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        call = self.run._call
+        call = self.run.active_call
         if call is not None and args:
             call.captured = args[0]
         return args, kwargs

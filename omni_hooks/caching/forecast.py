@@ -23,16 +23,17 @@ Memory: a branch keeps at most ``order + 1`` residuals (``ResidualHistory.limit`
 
 ``AUTO`` chooses the candidate per branch and skipped step from what the run has seen, with no extra model call: at
 each computed step, before its residual joins the history, every candidate that has enough older residuals predicts it
-from them (``ResidualHistory.prediction_errors``); ``OrderScores`` keeps a running relative error per candidate and
+from them (``ResidualHistory.prediction_errors``); ``CandidateScores`` keeps a running relative error per candidate and
 the distance (in the coordinate) those predictions spanned. A skip uses the candidate whose error, carried to the
 skip's own distance from the last computed step, is smallest: an order-k extrapolation errs like the distance to the
-power k + 1, reuse like the distance (``Candidate.order``), so a skip close to the last computed step favours the
+power k + 1, reuse like the distance (``Candidate.degree``), so a skip close to the last computed step favours the
 higher orders and one far from it favours reuse. An error also counts as it adds up in the latent over the coming
-gaps: each candidate's running correlation between its consecutive errors (``OrderScores.coherence``; reuse lagging a
-drift errs the same way at every gap) multiplies its error by ``accumulation`` (below 1 for errors that alternate,
-where the cache credits that: ``StackCacheRun.coherence_floor``). Plain reuse unless a candidate beats it. An auto
-branch keeps ``AUTO_KEPT`` residuals (the newest is scored against the ones before it). The scores are measured per
-rank shard and averaged over the ranks (like the caches' metrics), so every rank of a group chooses the same one.
+gaps: each candidate's running correlation between its consecutive errors (``CandidateScores.coherence``; reuse
+lagging a drift errs the same way at every gap) multiplies its error by ``accumulation`` (below 1 for errors that
+alternate, where the cache credits that: ``StackCacheRun.coherence_floor``). Plain reuse unless a candidate beats it.
+An auto branch keeps ``AUTO_KEPT`` residuals (the newest is scored against the ones before it). The scores are
+measured per rank shard and averaged over the ranks (like the caches' metrics), so every rank of a group chooses the
+same one.
 
 A policy that knows it forecasts (``ErrorPerMetric``, under ``WEIGHED_ORDERS``): at each computed step the cache also
 knows the metric that made it compute (TeaCache's accumulated change) and the error the forecast a skip would have
@@ -55,15 +56,15 @@ ORDERS = (0, 1, 2)  # the orders a cache can be set to (``forecast_order``)
 MAX_ORDER = ORDERS[-1]
 TAYLOR = 3      # candidates only AUTO chooses (``CANDIDATES``)
 CHEBYSHEV = 4
-AUTO = "auto"                            # the candidate chosen per branch and skipped step (OrderScores)
+AUTO = "auto"                            # the candidate chosen per branch and skipped step (CandidateScores)
 FORECAST = "forecast"                   # BranchDecision.reason of a skipped branch whose residual was forecast
 FORECAST_FALLBACK = "forecast-fallback"  # ... whose forecast was not finite, so the last residual was reused
 
 
 SCORE_MEMORY = 0.5  # the running scores: weight of the newest measurement
-# OrderScores.best charges an order for how its errors add up over the coming gaps (``accumulation``). Errors that
-# alternate are credited as cancelling (ALTERNATING_COHERENCE) only by a cache whose metric does not estimate reuse's
-# own error: TeaCache's input change does not; MagCache skips where its curve expects reuse to err little, and
+# CandidateScores.best charges a candidate for how its errors add up over the coming gaps (``accumulation``). Errors
+# that alternate are credited as cancelling (ALTERNATING_COHERENCE) only by a cache whose metric does not estimate
+# reuse's own error: TeaCache's input change does not; MagCache skips where its curve expects reuse to err little, and
 # crediting alternation there made auto lose 1.8 dB to reuse at one MagCache threshold
 ACCUMULATED_GAPS = 4
 COHERENCE_RANGE = (0.0, 0.9)
@@ -155,13 +156,14 @@ def solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
 @dataclass(frozen=True)
 class Candidate:
     """A forecast: a weighted sum of the branch's ``needs`` newest residuals, the weights from their coordinates
-    and the target's (``weights(nodes, x)``). Its error grows like the distance to the power ``order`` + 1
-    (``OrderScores.best`` carries scores to a skip's distance by it)."""
+    and the target's (``weights(nodes, x)``). ``key``: its place in ``CANDIDATES`` (0 to 2 are also the forecast
+    orders a user sets); ``degree``: its error grows like the distance to the power ``degree`` + 1
+    (``CandidateScores.best`` carries scores to a skip's distance by it)."""
 
     key: int
     name: str
     needs: int
-    order: int
+    degree: int
     weights: Callable[[list[float], float], list[float]]
 
 
@@ -187,7 +189,7 @@ class Forecast:
     """A skipped branch's residual: ``residual`` (None: nothing cached) and how it was made."""
 
     residual: torch.Tensor | None
-    order: int = 0              # the candidate actually used (its key; 0: the last residual)
+    candidate: int = 0          # the candidate actually used (its key; 0: the last residual)
     fell_back: bool = False     # a forecast was made but was not finite; ``residual`` is the last one
 
 
@@ -222,24 +224,24 @@ class ResidualHistory:
     def last(self) -> torch.Tensor | None:
         return self.residuals[-1] if self.residuals else None
 
-    def forecast(self, coord: float | None, check_finite: bool = True, order: int | None = None) -> Forecast:
-        """The residual at ``coord``: candidate ``order``'s forecast from the newest kept residuals (None: the
-        Lagrange extrapolation through all of them, order = entries - 1; an order that needs more residuals than are
-        kept: the highest Lagrange order they allow), or the last residual when only one is used, ``coord`` is None,
-        or (``check_finite``) the forecast is not finite. Computed in at least float32, returned in the residuals'
-        dtype."""
+    def forecast(self, coord: float | None, check_finite: bool = True, candidate: int | None = None) -> Forecast:
+        """The residual at ``coord``: the forecast of the candidate keyed ``candidate`` from the newest kept residuals
+        (None: the Lagrange extrapolation through all of them, of order entries - 1; a candidate that needs more
+        residuals than are kept: the highest Lagrange order they allow), or the last residual when only one is used,
+        ``coord`` is None, or (``check_finite``) the forecast is not finite. Computed in at least float32, returned in
+        the residuals' dtype."""
         last = self.last
         kept = len(self.residuals)
-        candidate = CANDIDATE[min(kept - 1, MAX_ORDER) if order is None else order] if kept else CANDIDATE[0]
-        if candidate.needs > kept:
-            candidate = CANDIDATE[min(kept - 1, MAX_ORDER)]
-        usable = candidate.needs > 1 and coord is not None and coord not in self.coords
+        used = CANDIDATE[min(kept - 1, MAX_ORDER) if candidate is None else candidate] if kept else CANDIDATE[0]
+        if used.needs > kept:
+            used = CANDIDATE[min(kept - 1, MAX_ORDER)]
+        usable = used.needs > 1 and coord is not None and coord not in self.coords
         if not usable:
             return Forecast(last)
-        out = self._combine(candidate, self.coords, self.residuals, float(coord))
+        out = self._combine(used, self.coords, self.residuals, float(coord))
         if check_finite and not bool(torch.isfinite(out).all()):
             return Forecast(last, fell_back=True)
-        return Forecast(out.to(last.dtype), order=candidate.key)
+        return Forecast(out.to(last.dtype), candidate=used.key)
 
     @staticmethod
     def _combine(candidate: Candidate, coords: list, residuals: list[torch.Tensor], coord: float) -> torch.Tensor:
@@ -259,7 +261,7 @@ class ResidualHistory:
         residuals would have made predicting it; then the inner product of e with e', the error the same candidate
         made predicting the newest kept residual from the ones before it, and the squared norm of e'; last,
         ``residual``'s squared L2 norm. That is ``3 * len(CANDIDATES) + 1`` 0-d float32 tensors
-        (``OrderScores.update`` reads them), with no host sync."""
+        (``CandidateScores.update`` reads them), with no host sync."""
         count = len(CANDIDATES)
         measured: list[torch.Tensor | None] = [None] * (3 * count)
         comparable = (self.residuals and coord is not None and None not in self.coords and coord not in self.coords
@@ -299,7 +301,7 @@ def accumulation(coherence: float, low: float = COHERENCE_RANGE[0]) -> float:
 
 
 @dataclass
-class OrderScores:
+class CandidateScores:
     """A branch's running relative squared error of each candidate (``errors[key]``, None: not measured yet), the
     running correlation of each candidate's consecutive errors (``coherence[key]``, None: not measured yet) and the
     running distance in the coordinate over which they were measured (``horizon``, None: not known). Indexed by
@@ -339,7 +341,7 @@ class OrderScores:
     def best(self, kept: int = AUTO_KEPT, horizon: float | None = None, low: float = COHERENCE_RANGE[0]) -> int:
         """The candidate (of those needing at most ``kept`` residuals) expected to err least at ``horizon``; 0
         (reuse) unless another one beats it. Relative to reuse, a candidate's squared error scales by
-        ``(horizon / self.horizon) ** (2 * order)`` (its ``Candidate.order``; none when either distance is unknown),
+        ``(horizon / self.horizon) ** (2 * degree)`` (its ``Candidate.degree``; none when either distance is unknown),
         and each candidate's error counts as it adds up (``expected``, its coherence bounded below by ``low``)."""
         reuse = self.expected(0, low)
         if reuse is None:
@@ -349,8 +351,8 @@ class OrderScores:
         for key in CANDIDATES[1:]:
             candidate = CANDIDATE[key]
             error = self.expected(key, low)
-            if candidate.needs <= kept and error is not None and error * scale ** (2 * candidate.order) < best_error:
-                best, best_error = key, error * scale ** (2 * candidate.order)
+            if candidate.needs <= kept and error is not None and error * scale ** (2 * candidate.degree) < best_error:
+                best, best_error = key, error * scale ** (2 * candidate.degree)
         return best
 
     def clear(self) -> None:

@@ -8,13 +8,13 @@ input changes little from step to step, and one more computed step elsewhere can
 benchmark models that made a lower threshold, with more computed steps, lose up to 4 dB (docs/benchmarks.md). So a
 step whose sigma step is at least ``factor`` times the schedule's mean step is never skipped. The rule needs the
 run's schedule (``CallContext.schedule``); it is the same on every rank. A run of few steps has the few-step rule
-instead (``omni_hooks.few_step``: its first steps, its last, no two skips in a row).
+instead (``omni_hooks.caching.few_step``: its first steps, its last, no two skips in a row).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .context import sigma_steps
+from ..context import sigma_steps
 
 LARGE_STEP_REASON = "large-step"
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from .cache_config import StackCacheConfig
+from .config import StackCacheConfig
 from .budget import BUDGET_REASON
 from .few_step import FEW_STEP_REASON
 from .forecast import CANDIDATE_NAMES, FORECAST, FORECAST_FALLBACK
@@ -40,8 +40,6 @@ REASONS: tuple[str, ...] = (REUSE, FORECAST, FORECAST_FALLBACK, FIRST, SHAPE, FO
 SKIP_REASONS = frozenset({REUSE, FORECAST, FORECAST_FALLBACK})
 
 NON_FINITE_TEXT = ("NaN", "Infinity", "-Infinity")
-# what a skipped branch's residual came from, by ``BranchDecision.forecast_order``
-ORDER_NAMES = CANDIDATE_NAMES
 
 
 def json_safe(value: Any) -> Any:
@@ -74,8 +72,8 @@ class BranchDecision:
     reason: str            # one of ``REASONS``; a skipped branch's is one of ``SKIP_REASONS``
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
-    # with a forecast: the candidate a skipped branch's residual came from (``ORDER_NAMES``; 0: the last residual
-    # reused); None otherwise
+    # with a forecast: the candidate a skipped branch's residual came from (its key in ``forecast.CANDIDATE_NAMES``;
+    # 0: the last residual reused); None otherwise. The statistics' JSON keeps this released name
     forecast_order: int | None = None
 
 
@@ -88,6 +86,17 @@ class EvaluationRecord:
     computed: bool
     branches: list[BranchDecision]
     seconds: float = 0.0
+
+
+class RuleEntry(Protocol):
+    """What the statistics read of a step rule (``caching.rules.StepRule``): its name, what it did in words and its
+    figures."""
+
+    name: str
+
+    def note(self) -> str | None: ...
+
+    def summary(self) -> dict[str, Any] | None: ...
 
 
 @dataclass
@@ -105,20 +114,17 @@ class CacheRunStats:
     # set when the block stack's output had another shape than its input, so no residual could be kept
     stack_shape_mismatch: bool = False
     disabled: str | None = None  # why caching was disabled for the whole run (every step computed), if it was
-    # set when the run had so few steps that the few-step rule (omni_hooks.few_step) applied: what it allowed, in words
-    few_step_note: str | None = None
     # branch evaluations computed only because the forecast's record weighed the metric (ErrorPerMetric), and
     # the largest weight that did so
     sooner_by_forecast: int = 0
     largest_forecast_weight: float = 1.0
-    # the run's large steps in words (``omni_hooks.large_steps``), when it had any
-    large_step_note: str | None = None
-    # skip correction (``omni_hooks.skip_correction``): computed calls whose output carried one, and why the run
+    # skip correction (``caching.skip_correction``): computed calls whose output carried one, and why the run
     # could not correct, if it could not
     corrected_steps: int = 0
     skip_correction_note: str | None = None
-    # the run's forward budget (``omni_hooks.budget.ForwardBudget``: its ``summary()`` and ``describe()``), if any
-    budget: Any = None
+    # the run's step rules (``caching.rules.StepRule``), in the order it asks them: each is its own entry here, with
+    # its ``note()`` and ``summary()``
+    rules: list[RuleEntry] = field(default_factory=list)
     # what the host changed for this run, in words (e.g. a compiler left out), set by the host's side
     host_notes: list[str] = field(default_factory=list)
 
@@ -183,10 +189,11 @@ class CacheRunStats:
         if self.threshold <= 0:
             return "threshold is 0, so every step is computed"
         forced = (FIRST, FORCED, WINDOW, RETENTION, LARGE_STEP_REASON)  # steps a policy computes whatever changed
-        if self.few_step_note is not None and all(
+        few_step_note = self.rule_note(FEW_STEP_REASON)
+        if few_step_note is not None and all(
                 r in (*forced, CALIBRATE, FEW_STEP_REASON, THRESHOLD, MAX_SKIPS) for r in reasons) \
                 and FEW_STEP_REASON in reasons:
-            return self.few_step_note
+            return few_step_note
         if MODEL_CACHE in reasons and all(r in (*forced, FEW_STEP_REASON, SHAPE, MODEL_CACHE) for r in reasons):
             return ("the model filled its own key/value cache on every call (a prompt or reference image it had not "
                     "seen), and such calls are always computed")
@@ -204,11 +211,12 @@ class CacheRunStats:
                 "few-step/distilled, where caching has little to skip")
 
     def forecast_orders(self) -> dict[str, int] | None:
-        """With a forecast: how many skipped branch evaluations used each order (``ORDER_NAMES``); None without."""
+        """With a forecast: how many skipped branch evaluations used each candidate (by its name in
+        ``forecast.CANDIDATE_NAMES``); None without."""
         used = [b.forecast_order for e in self.evaluations for b in e.branches if b.forecast_order is not None]
         if not used:
             return None
-        return {name: used.count(order) for order, name in ORDER_NAMES.items() if order in used}
+        return {name: used.count(key) for key, name in CANDIDATE_NAMES.items() if key in used}
 
     def summary(self) -> dict[str, Any]:
         total = len(self.evaluations)
@@ -244,11 +252,11 @@ class CacheRunStats:
             "estimated_speedup": (model_seconds + saved) / model_seconds if model_seconds > 0 else 1.0,
             "cache_bytes": self.cache_bytes,
             "warnings": warnings,
-            "notes": list(self.config.notes) + [n for n in (self.budget_note(), self.forecast_note(),
-                                                            self.few_step_note, self.large_step_note,
-                                                            self.correction_note()) if n] + self.host_notes,
+            "notes": list(self.config.notes) + [n for n in (*(rule.note() for rule in self.rules),
+                                                            self.forecast_note(), self.correction_note()) if n]
+                     + self.host_notes,
             "forecast_orders": self.forecast_orders(),
-            "budget": self.budget.summary() if self.budget is not None and self.budget.total else None,
+            "budget": self.rule_summary(BUDGET_REASON),
         }
 
     def correction_note(self) -> str | None:
@@ -258,9 +266,13 @@ class CacheRunStats:
         return (f"skip correction {self.config.skip_correction:g}: {self.corrected_steps} computed step(s) also "
                 "corrected the skipped steps before them")
 
-    def budget_note(self) -> str | None:
-        """In words, what the forward budget asked and where the computed steps went (None: no budget)."""
-        return self.budget.describe() if self.budget is not None and self.budget.total else None
+    def rule_note(self, name: str) -> str | None:
+        """What the run's step rule ``name`` did, in words (None: the run has no such rule, or it did nothing)."""
+        return next((rule.note() for rule in self.rules if rule.name == name), None)
+
+    def rule_summary(self, name: str) -> dict[str, Any] | None:
+        """The figures of the run's step rule ``name`` (None: the run has no such rule, or it has none)."""
+        return next((rule.summary() for rule in self.rules if rule.name == name), None)
 
     def log_line(self) -> str:
         s = self.summary()
