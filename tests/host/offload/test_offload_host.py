@@ -170,8 +170,8 @@ def test_kept_blocks_that_comfyui_left_off_the_device_are_completed_while_they_f
     events = []
     for cls, name in ((env.session.LayerwiseOffloadRun, "apply"), (env.session.LayerwiseOffloadRun, "remove"),
                       (env.placement.Promotion, "promote"), (env.placement.Promotion, "undo")):
-        monkeypatch.setattr(cls, name, lambda self, *a, _call=getattr(cls, name), _name=name:
-                            (events.append(_name), _call(self, *a))[1])
+        monkeypatch.setattr(cls, name, lambda self, *a, _call=getattr(cls, name), _name=name, **k:
+                            (events.append(_name), _call(self, *a, **k))[1])
     probe = Probe(env, env.offload(wan.patcher, blocks=2, prefetch=1))
     out = env.tiny.sample(wan, model=probe.model, steps=STEPS)
     assert torch.equal(out, baseline)
@@ -350,6 +350,75 @@ def test_repeated_runs_do_not_grow_memory(env, forced):
     assert growth < 3 * one_run, f"RSS grew by {growth} bytes over 12 runs (one run allocates {one_run}): {rss}"
     for session in sessions:  # every run let go of its master copies and slots
         assert session.run._masters == [] and session.run._slots == []
+
+
+def test_the_placement_is_kept_for_the_next_run_and_made_anew_for_a_lora_and_after_comfyuis_unload(env, wan, forced,
+                                                                                                  monkeypatch):
+    """The same model twice, then with a LoRA, then unloaded by ComfyUI and sampled again: the second run uses the
+    first run's packed blocks (nothing packed), the LoRA run packs anew and says why, ComfyUI's unload frees the kept
+    blocks (no tensor of them left), the next run places anew, and ComfyUI's detach of the model frees them again.
+    Every latent is bit-identical to the same run without the node."""
+    import weakref
+
+    import comfy.model_management
+
+    kept = env.session.kept
+    kept.release_all()  # whatever an earlier test kept
+    from omnitest.pack import pack_module
+
+    packing = []  # the blocks the library packs into master copies
+    layout = pack_module("omni_hooks.offload").BlockLayout
+    pack_into = layout.pack_into
+    monkeypatch.setattr(layout, "pack_into", lambda self, flat: (packing.append(1), pack_into(self, flat))[1])
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    before = weights_state(wan.diffusion_model)
+    offloaded = env.offload(wan.patcher, blocks=2)
+
+    probes = []  # kept alive: ComfyUI's list of loaded models holds a patcher only weakly
+
+    def run(model, reference):
+        packing.clear()
+        probe = Probe(env, model)
+        probes.append(probe)
+        assert torch.equal(env.tiny.sample(wan, model=probe.model, steps=STEPS), reference)
+        summary = probe.session(env).summary()
+        assert summary["kept_placement_bytes"] == summary["offloaded_bytes"] > 0
+        assert kept.kept() is not None and kept.kept().packed.nbytes == summary["offloaded_bytes"]
+        return summary
+
+    first = run(offloaded, baseline)
+    assert (first["placement"], first["placement_reason"]) == ("new", "first placement of this model")
+    assert len(packing) == 2 and not first["packed_reused"]
+    held = [weakref.ref(b.tensor) for b in kept.kept().packed.buffers]
+    second = run(offloaded, baseline)
+    assert (second["placement"], second["placement_reason"]) == ("kept", "kept from the last run of this model")
+    assert packing == [] and second["packed_reused"] and all(ref() is not None for ref in held)
+
+    lora_model = with_lora(offloaded, tiny_lora(wan.diffusion_model, seed=3), 0.9)
+    lora_reference = env.tiny.sample(wan, model=with_lora(wan.patcher, tiny_lora(wan.diffusion_model, seed=3), 0.9),
+                                     steps=STEPS)
+    assert not torch.equal(lora_reference, baseline)
+    third = run(lora_model, lora_reference)
+    assert third["placement"] == "new" and "other weight patches on the MODEL" in third["placement_reason"]
+    assert len(packing) == 2 and all(ref() is None for ref in held)  # the stale copies were freed
+    held = [weakref.ref(b.tensor) for b in kept.kept().packed.buffers]
+
+    comfy.model_management.unload_all_models()
+    gc.collect()
+    assert kept.kept() is None and all(ref() is None for ref in held), "ComfyUI's unload left the kept blocks"
+    after_unload = run(offloaded, baseline)
+    assert after_unload["placement"] == "new" and len(packing) == 2
+    assert after_unload["placement_reason"] == "ComfyUI unloaded the model"
+    held = [weakref.ref(b.tensor) for b in kept.kept().packed.buffers]
+    loaded = [m.model for m in comfy.model_management.current_loaded_models if m.model is probes[-1].model]
+    assert loaded, "the model is not among ComfyUI's loaded models"
+    loaded[0].detach()  # what ComfyUI's unload calls: ON_DETACH with unpatch_all
+    gc.collect()
+    assert kept.kept() is None and all(ref() is None for ref in held)
+    after = weights_state(wan.diffusion_model)  # ComfyUI's LoRA unpatch made new parameter objects: values only
+    assert all(torch.equal(after[name][6], values[6]) for name, values in before.items())
+    assert_unhooked(wan.diffusion_model)
+    assert torch.equal(env.tiny.sample(wan, steps=STEPS), baseline)  # the input MODEL is untouched
 
 
 def test_auto_offloads_as_few_blocks_as_the_free_memory_needs(env, wan, forced, monkeypatch):
