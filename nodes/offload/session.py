@@ -12,7 +12,8 @@ the run only (``OffloadSession.after_load``, undone by ``close``):
   * ComfyUI's accounting (``model_loaded_weight_memory``) is told the weight bytes the model holds on the device
     during the run, and given back its own number at the end.
 Nothing changes where there is nothing to offload to (ComfyUI on the CPU, ``--highvram``), where newer ComfyUI's
-dynamic VRAM places the weights itself (the card then shows what ComfyUI kept resident and streamed), where ComfyUI
+dynamic VRAM places the weights itself and the take-over decision (``takeover.py``) stands aside (the card then shows
+what ComfyUI kept resident and streamed, and the decision's figures), where ComfyUI
 weight hooks patch weights during the run, or where placing the blocks failed (undone; the run goes on as ComfyUI
 loaded the model): the run says why in its log line and its statistics (``OffloadSession.summary()``, which a cache
 run on the same MODEL publishes in its run-history entry). What ComfyUI itself offers and does (its pinned weights,
@@ -33,7 +34,7 @@ from ...omni_hooks.offload import LayerwiseOffloadRun, OffloadConfig, OffloadSta
 from .. import families
 from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, register_feature
 from ..stats_store import FeatureReport, StepTotals
-from . import host, kept
+from . import host, kept, takeover
 from .host import ComfyPins, HostStreaming, HostStreamsHook, activation_reserve, dynamic_vram_reason, \
     no_target_reason, pinned_memory_budget
 from .placement import BlockFootprint, OffloadPlan, Promotion, block_tensors, gib, plan_offload
@@ -84,6 +85,7 @@ class OffloadSession(FeatureSession):
         self.placement_reason: str | None = None
         self.kept_bytes = 0
         self._placement_key: kept.PlacementKey | None = None
+        self.takeover: takeover.TakeoverDecision | None = None  # under ComfyUI's dynamic VRAM: take over or not
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -102,6 +104,8 @@ class OffloadSession(FeatureSession):
                 self.host_streaming = HostStreaming(patcher)
             return
         self.target = target
+        if self.takeover is not None:
+            self.notes.append(self.takeover.reason)
         if target.type != "cuda":
             self.notes.append(f"copies to {target} are synchronous: look-ahead copies need CUDA streams")
         try:
@@ -224,6 +228,7 @@ class OffloadSession(FeatureSession):
             "placement": self.placement,
             "placement_reason": self.placement_reason,
             "kept_placement_bytes": self.kept_bytes,
+            "takeover": None if self.takeover is None else self.takeover.summary(),
             "host_streaming": None if self.host_streaming is None else self.host_streaming.summary(),
             "steps": self.steps.to_list(),
             "notes": [*summary["notes"], *self.notes],
@@ -261,9 +266,11 @@ class OffloadSession(FeatureSession):
     def _reason_to_change_nothing(self, patcher, target: torch.device | None) -> str | None:
         dynamic = dynamic_vram_reason(patcher)
         if dynamic is not None:
-            return (f"{dynamic}: ComfyUI streams this model's weights to the GPU itself, each layer's when it runs, "
-                    "so CPU Offload leaves them to it and changes nothing; a step a cache skips runs no block, so "
-                    "ComfyUI loads none of their weights")
+            self.takeover = self._decide_takeover(patcher, target)
+            if not self.takeover.take_over:
+                return (f"{dynamic}: ComfyUI streams this model's weights to the GPU itself, each layer's when it "
+                        "runs, so CPU Offload leaves them to it and changes nothing; a step a cache skips runs no "
+                        f"block, so ComfyUI loads none of their weights; {self.takeover.reason}")
         if target is None:
             on_cpu = torch.device(patcher.load_device).type == "cpu"
             fix = ("it frees VRAM where ComfyUI runs the model on a GPU" if on_cpu
@@ -277,6 +284,15 @@ class OffloadSession(FeatureSession):
             return ("blocks_to_offload is 0: nothing offloaded; set it to -1 (auto) or to the number of blocks to keep "
                     "in RAM")
         return None
+
+    def _decide_takeover(self, patcher, target: torch.device | None) -> takeover.TakeoverDecision:
+        """Under ComfyUI's dynamic VRAM: take this run over or stand aside (``takeover.decide``), from the figures
+        measured for this GPU and model, the run's steps and whether a placement of this model is kept."""
+        held = kept.kept()
+        placement_kept = held is not None and held.model() is patcher.model
+        regime = takeover.measured_regime(target, self.detected.variant) if target is not None else None
+        steps = self.load_request.steps if self.load_request is not None else None
+        return takeover.decide(regime, steps, placement_kept)
 
     def _available_for_blocks(self, patcher, target: torch.device, footprints: list[BlockFootprint]) -> int:
         """Device bytes the blocks may hold during the run, and a note saying how that was decided."""

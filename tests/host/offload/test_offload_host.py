@@ -38,6 +38,7 @@ def env(user_dir):
         tiny = tiny_models
         node = offload_module
         session = pack_module("nodes.offload.session")
+        takeover = pack_module("nodes.offload.takeover")
         host = pack_module("nodes.offload.host")
         placement = pack_module("nodes.offload.placement")
         lifecycle = features
@@ -530,6 +531,9 @@ def test_dynamic_vram_is_detected_and_left_to_comfyui(env, wan, forced, monkeypa
     summary = probe.session(env).summary()
     assert not summary["active"] and summary["bytes_moved"] == 0
     assert any("dynamic VRAM" in n and "changes nothing" in n for n in summary["notes"]), summary["notes"]
+    decision = summary["takeover"]  # no figure is measured for this regime: today's outcome
+    assert decision["decision"] == "stand aside" and decision["node_seconds"] is None
+    assert decision["reason"].startswith("no whole-run figures are measured for this GPU and model")
     assert_same_state(before, weights_state(wan.diffusion_model))
 
 
@@ -664,6 +668,54 @@ def test_promotion_copies_and_undo_gives_back_the_same_storage(env):
     promotion.undo()  # idempotent
     assert [t.data_ptr() for t in tensors] == storages and promotion.nbytes == 0
     assert all(torch.equal(t, v) for t, v in zip(tensors, values))
+
+
+@pytest.mark.parametrize("node_step", [0.5, 1.2])
+def test_under_dynamic_vram_the_takeover_follows_both_whole_run_figures(env, wan, forced, monkeypatch, caplog,
+                                                                        node_step):
+    """Each branch of the decision forced with a regime's figures: the node's whole run (its placement counted, a
+    first run) shorter than ComfyUI's by more than the spread takes the model over and offloads bit-identically;
+    longer, it stands aside. The card and the log line say which, why, and both figures."""
+    import comfy.model_patcher
+
+    monkeypatch.setattr(comfy.model_patcher, "ModelPatcherDynamic", comfy.model_patcher.ModelPatcher, raising=False)
+    env.session.kept.release_all()  # a first run of this model: its placement is counted
+    regime = env.takeover.MeasuredRegime(node_first_start_s=2.0, node_kept_start_s=0.3, node_step_s=node_step,
+                                         node_end_s=0.5, comfy_start_s=0.1, comfy_step_s=1.1, comfy_end_s=0.0,
+                                         spread=0.02, source="figures forced by the test")
+    asked = []
+    monkeypatch.setattr(env.takeover, "measured_regime",
+                        lambda device, variant: (asked.append((device, variant)), regime)[1])
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    probe = Probe(env, env.offload(wan.patcher, blocks=LAYERS))
+    with caplog.at_level(logging.INFO, logger="OmniHooks"):
+        assert torch.equal(env.tiny.sample(wan, model=probe.model, steps=STEPS), baseline)
+    summary = probe.session(env).summary()
+    node_s, comfy_s = 2.0 + STEPS * node_step + 0.5, 0.1 + STEPS * 1.1
+    take_over = node_s < comfy_s * 0.98
+    assert take_over == (node_step == 0.5)
+    decision = summary["takeover"]
+    assert asked == [(torch.device("cpu"), wan_variant(env, wan))]
+    assert decision["decision"] == ("take over" if take_over else "stand aside")
+    assert (decision["steps"], decision["placement_kept"], decision["spread"]) == (STEPS, False, 0.02)
+    assert decision["node_seconds"] == pytest.approx(node_s) and decision["comfy_seconds"] == pytest.approx(comfy_s)
+    figures = [f"{node_s:.1f} s (2.00 s start + {STEPS} x {node_step:.3f} s + 0.50 s end)",
+               f"{comfy_s:.1f} s (0.10 s start + {STEPS} x 1.100 s + 0.00 s end)", "spread 2.0%",
+               "figures forced by the test", "its placement counted"]
+    assert all(f in decision["reason"] for f in figures), decision["reason"]
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("OmniHooks CPU Offload")]
+    verdict = "CPU Offload takes the model over" if take_over else "CPU Offload stands aside"
+    assert verdict in decision["reason"] and decision["reason"] in line, line
+    assert decision["reason"] in summary["notes"] or decision["reason"] in summary["unchanged_reason"]
+    if take_over:
+        assert summary["active"] and summary["blocks_offloaded"] == LAYERS and summary["host_streaming"] is None
+    else:
+        assert not summary["active"] and summary["bytes_moved"] == 0 and summary["host_streaming"] is not None
+    assert_unhooked(wan.diffusion_model)
+
+
+def wan_variant(env, case) -> str:
+    return env.lifecycle.detect(case.patcher).variant
 
 
 @requires_comfy_class("comfy.model_patcher", "ModelPatcherDynamic")
