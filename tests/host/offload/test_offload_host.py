@@ -714,6 +714,43 @@ def test_under_dynamic_vram_the_takeover_follows_both_whole_run_figures(env, wan
     assert_unhooked(wan.diffusion_model)
 
 
+def test_under_dynamic_vram_a_kept_placement_counts_only_what_is_left_of_the_start(env, wan, forced, monkeypatch):
+    """Figures where the node's whole run is longer than ComfyUI's with its placement (a first run) and shorter
+    without it: it stands aside on a first run, and takes over once a legacy-path run of the same model kept its
+    placement, which the take-over run then uses (nothing packed)."""
+    import comfy.model_patcher
+
+    regime = env.takeover.MeasuredRegime(node_first_start_s=2.0, node_kept_start_s=0.3, node_step_s=0.9,
+                                         node_end_s=0.5, comfy_start_s=0.1, comfy_step_s=1.1, comfy_end_s=0.0,
+                                         spread=0.02, source="figures forced by the test")
+    monkeypatch.setattr(env.takeover, "measured_regime", lambda device, variant: regime)
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    model = env.offload(wan.patcher, blocks=LAYERS)
+
+    def dynamic_run():
+        with monkeypatch.context() as dynamic:
+            dynamic.setattr(comfy.model_patcher, "ModelPatcherDynamic", comfy.model_patcher.ModelPatcher,
+                            raising=False)
+            probe = Probe(env, model)
+            assert torch.equal(env.tiny.sample(wan, model=probe.model, steps=STEPS), baseline)
+        return probe.session(env).summary()
+
+    env.session.kept.release_all()
+    first = dynamic_run()
+    assert first["takeover"]["decision"] == "stand aside" and not first["takeover"]["placement_kept"]
+    assert first["takeover"]["node_seconds"] == pytest.approx(2.0 + STEPS * 0.9 + 0.5) and not first["active"]
+    legacy = Probe(env, model)  # not dynamic: the node places the blocks, and keeps them
+    env.tiny.sample(wan, model=legacy.model, steps=STEPS)
+    assert legacy.session(env).summary()["kept_placement_bytes"] > 0
+    later = dynamic_run()
+    decision = later["takeover"]
+    assert decision["decision"] == "take over" and decision["placement_kept"]
+    assert decision["node_seconds"] == pytest.approx(0.3 + STEPS * 0.9 + 0.5)
+    assert "0.30 s start" in decision["reason"] and "its placement counted" not in decision["reason"]
+    assert later["active"] and later["placement"] == "kept" and later["packed_reused"]
+    assert_unhooked(wan.diffusion_model)
+
+
 def wan_variant(env, case) -> str:
     return env.lifecycle.detect(case.patcher).variant
 
