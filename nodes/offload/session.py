@@ -140,8 +140,13 @@ class OffloadSession(FeatureSession):
             config = self._config_for(target)
             self._placement_key = kept.PlacementKey.of(patcher, offloaded, target, config)
             packed, why = kept.take(patcher, self._placement_key)
-            self.run = LayerwiseOffloadRun(offloaded, target, config, keep_resident=_unmovable,
-                                           packed=packed).apply()
+            try:
+                self.run = LayerwiseOffloadRun(offloaded, target, config, keep_resident=_unmovable,
+                                               packed=packed).apply()
+            except BaseException:
+                if packed is not None:  # freed already where the run took it; else (no run made) freed here
+                    packed.release()
+                raise
             self.placement = "kept" if self.run.stats.packed_reused else "new"
             mismatch = self.run.packed_mismatch
             self.placement_reason = why if mismatch is None else f"the kept blocks no longer match: {mismatch}"

@@ -141,8 +141,6 @@ class LayerwiseOffloadRun:
                     locked = layout.page_locked_data()
                 except BaseException:
                     master.release()
-                    for rest in reused:
-                        rest.release()
                     raise
                 self._count_pinning(index, master)
                 self._masters.append(master)  # from here on, teardown restores this block from its master
@@ -160,6 +158,8 @@ class LayerwiseOffloadRun:
                 HookRegistry.get_or_create(block).register_hook(HOOK_NAME, hook)
             self._load_head()
         except BaseException:
+            for rest in reused:  # a given stack's buffers of blocks not reached
+                rest.release()
             self._teardown()
             raise
         self._stats.place_seconds = time.perf_counter() - started
