@@ -102,10 +102,12 @@ class FeatureConflictError(RuntimeError):
 @dataclass(frozen=True)
 class LoadRequest:
     """What ComfyUI loaded a run's models for (the arguments of ``prepare_sampling``): the shape of the run's noise
-    and its conditioning, from which ``comfy.sampler_helpers.estimate_memory`` estimates the run's activations."""
+    and its conditioning, from which ``comfy.sampler_helpers.estimate_memory`` estimates the run's activations, and
+    the run's sampler steps (its sigmas less one; None where the sampling call did not show them)."""
 
     noise_shape: tuple[int, ...] | None
     conds: Any = None
+    steps: int | None = None
 
 
 class FeatureSession:
@@ -249,6 +251,7 @@ class SamplingRun:
     schedules: dict = field(default_factory=dict)  # step_of's memo for this run
     header: RunHeader | None = None                # the run's statistics header, once opened
     closed: bool = False
+    steps: int | None = None                       # the run's sampler steps (its sigmas less one)
 
     def open(self, features: tuple[AppliedFeature, ...], factories: dict[str, SessionFactory] | None = None) -> None:
         """Create one session per feature, in ``SESSION_ORDER`` (each kept as soon as it exists, for ``close``).
@@ -339,6 +342,8 @@ def _outer_sample(executor, *args, **kwargs):
     guider.model_options["transformer_options"][EULER_KEY] = takes_euler_steps(
         kwargs.get("sampler", args[2] if len(args) > 2 else None),
         guider.model_patcher.get_model_object("model_sampling"))
+    sigmas = kwargs.get("sigmas", args[3] if len(args) > 3 else None)
+    sampling_run.steps = max(len(sigmas) - 1, 0) if sigmas is not None else None
     status = "error"
     try:
         features = checked_for_drift(sampling_run, features)
@@ -412,7 +417,7 @@ def _prepare_sampling(executor, model_patcher, *args, **kwargs):
         # prepare_sampling(model, noise_shape, conds, model_options=...)
         noise_shape = kwargs.get("noise_shape", args[0] if args else None)
         conds = kwargs.get("conds", args[1] if len(args) > 1 else None)
-        request = LoadRequest(tuple(noise_shape) if noise_shape is not None else None, conds)
+        request = LoadRequest(tuple(noise_shape) if noise_shape is not None else None, conds, sampling_run.steps)
         sampling_run.after_load(model_patcher, request)
     return loaded
 

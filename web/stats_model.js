@@ -548,6 +548,12 @@ function offloadView(s) {
     tiles.push({ value: formatBytes(s.device_weight_bytes), label: "weights in VRAM (peak)",
       help: "this model's weights on the device during the run, slots included, as ComfyUI counts them" });
   }
+  if (s.placement === "kept" || s.placement === "new") {
+    const how = s.placement === "kept" ? "this run reused the blocks packed by the last run of this model"
+      : `this run packed the blocks anew (${s.placement_reason ?? "no reason given"})`;
+    tiles.push({ value: formatBytes(finiteOr(s.kept_placement_bytes, 0)), label: "RAM kept for the next run",
+      help: `${how}; what is kept is freed when ComfyUI unloads the model or its weights change` });
+  }
   return {
     headline: parts.join("; "), tiles,
     strip: stepStrip(s, "bytes_moved", (x, skip) => (skip ? "skipped by the cache, nothing to move"

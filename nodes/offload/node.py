@@ -8,13 +8,14 @@ import math
 from typing import Any, Callable
 
 import comfy.model_management
+import comfy.patcher_extension
 import torch
 from comfy_api.latest import io
 
 from ...omni_hooks.offload import OffloadConfig
 from ..families import detect_for_node, model_input
 from ..features import CATEGORY, AppliedFeature, Category, attach_feature, display_name, named
-from . import host
+from . import host, kept
 from .placement import gib
 from .session import KIND, OffloadSession
 
@@ -137,7 +138,10 @@ class CPUOffload(io.ComfyNode):
                             pin_memory=pin_memory, vram_budget_gb=vram_budget_gb)
         feature = AppliedFeature(kind=KIND, category=Category.OFFLOAD, node_title=NODE_TITLE,
                                  node_id=cls.hidden.unique_id, config=config)
-        return io.NodeOutput(attach_feature(model, feature))
+        clone = attach_feature(model, feature)
+        # ComfyUI unloading the model frees the packed blocks kept for its next run
+        clone.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_DETACH, kept.CALLBACK_KEY, kept.on_detach)
+        return io.NodeOutput(clone)
 
 
 __all__ = ["CPUOffload", "OffloadSession", "config_for"]

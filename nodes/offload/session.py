@@ -4,14 +4,16 @@ ComfyUI loads the model as it always does (fully, or in part with its lowvram mo
 the run only (``OffloadSession.after_load``, undone by ``close``):
   * the last N blocks of the block stack are offloaded with ``omni_hooks.offload.LayerwiseOffloadRun``: one CPU
     master copy per block (pinned within a budget on CUDA), ``1 + prefetch_blocks`` device slots, a look-ahead on a
-    copy stream. Layers ComfyUI runs in its cast mode (``comfy_cast_weights``, LoRA as ``LowVramPatch`` weight
-    functions) keep running that way: the weight they cast is the slot view, already on the device, so ComfyUI's
-    ``cast_to`` copies nothing across the bus and its weight functions still apply the LoRA;
+    copy stream. The master copies are kept after the run for the next run of the same model and used again while
+    nothing changed its weights (``kept.py``). Layers ComfyUI runs in its cast mode (``comfy_cast_weights``, LoRA
+    as ``LowVramPatch`` weight functions) keep running that way: the weight they cast is the slot view, already on
+    the device, so ComfyUI's ``cast_to`` copies nothing across the bus and its weight functions still apply the LoRA;
   * the kept blocks that ComfyUI loaded only in part are completed on the device while VRAM allows (``Promotion``);
   * ComfyUI's accounting (``model_loaded_weight_memory``) is told the weight bytes the model holds on the device
     during the run, and given back its own number at the end.
 Nothing changes where there is nothing to offload to (ComfyUI on the CPU, ``--highvram``), where newer ComfyUI's
-dynamic VRAM places the weights itself (the card then shows what ComfyUI kept resident and streamed), where ComfyUI
+dynamic VRAM places the weights itself and the take-over decision (``takeover.py``) stands aside (the card then shows
+what ComfyUI kept resident and streamed, and the decision's figures), where ComfyUI
 weight hooks patch weights during the run, or where placing the blocks failed (undone; the run goes on as ComfyUI
 loaded the model): the run says why in its log line and its statistics (``OffloadSession.summary()``, which a cache
 run on the same MODEL publishes in its run-history entry). What ComfyUI itself offers and does (its pinned weights,
@@ -32,7 +34,7 @@ from ...omni_hooks.offload import LayerwiseOffloadRun, OffloadConfig, OffloadSta
 from .. import families
 from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, register_feature
 from ..stats_store import FeatureReport, StepTotals
-from . import host
+from . import host, kept, takeover
 from .host import ComfyPins, HostStreaming, HostStreamsHook, activation_reserve, dynamic_vram_reason, \
     no_target_reason, pinned_memory_budget
 from .placement import BlockFootprint, OffloadPlan, Promotion, block_tensors, gib, plan_offload
@@ -77,6 +79,13 @@ class OffloadSession(FeatureSession):
         self.host_streaming: HostStreaming | None = None  # what ComfyUI's dynamic VRAM kept resident, when it streams
         self._not_resident_at_call_start = 0
         self._loaded = False
+        # the packed blocks: "kept" (a kept placement's, from an earlier run) or "new", why, and the RAM they hold
+        # for the next run once this one ended (``kept.py``)
+        self.placement: str | None = None
+        self.placement_reason: str | None = None
+        self.kept_bytes = 0
+        self._placement_key: kept.PlacementKey | None = None
+        self.takeover: takeover.TakeoverDecision | None = None  # under ComfyUI's dynamic VRAM: take over or not
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -95,18 +104,20 @@ class OffloadSession(FeatureSession):
                 self.host_streaming = HostStreaming(patcher)
             return
         self.target = target
+        if self.takeover is not None:
+            self.notes.append(self.takeover.reason)
         if target.type != "cuda":
             self.notes.append(f"copies to {target} are synchronous: look-ahead copies need CUDA streams")
         try:
             self._place(patcher, target)
         except comfy.model_management.InterruptProcessingException:
-            self._undo()
+            self._undo(keep_placement=False)
             raise
         except Exception as error:
-            self._undo()
+            self._undo(keep_placement=False)
             self._changed_nothing_after(error)
         except BaseException:
-            self._undo()
+            self._undo(keep_placement=False)
             raise
 
     def _place(self, patcher, target: torch.device) -> None:
@@ -126,8 +137,19 @@ class OffloadSession(FeatureSession):
             if self.comfy_pins.keys:
                 self.notes.append(f"ComfyUI had page-locked {gib(self.comfy_pins.nbytes)} of the offloaded blocks' "
                                   "weights in RAM: unpinned through ComfyUI for the run, pinned again after it")
-            self.run = LayerwiseOffloadRun(offloaded, target, self._config_for(target),
-                                           keep_resident=_unmovable).apply()
+            config = self._config_for(target)
+            self._placement_key = kept.PlacementKey.of(patcher, offloaded, target, config)
+            packed, why = kept.take(patcher, self._placement_key)
+            try:
+                self.run = LayerwiseOffloadRun(offloaded, target, config, keep_resident=_unmovable,
+                                               packed=packed).apply()
+            except BaseException:
+                if packed is not None:  # freed already where the run took it; else (no run made) freed here
+                    packed.release()
+                raise
+            self.placement = "kept" if self.run.stats.packed_reused else "new"
+            mismatch = self.run.packed_mismatch
+            self.placement_reason = why if mismatch is None else f"the kept blocks no longer match: {mismatch}"
             self.freed_device_bytes = sum(footprints[i].device_bytes for i in plan.offloaded)
             self._order_host_streams(offloaded, target)
         for index in plan.promoted:
@@ -171,7 +193,7 @@ class OffloadSession(FeatureSession):
     def close(self, status: str) -> None:
         self.status = status
         try:
-            self._undo()
+            self._undo(keep_placement=True)
         finally:
             log.info("OmniHooks %s", self.log_line())
 
@@ -208,6 +230,10 @@ class OffloadSession(FeatureSession):
             "device_weight_bytes": self.device_weight_bytes,
             "unchanged_reason": self.unchanged_reason,
             "comfy_unpinned_bytes": self.comfy_pins.nbytes,
+            "placement": self.placement,
+            "placement_reason": self.placement_reason,
+            "kept_placement_bytes": self.kept_bytes,
+            "takeover": None if self.takeover is None else self.takeover.summary(),
             "host_streaming": None if self.host_streaming is None else self.host_streaming.summary(),
             "steps": self.steps.to_list(),
             "notes": [*summary["notes"], *self.notes],
@@ -227,6 +253,11 @@ class OffloadSession(FeatureSession):
         if self.run is None and not self.promoted_bytes:
             return f"{head}: " + ("; ".join(self.notes) or "nothing offloaded")
         parts = [self.run.stats.log_line() if self.run is not None else "no block offloaded"]
+        if self.placement is not None:
+            parts.append(f"placement {'reused' if self.placement == 'kept' else 'made anew'} "
+                         f"({self.placement_reason})")
+        if self.kept_bytes:
+            parts.append(f"{gib(self.kept_bytes)} of packed blocks kept in RAM for the next run of this model")
         if self.promoted_bytes:
             parts.append(f"{len(self.plan.promoted)} resident blocks completed on the device "
                          f"({gib(self.promoted_bytes)})")
@@ -240,9 +271,11 @@ class OffloadSession(FeatureSession):
     def _reason_to_change_nothing(self, patcher, target: torch.device | None) -> str | None:
         dynamic = dynamic_vram_reason(patcher)
         if dynamic is not None:
-            return (f"{dynamic}: ComfyUI streams this model's weights to the GPU itself, each layer's when it runs, "
-                    "so CPU Offload leaves them to it and changes nothing; a step a cache skips runs no block, so "
-                    "ComfyUI loads none of their weights")
+            self.takeover = self._decide_takeover(patcher, target)
+            if not self.takeover.take_over:
+                return (f"{dynamic}: ComfyUI streams this model's weights to the GPU itself, each layer's when it "
+                        "runs, so CPU Offload leaves them to it and changes nothing; a step a cache skips runs no "
+                        f"block, so ComfyUI loads none of their weights; {self.takeover.reason}")
         if target is None:
             on_cpu = torch.device(patcher.load_device).type == "cpu"
             fix = ("it frees VRAM where ComfyUI runs the model on a GPU" if on_cpu
@@ -256,6 +289,15 @@ class OffloadSession(FeatureSession):
             return ("blocks_to_offload is 0: nothing offloaded; set it to -1 (auto) or to the number of blocks to keep "
                     "in RAM")
         return None
+
+    def _decide_takeover(self, patcher, target: torch.device | None) -> takeover.TakeoverDecision:
+        """Under ComfyUI's dynamic VRAM: take this run over or stand aside (``takeover.decide``), from the figures
+        measured for this GPU and model, the run's steps and whether a placement of this model is kept."""
+        held = kept.kept()
+        placement_kept = held is not None and held.model() is patcher.model
+        regime = takeover.measured_regime(target, self.detected.variant) if target is not None else None
+        steps = self.load_request.steps if self.load_request is not None else None
+        return takeover.decide(regime, steps, placement_kept)
 
     def _available_for_blocks(self, patcher, target: torch.device, footprints: list[BlockFootprint]) -> int:
         """Device bytes the blocks may hold during the run, and a note saying how that was decided."""
@@ -333,11 +375,12 @@ class OffloadSession(FeatureSession):
                             slot_bytes=0, device_bytes=0, offloaded_bytes=0, pinned_bytes=0, pinned_blocks=0,
                             kept_resident_bytes=0, uses_streams=False)
 
-    def _undo(self) -> None:
-        """Undo everything ``after_load`` did, each part whatever the others did; re-raise the first failure."""
+    def _undo(self, keep_placement: bool) -> None:
+        """Undo everything ``after_load`` did, each part whatever the others did; re-raise the first failure. With
+        ``keep_placement`` the packed blocks are kept for the next run of this model (``kept.keep``)."""
         failure: BaseException | None = None
-        for step in (self._unhook_host_streams, self.promotion.undo, self._remove_run, self.comfy_pins.restore,
-                     self._undo_account):
+        for step in (self._unhook_host_streams, self.promotion.undo, lambda: self._remove_run(keep_placement),
+                     self.comfy_pins.restore, self._undo_account):
             try:
                 step()
             except Exception as e:
@@ -351,9 +394,13 @@ class OffloadSession(FeatureSession):
         for block in hooked:
             remove_hook_and_restore(block, HOST_STREAMS_HOOK)
 
-    def _remove_run(self) -> None:
-        if self.run is not None:
-            self.run.remove()  # keeps the run: its stats are final now
+    def _remove_run(self, keep_placement: bool) -> None:
+        if self.run is None:
+            return
+        packed = self.run.remove(keep_packed=keep_placement)  # keeps the run: its stats are final now
+        if packed is not None and not packed.released and self._placement_key is not None:
+            kept.keep(self.patcher, self._placement_key, packed)
+            self.kept_bytes = packed.nbytes
 
     def _undo_account(self) -> None:
         accounted, self.accounted = self.accounted, None

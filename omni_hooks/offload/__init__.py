@@ -3,6 +3,7 @@ slots and a look-ahead of P blocks on a copy stream (``apply_layerwise_offload``
 from .config import KeepResidentFn, OffloadConfig
 from .flat_buffer import ALIGN_BYTES, BlockLayout, PackedTensor, Placeholders, plan_pinning, unpackable_reason
 from .hooks import HOOK_NAME, LayerwiseOffloadRun, LayerwiseOffloadHook, apply_layerwise_offload
+from .packed import PackedStack
 from .platform import HostBuffer, physical_memory_bytes, pinned_size
 from .stats import OffloadStats
 
@@ -16,6 +17,7 @@ __all__ = [
     "LayerwiseOffloadHook",
     "OffloadConfig",
     "OffloadStats",
+    "PackedStack",
     "PackedTensor",
     "Placeholders",
     "apply_layerwise_offload",

@@ -42,6 +42,12 @@ class PackedTensor:
     # inference data, so it is bound, released and restored with inference tensors
     inference: bool = False
 
+    def signature(self) -> tuple:
+        """Everything of this entry but the tensor's values: two layouts with equal signatures pack the same tensor
+        objects into the same byte ranges."""
+        return (id(self.tensor), self.name, self.is_buffer, self.dtype, self.shape, self.stride, self.device,
+                self.offset, self.nbytes, self.view_stride, self.inference)
+
     def view_in(self, flat: torch.Tensor) -> torch.Tensor:
         elements = flat.narrow(0, self.offset, self.nbytes).view(self.dtype)
         return elements.as_strided(self.shape, self.view_stride, elements.storage_offset())

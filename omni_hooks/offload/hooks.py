@@ -23,6 +23,7 @@ Streams: the blocks of one call run on the stream current at their calls; a late
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -31,6 +32,7 @@ import torch
 from ..base import REGISTRY_ATTR, HookPhase, HookRegistry, ModelHook, remove_hook_and_restore
 from .config import KeepResidentFn, OffloadConfig
 from .flat_buffer import BlockLayout, Placeholders, plan_pinning
+from .packed import PackedStack
 from .platform import HostBuffer, copies_for, physical_memory_bytes, pinned_size
 from .stats import GIB, OffloadStats
 
@@ -71,11 +73,15 @@ class LayerwiseOffloadRun:
     While applied, a block's offloaded tensors are views into a device slot or 0-element placeholders; every other
     tensor of the model is left where it is (the caller puts non-block modules and ``keep_resident`` tensors on the
     device, and must not move or replace block tensors itself). ``remove()`` restores every tensor exactly (same
-    object, original device, dtype, shape, strides and values) and unregisters the hooks.
+    object, original device, dtype, shape, strides and values) and unregisters the hooks; ``remove(keep_packed=True)``
+    hands the master copies over as a ``PackedStack`` instead of freeing them, and a later run of the same blocks
+    given that stack (``packed``) uses them instead of packing the blocks anew, where they still hold the blocks'
+    values (``PackedStack.mismatch``; else it frees them and packs anew, ``packed_mismatch`` saying why). The run owns
+    a stack it is given from then on.
     """
 
     def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device | str, config: OffloadConfig,
-                 keep_resident: KeepResidentFn | None = None):
+                 keep_resident: KeepResidentFn | None = None, packed: PackedStack | None = None):
         self.blocks = list(blocks)
         self.config = config  # the caller's frozen config, read unchanged
         self.device = _resolve_device(device)
@@ -95,6 +101,9 @@ class LayerwiseOffloadRun:
             kept_resident_bytes=sum(layout.kept_bytes for layout in self.layouts),
             uses_streams=self.device.type == "cuda", notes=notes)
         self._pinned_sizes = sizes
+        self._given = packed
+        self.packed_mismatch: str | None = None  # why a given stack was not used (None: used, or none given)
+        self.packed: PackedStack | None = None   # the master copies ``remove(keep_packed=True)`` kept
         self._slot_count = slot_count
         self._slots: list[_Slot] = []
         self._slot_of: list[int | None] = [None] * len(self.blocks)
@@ -121,11 +130,14 @@ class LayerwiseOffloadRun:
         if self._applied:
             raise RuntimeError("LayerwiseOffloadRun: this run is already applied")
         self._applied = True
+        started = time.perf_counter()
+        reused = self._take_given()
         try:
             for index, (layout, pin) in enumerate(zip(self.layouts, self._pin_plan)):
-                master = HostBuffer(layout.nbytes, pin)
+                master = reused.pop(0) if reused else HostBuffer(layout.nbytes, pin)
                 try:
-                    layout.pack_into(master.tensor)
+                    if not self._stats.packed_reused:
+                        layout.pack_into(master.tensor)
                     locked = layout.page_locked_data()
                 except BaseException:
                     master.release()
@@ -146,19 +158,38 @@ class LayerwiseOffloadRun:
                 HookRegistry.get_or_create(block).register_hook(HOOK_NAME, hook)
             self._load_head()
         except BaseException:
+            for rest in reused:  # a given stack's buffers of blocks not reached
+                rest.release()
             self._teardown()
             raise
+        self._stats.place_seconds = time.perf_counter() - started
         return self
 
-    def remove(self) -> None:
-        """Unregister the hooks and restore every offloaded tensor exactly; frees the slots and the master copies.
-        Idempotent; the run cannot be applied again."""
+    def remove(self, keep_packed: bool = False) -> PackedStack | None:
+        """Unregister the hooks and restore every offloaded tensor exactly; frees the slots and the master copies, or
+        with ``keep_packed`` returns the master copies as a ``PackedStack`` (also ``self.packed``) for the next run of
+        these blocks. Idempotent; the run cannot be applied again."""
         if self._removed or not self._applied:
             self._removed = True
-            return
-        self._teardown()
+            return self.packed
+        self._teardown(keep_packed)
+        return self.packed
 
-    def _teardown(self) -> None:
+    def _take_given(self) -> list[HostBuffer]:
+        """The given stack's buffers when they stand for this run's blocks (the stack is then empty); else the stack
+        is freed, before any new buffer is allocated, and ``packed_mismatch`` says why."""
+        given, self._given = self._given, None
+        if given is None:
+            return []
+        self.packed_mismatch = given.mismatch(self.layouts, self._pin_plan)
+        if self.packed_mismatch is not None:
+            given.release()
+            return []
+        buffers, given.buffers = given.buffers, []
+        self._stats.packed_reused = True
+        return buffers
+
+    def _teardown(self, keep_packed: bool = False) -> None:
         self._removed = True
         if self._copies is not None:
             self._copies.drain()
@@ -173,10 +204,16 @@ class LayerwiseOffloadRun:
         self._views.clear()
         self._slots.clear()
         self._slot_of = [None] * len(self.blocks)
+        started = time.perf_counter()
         for layout, master, locked in zip(self.layouts, self._masters, self._locked_data):
             layout.restore(master.tensor, locked)
-            master.release()
-        self._masters.clear()
+        self._stats.restore_seconds = time.perf_counter() - started
+        if keep_packed and len(self._masters) == len(self.layouts):
+            self.packed = PackedStack(self.layouts, self._masters, self._pin_plan)
+        else:
+            for master in self._masters:
+                master.release()
+        self._masters = []
         self._locked_data.clear()
 
     def __enter__(self) -> "LayerwiseOffloadRun":

@@ -20,7 +20,9 @@ class OffloadStats:
       ``pin_failures`` (per block whose page-locking failed: its index, the error, whether its memory was
       page-locked anyway), ``locked_host_bytes`` (block weights in host memory another owner page-locked, kept as
       they are during the run), ``kept_resident_bytes`` (block tensors ``keep_resident`` left in place),
-      ``uses_streams``.
+      ``uses_streams``, ``packed_reused`` (the master copies were a kept ``PackedStack``'s, not packed anew),
+      ``place_seconds`` / ``restore_seconds`` (host time of ``apply()`` and of giving the tensors back in
+      ``remove()``).
     Activity:
       ``block_calls`` (block forwards that ran), ``hits`` (of those, the block was on the device or being copied
       there), ``sync_loads`` (the block was not on the device and was loaded on the critical path), ``prefetches``
@@ -53,6 +55,9 @@ class OffloadStats:
     pin_failures: list[tuple[int, str, bool]] = field(default_factory=list)
     locked_host_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    packed_reused: bool = False
+    place_seconds: float = 0.0
+    restore_seconds: float = 0.0
 
     @property
     def prefetch_blocks(self) -> int:
@@ -74,6 +79,9 @@ class OffloadStats:
             "locked_host_bytes": self.locked_host_bytes,
             "kept_resident_bytes": self.kept_resident_bytes,
             "uses_streams": self.uses_streams,
+            "packed_reused": self.packed_reused,
+            "place_seconds": self.place_seconds,
+            "restore_seconds": self.restore_seconds,
             "block_calls": self.block_calls,
             "hits": self.hits,
             "sync_loads": self.sync_loads,
@@ -86,9 +94,11 @@ class OffloadStats:
         }
 
     def log_line(self) -> str:
+        packed = "kept from the last run" if self.packed_reused else "packed"
         line = (f"offload ({self.device}, prefetch {self.prefetch_blocks}): {self.blocks} blocks in {self.slots} "
                 f"slots ({self.device_bytes / GIB:.2f} GiB on the device), {self.offloaded_bytes / GIB:.2f} GiB "
-                f"offloaded ({self.pinned_bytes / GIB:.2f} GiB pinned); moved {self.bytes_moved / GIB:.2f} GiB in "
+                f"offloaded ({self.pinned_bytes / GIB:.2f} GiB pinned, {packed} in {self.place_seconds:.2f} s, "
+                f"restored in {self.restore_seconds:.2f} s); moved {self.bytes_moved / GIB:.2f} GiB in "
                 f"{self.copies} copies, {self.sync_loads} of {self.block_calls} block calls loaded on the critical "
                 f"path, waited {self.copy_wait_seconds:.3f} s for copies")
         if self.notes:

@@ -331,6 +331,16 @@ test("the CPU Offload card answers what was offloaded and what it cost, in a hea
   assert.match(leaky.headline, /2\.0 KB moved on the 2 skipped steps$/);
 });
 
+test("the CPU Offload card says whether the run reused the last run's packed blocks and the RAM kept for the next", () => {
+  const tile = (extra) => featureCards({ features: [{ kind: "offload", summary: offloadSummary(extra) }] })[0].tiles.at(-1);
+  const kept = tile({ placement: "kept", placement_reason: "kept from the last run of this model", kept_placement_bytes: 300 * MB });
+  assert.deepEqual([kept.label, kept.value], ["RAM kept for the next run", "300.0 MB"]);
+  assert.match(kept.help, /^this run reused the blocks packed by the last run of this model; /);
+  const anew = tile({ placement: "new", placement_reason: "ComfyUI unloaded the model", kept_placement_bytes: 300 * MB });
+  assert.match(anew.help, /^this run packed the blocks anew \(ComfyUI unloaded the model\)/);
+  assert.equal(tile({}).label, "weights in VRAM (peak)");  // an older summary: no such tile
+});
+
 test("a CPU Offload run that changed nothing says why, with no tiles and no strip", () => {
   const reason = "nothing to offload to: ComfyUI runs this model on the CPU (offload device cpu), so CPU Offload changes nothing";
   const [card] = featureCards({ features: [{ kind: "offload", headline: "nothing offloaded", summary: offloadSummary({

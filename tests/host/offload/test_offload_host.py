@@ -38,6 +38,7 @@ def env(user_dir):
         tiny = tiny_models
         node = offload_module
         session = pack_module("nodes.offload.session")
+        takeover = pack_module("nodes.offload.takeover")
         host = pack_module("nodes.offload.host")
         placement = pack_module("nodes.offload.placement")
         lifecycle = features
@@ -170,8 +171,8 @@ def test_kept_blocks_that_comfyui_left_off_the_device_are_completed_while_they_f
     events = []
     for cls, name in ((env.session.LayerwiseOffloadRun, "apply"), (env.session.LayerwiseOffloadRun, "remove"),
                       (env.placement.Promotion, "promote"), (env.placement.Promotion, "undo")):
-        monkeypatch.setattr(cls, name, lambda self, *a, _call=getattr(cls, name), _name=name:
-                            (events.append(_name), _call(self, *a))[1])
+        monkeypatch.setattr(cls, name, lambda self, *a, _call=getattr(cls, name), _name=name, **k:
+                            (events.append(_name), _call(self, *a, **k))[1])
     probe = Probe(env, env.offload(wan.patcher, blocks=2, prefetch=1))
     out = env.tiny.sample(wan, model=probe.model, steps=STEPS)
     assert torch.equal(out, baseline)
@@ -352,6 +353,75 @@ def test_repeated_runs_do_not_grow_memory(env, forced):
         assert session.run._masters == [] and session.run._slots == []
 
 
+def test_the_placement_is_kept_for_the_next_run_and_made_anew_for_a_lora_and_after_comfyuis_unload(env, wan, forced,
+                                                                                                  monkeypatch):
+    """The same model twice, then with a LoRA, then unloaded by ComfyUI and sampled again: the second run uses the
+    first run's packed blocks (nothing packed), the LoRA run packs anew and says why, ComfyUI's unload frees the kept
+    blocks (no tensor of them left), the next run places anew, and ComfyUI's detach of the model frees them again.
+    Every latent is bit-identical to the same run without the node."""
+    import weakref
+
+    import comfy.model_management
+
+    kept = env.session.kept
+    kept.release_all()  # whatever an earlier test kept
+    from omnitest.pack import pack_module
+
+    packing = []  # the blocks the library packs into master copies
+    layout = pack_module("omni_hooks.offload").BlockLayout
+    pack_into = layout.pack_into
+    monkeypatch.setattr(layout, "pack_into", lambda self, flat: (packing.append(1), pack_into(self, flat))[1])
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    before = weights_state(wan.diffusion_model)
+    offloaded = env.offload(wan.patcher, blocks=2)
+
+    probes = []  # kept alive: ComfyUI's list of loaded models holds a patcher only weakly
+
+    def run(model, reference):
+        packing.clear()
+        probe = Probe(env, model)
+        probes.append(probe)
+        assert torch.equal(env.tiny.sample(wan, model=probe.model, steps=STEPS), reference)
+        summary = probe.session(env).summary()
+        assert summary["kept_placement_bytes"] == summary["offloaded_bytes"] > 0
+        assert kept.kept() is not None and kept.kept().packed.nbytes == summary["offloaded_bytes"]
+        return summary
+
+    first = run(offloaded, baseline)
+    assert (first["placement"], first["placement_reason"]) == ("new", "first placement of this model")
+    assert len(packing) == 2 and not first["packed_reused"]
+    held = [weakref.ref(b.tensor) for b in kept.kept().packed.buffers]
+    second = run(offloaded, baseline)
+    assert (second["placement"], second["placement_reason"]) == ("kept", "kept from the last run of this model")
+    assert packing == [] and second["packed_reused"] and all(ref() is not None for ref in held)
+
+    lora_model = with_lora(offloaded, tiny_lora(wan.diffusion_model, seed=3), 0.9)
+    lora_reference = env.tiny.sample(wan, model=with_lora(wan.patcher, tiny_lora(wan.diffusion_model, seed=3), 0.9),
+                                     steps=STEPS)
+    assert not torch.equal(lora_reference, baseline)
+    third = run(lora_model, lora_reference)
+    assert third["placement"] == "new" and "other weight patches on the MODEL" in third["placement_reason"]
+    assert len(packing) == 2 and all(ref() is None for ref in held)  # the stale copies were freed
+    held = [weakref.ref(b.tensor) for b in kept.kept().packed.buffers]
+
+    comfy.model_management.unload_all_models()
+    gc.collect()
+    assert kept.kept() is None and all(ref() is None for ref in held), "ComfyUI's unload left the kept blocks"
+    after_unload = run(offloaded, baseline)
+    assert after_unload["placement"] == "new" and len(packing) == 2
+    assert after_unload["placement_reason"] == "ComfyUI unloaded the model"
+    held = [weakref.ref(b.tensor) for b in kept.kept().packed.buffers]
+    loaded = [m.model for m in comfy.model_management.current_loaded_models if m.model is probes[-1].model]
+    assert loaded, "the model is not among ComfyUI's loaded models"
+    loaded[0].detach()  # what ComfyUI's unload calls: ON_DETACH with unpatch_all
+    gc.collect()
+    assert kept.kept() is None and all(ref() is None for ref in held)
+    after = weights_state(wan.diffusion_model)  # ComfyUI's LoRA unpatch made new parameter objects: values only
+    assert all(torch.equal(after[name][6], values[6]) for name, values in before.items())
+    assert_unhooked(wan.diffusion_model)
+    assert torch.equal(env.tiny.sample(wan, steps=STEPS), baseline)  # the input MODEL is untouched
+
+
 def test_auto_offloads_as_few_blocks_as_the_free_memory_needs(env, wan, forced, monkeypatch):
     import comfy.model_management as mm
 
@@ -461,6 +531,9 @@ def test_dynamic_vram_is_detected_and_left_to_comfyui(env, wan, forced, monkeypa
     summary = probe.session(env).summary()
     assert not summary["active"] and summary["bytes_moved"] == 0
     assert any("dynamic VRAM" in n and "changes nothing" in n for n in summary["notes"]), summary["notes"]
+    decision = summary["takeover"]  # no figure is measured for this regime: today's outcome
+    assert decision["decision"] == "stand aside" and decision["node_seconds"] is None
+    assert decision["reason"].startswith("no whole-run figures are measured for this GPU and model")
     assert_same_state(before, weights_state(wan.diffusion_model))
 
 
@@ -595,6 +668,91 @@ def test_promotion_copies_and_undo_gives_back_the_same_storage(env):
     promotion.undo()  # idempotent
     assert [t.data_ptr() for t in tensors] == storages and promotion.nbytes == 0
     assert all(torch.equal(t, v) for t, v in zip(tensors, values))
+
+
+@pytest.mark.parametrize("node_step", [0.5, 1.2])
+def test_under_dynamic_vram_the_takeover_follows_both_whole_run_figures(env, wan, forced, monkeypatch, caplog,
+                                                                        node_step):
+    """Each branch of the decision forced with a regime's figures: the node's whole run (its placement counted, a
+    first run) shorter than ComfyUI's by more than the spread takes the model over and offloads bit-identically;
+    longer, it stands aside. The card and the log line say which, why, and both figures."""
+    import comfy.model_patcher
+
+    monkeypatch.setattr(comfy.model_patcher, "ModelPatcherDynamic", comfy.model_patcher.ModelPatcher, raising=False)
+    env.session.kept.release_all()  # a first run of this model: its placement is counted
+    regime = env.takeover.MeasuredRegime(node_first_start_s=2.0, node_kept_start_s=0.3, node_step_s=node_step,
+                                         node_end_s=0.5, comfy_start_s=0.1, comfy_step_s=1.1, comfy_end_s=0.0,
+                                         spread=0.02, source="figures forced by the test")
+    asked = []
+    monkeypatch.setattr(env.takeover, "measured_regime",
+                        lambda device, variant: (asked.append((device, variant)), regime)[1])
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    probe = Probe(env, env.offload(wan.patcher, blocks=LAYERS))
+    with caplog.at_level(logging.INFO, logger="OmniHooks"):
+        assert torch.equal(env.tiny.sample(wan, model=probe.model, steps=STEPS), baseline)
+    summary = probe.session(env).summary()
+    node_s, comfy_s = 2.0 + STEPS * node_step + 0.5, 0.1 + STEPS * 1.1
+    take_over = node_s < comfy_s * 0.98
+    assert take_over == (node_step == 0.5)
+    decision = summary["takeover"]
+    assert asked == [(torch.device("cpu"), wan_variant(env, wan))]
+    assert decision["decision"] == ("take over" if take_over else "stand aside")
+    assert (decision["steps"], decision["placement_kept"], decision["spread"]) == (STEPS, False, 0.02)
+    assert decision["node_seconds"] == pytest.approx(node_s) and decision["comfy_seconds"] == pytest.approx(comfy_s)
+    figures = [f"{node_s:.1f} s (2.00 s start + {STEPS} x {node_step:.3f} s + 0.50 s end)",
+               f"{comfy_s:.1f} s (0.10 s start + {STEPS} x 1.100 s + 0.00 s end)", "spread 2.0%",
+               "figures forced by the test", "its placement counted"]
+    assert all(f in decision["reason"] for f in figures), decision["reason"]
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("OmniHooks CPU Offload")]
+    verdict = "CPU Offload takes the model over" if take_over else "CPU Offload stands aside"
+    assert verdict in decision["reason"] and decision["reason"] in line, line
+    assert decision["reason"] in summary["notes"] or decision["reason"] in summary["unchanged_reason"]
+    if take_over:
+        assert summary["active"] and summary["blocks_offloaded"] == LAYERS and summary["host_streaming"] is None
+    else:
+        assert not summary["active"] and summary["bytes_moved"] == 0 and summary["host_streaming"] is not None
+    assert_unhooked(wan.diffusion_model)
+
+
+def test_under_dynamic_vram_a_kept_placement_counts_only_what_is_left_of_the_start(env, wan, forced, monkeypatch):
+    """Figures where the node's whole run is longer than ComfyUI's with its placement (a first run) and shorter
+    without it: it stands aside on a first run, and takes over once a legacy-path run of the same model kept its
+    placement, which the take-over run then uses (nothing packed)."""
+    import comfy.model_patcher
+
+    regime = env.takeover.MeasuredRegime(node_first_start_s=2.0, node_kept_start_s=0.3, node_step_s=0.9,
+                                         node_end_s=0.5, comfy_start_s=0.1, comfy_step_s=1.1, comfy_end_s=0.0,
+                                         spread=0.02, source="figures forced by the test")
+    monkeypatch.setattr(env.takeover, "measured_regime", lambda device, variant: regime)
+    baseline = env.tiny.sample(wan, steps=STEPS)
+    model = env.offload(wan.patcher, blocks=LAYERS)
+
+    def dynamic_run():
+        with monkeypatch.context() as dynamic:
+            dynamic.setattr(comfy.model_patcher, "ModelPatcherDynamic", comfy.model_patcher.ModelPatcher,
+                            raising=False)
+            probe = Probe(env, model)
+            assert torch.equal(env.tiny.sample(wan, model=probe.model, steps=STEPS), baseline)
+        return probe.session(env).summary()
+
+    env.session.kept.release_all()
+    first = dynamic_run()
+    assert first["takeover"]["decision"] == "stand aside" and not first["takeover"]["placement_kept"]
+    assert first["takeover"]["node_seconds"] == pytest.approx(2.0 + STEPS * 0.9 + 0.5) and not first["active"]
+    legacy = Probe(env, model)  # not dynamic: the node places the blocks, and keeps them
+    env.tiny.sample(wan, model=legacy.model, steps=STEPS)
+    assert legacy.session(env).summary()["kept_placement_bytes"] > 0
+    later = dynamic_run()
+    decision = later["takeover"]
+    assert decision["decision"] == "take over" and decision["placement_kept"]
+    assert decision["node_seconds"] == pytest.approx(0.3 + STEPS * 0.9 + 0.5)
+    assert "0.30 s start" in decision["reason"] and "its placement counted" not in decision["reason"]
+    assert later["active"] and later["placement"] == "kept" and later["packed_reused"]
+    assert_unhooked(wan.diffusion_model)
+
+
+def wan_variant(env, case) -> str:
+    return env.lifecycle.detect(case.patcher).variant
 
 
 @requires_comfy_class("comfy.model_patcher", "ModelPatcherDynamic")

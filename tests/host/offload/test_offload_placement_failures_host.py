@@ -285,6 +285,37 @@ def test_a_failure_at_any_step_of_the_placement_restores_everything_and_the_run_
     assert_comfyui_can_unload_and_sample_again(env, wan, baseline, lowvram)
 
 
+@pytest.mark.parametrize("where", ["library.LayerwiseOffloadRun.__init__", "flat.BlockLayout.release"])
+def test_a_failure_while_placing_with_the_last_runs_blocks_frees_them(env, wan, gpu, monkeypatch, where):
+    """A run given the blocks the last run kept fails before its run exists (laying out the blocks) or once it owns
+    them (releasing a block): either way the kept blocks are freed at once, none of their page-locked memory is left
+    registered, and the run goes on as ComfyUI loaded the model."""
+    import weakref
+
+    lowvram = partial_load_bytes(wan)
+    baseline = env.tiny.sample(wan, model=Probe(env, wan.patcher, lowvram_bytes=lowvram).model, steps=STEPS)
+    model = env.offload(wan.patcher)
+    first = Probe(env, model, lowvram_bytes=lowvram)
+    assert torch.equal(env.tiny.sample(wan, model=first.model, steps=STEPS), baseline)
+    kept = env.session.kept.kept()
+    assert kept is not None and kept.packed.pinned_bytes > 0
+    held = [(weakref.ref(b.tensor), b.tensor.data_ptr()) for b in kept.packed.buffers]
+    assert all(pointer in gpu.ranges for _, pointer in held)
+    del kept
+    with monkeypatch.context() as injected:
+        _patch(env, injected, where, _raise_on(1))
+        probe = Probe(env, model, lowvram_bytes=lowvram)
+        assert torch.equal(env.tiny.sample(wan, model=probe.model, steps=STEPS), baseline)
+        assert all(ref() is None for ref, _ in held), "the kept blocks outlived the failed placement"
+    summary = probe.session(env).summary()
+    assert summary["unchanged_reason"].startswith("placing the blocks failed (RuntimeError: injected failure)")
+    assert env.session.kept.kept() is None and summary["kept_placement_bytes"] == 0
+    assert not any(pointer in gpu.ranges for _, pointer in held)
+    assert gpu.freed_while_locked() == []
+    assert_unhooked(wan.diffusion_model)
+    assert_comfyui_can_unload_and_sample_again(env, wan, baseline, lowvram)
+
+
 def test_an_interrupt_while_placing_is_undone_and_reaches_comfyui(env, wan, gpu, monkeypatch):
     import comfy.model_management
 

@@ -275,6 +275,72 @@ def test_a_failed_apply_undoes_what_it_did():
     assert_restored(model, before, dicts)
 
 
+def count_packing(monkeypatch) -> list[int]:
+    """The blocks packed from here on (``BlockLayout.pack_into`` calls, by layout size)."""
+    from omni_hooks.offload import BlockLayout
+
+    packed, pack_into = [], BlockLayout.pack_into
+    monkeypatch.setattr(BlockLayout, "pack_into",
+                        lambda self, flat: (packed.append(self.nbytes), pack_into(self, flat))[1])
+    return packed
+
+
+def test_kept_master_copies_are_used_by_the_next_run_of_the_same_blocks(monkeypatch):
+    model, x = ToyStack(), toy_inputs()
+    reference = run_calls(model, x)
+    before, dicts = snapshot(model), module_dict_keys(model)
+    first = LayerwiseOffloadRun(model.blocks, "cpu", OffloadConfig()).apply()
+    run_calls(model, x)
+    packed = first.remove(keep_packed=True)
+    assert_restored(model, before, dicts)
+    assert packed is first.packed and first._masters == [] and not first.stats.packed_reused
+    assert packed.nbytes == first.stats.offloaded_bytes == sum(b.nbytes for b in packed.buffers)
+    buffers = [b.tensor.data_ptr() for b in packed.buffers]
+    packing = count_packing(monkeypatch)
+    second = LayerwiseOffloadRun(model.blocks, "cpu", OffloadConfig(prefetch_blocks=2), packed=packed).apply()
+    try:
+        assert packing == [] and second.stats.packed_reused and second.packed_mismatch is None
+        assert [m.tensor.data_ptr() for m in second._masters] == buffers and packed.released
+        assert [torch.equal(o, r) for o, r in zip(run_calls(model, x), reference)] == [True] * len(TIMESTEPS)
+    finally:
+        assert second.remove() is None  # not kept: freed
+    assert_restored(model, before, dicts)
+    assert json.loads(json.dumps(second.stats.summary()))["packed_reused"] is True
+
+
+@pytest.mark.parametrize("change", ["new data", "new parameter", "another dtype"])
+def test_kept_master_copies_that_no_longer_match_the_blocks_are_freed_and_the_blocks_packed_anew(monkeypatch,
+                                                                                                change):
+    import weakref
+
+    model, x = ToyStack(depth=4), toy_inputs()
+    first = LayerwiseOffloadRun(model.blocks, "cpu", OffloadConfig()).apply()
+    packed = first.remove(keep_packed=True)
+    kept = [weakref.ref(b.tensor) for b in packed.buffers]
+    lin = model.blocks[2].lin
+    if change == "new data":  # e.g. ComfyUI's unload and reload, or a patch that replaces the weight's data
+        lin.weight.data = lin.weight.data.clone()
+    elif change == "new parameter":  # ComfyUI's set_attr_param (a LoRA patched or unpatched)
+        lin.weight = torch.nn.Parameter(lin.weight.detach().clone(), requires_grad=False)
+    else:
+        model.blocks[2].to(torch.float64)
+    reference = run_calls(model, x) if change != "another dtype" else None  # a float64 block cannot run here
+    before = snapshot(model)
+    packing = count_packing(monkeypatch)
+    second = LayerwiseOffloadRun(model.blocks, "cpu", OffloadConfig(), packed=packed).apply()
+    try:
+        expected = ("other objects or have another dtype" if change != "new data"
+                    else "block 2's weights were moved or replaced")
+        assert expected in second.packed_mismatch and not second.stats.packed_reused
+        assert len(packing) == 4 and packed.released
+        assert all(ref() is None for ref in kept)  # the stale copies are gone before the new ones are made
+        if reference is not None:
+            assert [torch.equal(o, r) for o, r in zip(run_calls(model, x), reference)] == [True] * len(TIMESTEPS)
+    finally:
+        second.remove()
+    assert_restored(model, before, module_dict_keys(model))
+
+
 # -- memory -----------------------------------------------------------------------------------------------------------
 
 def test_the_slots_are_allocated_only_after_every_block_left_the_device(monkeypatch):
