@@ -128,14 +128,13 @@ def test_a_cache_composes_with_block_sparse_attention(env, wan, cache):
 
 
 @PREFETCH
-def test_a_compiler_the_switch_does_not_turn_off_makes_the_cache_compute_every_step_and_say_why(env, wan,
-                                                                                                 monkeypatch):
+def test_a_compiler_the_switch_does_not_turn_off_makes_the_cache_compute_every_step_and_say_why(env, wan):
     """What the pack relies on, checked at every run: where the switch does not turn the compiler off (a later ComfyUI
     changed it), nothing is skipped under the compiler."""
     import comfy.model_prefetch
 
-    with compiler(wan) as record:
-        monkeypatch.setattr(comfy.model_prefetch, "malloc_graph_enabled", lambda device: True)
+    with compiler(wan) as record:  # puts back (here: removes) what it and the line below set
+        comfy.model_prefetch.malloc_graph_enabled = lambda device: True
         got = env.tiny.sample(wan, model=CACHES["teacache"](wan.patcher), steps=STEPS)
         summary = last_summary(env)
     assert summary["reused"] == 0 and summary["computed"] == STEPS and len(record.regions) == STEPS
