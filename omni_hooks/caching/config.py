@@ -7,6 +7,8 @@ values (numbers, strings, tuples, a ``torch.device``) and can be copied or sent 
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import math
 from dataclasses import KW_ONLY, dataclass
 
@@ -70,10 +72,12 @@ class StackCacheConfig:
     notes: tuple[str, ...] = ()
     with_reference: "StackCacheConfig | None" = None
 
+    threshold_values: ClassVar[str] = "a finite number >= 0"  # in words, for the error a bad threshold raises
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "forecast_order", check_order(self.forecast_order))
         if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold) and self.threshold >= 0):
-            raise ValueError(f"threshold must be a finite number >= 0, got {self.threshold}")
+            raise ValueError(f"threshold must be {self.threshold_values}, got {self.threshold}")
         if isinstance(self.forward_budget, bool) or int(self.forward_budget) != self.forward_budget \
                 or self.forward_budget < 0:
             raise ValueError(f"forward_budget must be a whole number of steps >= 0 (0: no budget), got "

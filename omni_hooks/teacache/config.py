@@ -1,6 +1,8 @@
 """TeaCache configuration."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 from dataclasses import dataclass
 
 from ..caching.config import StackCacheConfig
@@ -32,6 +34,8 @@ class TeaCacheConfig(StackCacheConfig):
     force_last_step: bool = True
     signal: str = "default"
     recommended_threshold: float = DEFAULT_RECOMMENDED_THRESHOLD
+
+    threshold_values: ClassVar[str] = f"{RECOMMENDED:g} (recommended) or a finite number >= 0"
 
     def __post_init__(self) -> None:
         if self.threshold == RECOMMENDED:
