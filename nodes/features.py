@@ -197,6 +197,72 @@ def named(title: str, error: ValueError) -> ValueError:
     return ValueError(message if message.startswith(title) else f"{title}: {message}")
 
 
+def _same(value: Any, model: Any = None) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class ConfigInput:
+    """How one node input sets one field of its feature's config.
+
+    ``field``: the field's name. ``to_config(value, model)``: the input's value as the field's, for the node's MODEL
+    (what only the node means by a value: -1 for None, GiB for bytes, a combo's words; a value the node cannot map
+    raises ValueError in the node's words). ``from_config(field_value)``: the reverse, for the widget's default.
+    Neither checks a value the config checks.
+    """
+
+    field: str
+    to_config: Callable[[Any, Any], Any] = _same
+    from_config: Callable[[Any], Any] = _same
+
+
+class ConfigInputs:
+    """A node's inputs and the config class they build: the one mapping every node of this pack uses.
+
+    ``table`` names each input that sets a field of another name or form (a ``ConfigInput``, or the field's name
+    alone); any other input sets the field of its own name unchanged. The schema takes each input's default from the
+    config (``default``), the node builds its config from ``fields``, and a config's ValueError reaches the user in
+    the node's words (``error``): so each value is checked once, in the config, and each default written once, there.
+    """
+
+    def __init__(self, config_cls: type, table: dict[str, ConfigInput | str] | None = None):
+        self.config_cls = config_cls
+        self.table = {name: spec if isinstance(spec, ConfigInput) else ConfigInput(spec)
+                      for name, spec in (table or {}).items()}
+
+    def input(self, name: str) -> ConfigInput:
+        """The ``ConfigInput`` of the node's input ``name``."""
+        return self.table.get(name) or ConfigInput(name)
+
+    def default(self, name: str) -> Any:
+        """The widget default of input ``name``: its config field's default, in the node's form."""
+        spec = self.input(name)
+        (found,) = [f for f in dataclasses.fields(self.config_cls) if f.name == spec.field]
+        return spec.from_config(found.default)
+
+    def fields(self, inputs: dict[str, Any], model: Any = None) -> dict[str, Any]:
+        """``inputs`` (the node's, by name) as the config fields they set, for ``model``."""
+        return {self.input(name).field: self.input(name).to_config(value, model) for name, value in inputs.items()}
+
+    def error(self, title: str, error: ValueError, inputs: dict[str, Any], model: Any = None) -> ValueError:
+        """A config's ``error`` about the fields ``inputs`` set, as the node's: its title first, and where the
+        message starts with a field another input sets, that input's name, its value and its form of None."""
+        message = str(error)
+        for name, value in inputs.items():
+            spec = self.input(name)
+            if spec.field == name and spec.to_config is _same or not message.startswith(f"{spec.field} "):
+                continue
+            message = f"{name}{message[len(spec.field):]}"
+            if spec.to_config is not _same:
+                try:
+                    message = message.replace(f"got {spec.to_config(value, model)!r}", f"got {value!r}")
+                except ValueError:  # the input's own value was refused: its message is the node's already
+                    pass
+                message = message.replace("None (auto)", f"{spec.from_config(None)!r} (auto)")
+            break
+        return named(title, ValueError(message))
+
+
 def register_feature(spec: FeatureSpec) -> FeatureSpec:
     """Make a feature kind known to the lifecycle (once per kind, at import)."""
     existing = _SPECS.get(spec.kind)

@@ -33,10 +33,10 @@ from .. import families
 from .. import stats_store
 from ..families.drift import ModelDriftError
 from ..families import DetectedModel
-from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, named, register_feature
+from ..features import (AppliedFeature, Category, ConfigInputs, FeatureSession, FeatureSpec, attach_feature, named,
+                        register_feature)
 from ..stats_store import FeatureReport
-from .inputs import (cache_device_for, calibration_name, config_field, forecast_order, named_input,
-                     sample_calibrating, validate_calibration_name)
+from .inputs import calibration_name, sample_calibrating, validate_calibration_name
 
 log = logging.getLogger("OmniHooks")
 
@@ -92,6 +92,7 @@ class BlockStackCache(abc.ABC):
     published: ClassVar[Mapping[str, PublishedEntry]]
     calibration: ClassVar[CacheCalibration]
     calibrate_inputs: ClassVar[Mapping[str, Any]]  # the Apply inputs a calibration run uses
+    config_inputs: ClassVar[ConfigInputs]  # the Apply node's inputs over its config class (``inputs.CACHE_INPUTS``)
 
     # -- what each cache says for itself ----------------------------------------------------------------------------
 
@@ -151,24 +152,23 @@ class BlockStackCache(abc.ABC):
     def config_for(self, model, detected: DetectedModel, inputs: dict[str, Any],
                    calibrate: bool = False) -> StackCacheConfig:
         """An Apply node's one frozen config, from its inputs (all but ``model``, each set on its config field:
-        ``inputs.CONFIG_FIELDS``) and the model as detected. The config checks every value once; its ValueError, and
-        any other, names the node and its input."""
+        ``config_inputs``) and the model as detected. The config checks every value once; its ValueError, and any
+        other, names the node and its input."""
         title = self.title
-        tuning = {config_field(name): value for name, value in inputs.items()}
-        value = tuning.pop(self.variant_input, AUTO)
+        inputs = dict(inputs)
+        value = inputs.pop(self.variant_input, AUTO)
         entry = None if calibrate else self.resolve(detected, value)
         auto = value == AUTO and not calibrate
         try:
+            tuning = self.config_inputs.fields(inputs, model)
             shared = dict(start_percent=tuning.pop("start_percent"), end_percent=tuning.pop("end_percent"),
-                          cache_device=cache_device_for(model, tuning.pop("cache_device")), calibrate=calibrate,
+                          cache_device=tuning.pop("cache_device"), calibrate=calibrate,
                           few_step=FewStepRule(), large_steps=LargeStepRule(),
                           step_profile=None if calibrate else self.step_profile(value),
                           notes=tuple(detected.auto_choice(self.kind).notes) if auto else ())
             for optional in ("forecast_order", "forward_budget", "skip_correction"):  # older workflows: defaults
                 if optional in tuning:
                     shared[optional] = tuning.pop(optional)
-            if "forecast_order" in shared:
-                shared["forecast_order"] = forecast_order(shared["forecast_order"])
             reference_key = detected.auto_choice(self.kind).with_reference if auto else None
             if reference_key is not None:  # e.g. Flux: a run with reference latents is Kontext
                 note = (f"the conditioning carries reference latents: {self.variant_input} '{reference_key}'",)
@@ -176,7 +176,7 @@ class BlockStackCache(abc.ABC):
                                                             {**shared, "notes": note})
             return self.make_config(detected, entry, tuning, shared)
         except ValueError as e:
-            raise named_input(title, e, inputs) from None
+            raise self.config_inputs.error(title, e, inputs, model) from None
 
     def step_profile(self, value: str) -> StepProfile | None:
         """The step profile a calibration file holds (a forward budget places its steps by it); None for a published

@@ -3,9 +3,6 @@ window, the cache-device choice and the forecast of an Apply node; the KSampler 
 Calibrate node; and the KSampler-like calibration run."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import comfy.patcher_extension as pe
 import comfy.samplers
 import nodes as comfy_nodes  # ComfyUI's nodes.py (this pack's own nodes/ package is only imported relatively)
@@ -16,35 +13,9 @@ from ...omni_hooks.caching.config import StackCacheConfig
 from ...omni_hooks.caching.forecast import AUTO
 from . import calibration_files
 from ..families import model_input
-from ..features import RUN_KEY, AppliedFeature, FeatureSession, SamplingRun, attach_feature, named
+from ..features import RUN_KEY, AppliedFeature, ConfigInput, ConfigInputs, FeatureSession, SamplingRun, attach_feature
 
 CACHE_DEVICES = ["compute device", "offload device"]
-
-#: an Apply node's input -> the config field it sets, where the two names differ (a released input keeps its name);
-#: every other input is its config field's name
-CONFIG_FIELDS = {"rel_l1_thresh": "threshold", "forecast": "forecast_order"}
-
-
-def config_field(input_name: str) -> str:
-    """The config field an Apply node's input sets (``CONFIG_FIELDS``)."""
-    return CONFIG_FIELDS.get(input_name, input_name)
-
-
-def config_default(config_cls: type, input_name: str) -> Any:
-    """The default of the config field ``input_name`` sets: where the node's schema takes its default from."""
-    name = config_field(input_name)
-    return next(f.default for f in dataclasses.fields(config_cls) if f.name == name)
-
-
-def named_input(title: str, error: ValueError, inputs: dict[str, Any]) -> ValueError:
-    """A config's ``error`` as the node's: its title first, and the node's input where the config named the field
-    that input sets (``threshold`` -> ``rel_l1_thresh``)."""
-    message = str(error)
-    for input_name, field_name in CONFIG_FIELDS.items():
-        if input_name in inputs and message.startswith(f"{field_name} "):
-            message = input_name + message[len(field_name):]
-    return named(title, ValueError(message))
-
 
 def cache_model_input() -> io.Model.Input:
     """An Apply node's ``model`` input."""
@@ -54,11 +25,11 @@ def cache_model_input() -> io.Model.Input:
 def window_inputs(end_note: str = "", default_note: str = "") -> list[io.Input]:
     """start_percent / end_percent, which every cache has (checked by its ``StackCacheConfig``)."""
     return [
-        io.Float.Input("start_percent", default=config_default(StackCacheConfig, "start_percent"), min=0.0, max=1.0,
+        io.Float.Input("start_percent", default=SHARED_INPUTS.default("start_percent"), min=0.0, max=1.0,
                        step=0.01,
                        tooltip="Caching starts at this fraction of this sampler's steps; earlier steps are always "
                        f"computed (they set the composition).{default_note}"),
-        io.Float.Input("end_percent", default=config_default(StackCacheConfig, "end_percent"), min=0.0, max=1.0,
+        io.Float.Input("end_percent", default=SHARED_INPUTS.default("end_percent"), min=0.0, max=1.0,
                        step=0.01,
                        tooltip=f"Caching stops after this fraction of this sampler's steps; later steps are always "
                        f"computed.{end_note}{default_note}"),
@@ -67,12 +38,12 @@ def window_inputs(end_note: str = "", default_note: str = "") -> list[io.Input]:
 
 def cache_device_input() -> io.Combo.Input:
     """``cache_device``: its first option, "compute device", is the config's default (None)."""
-    return io.Combo.Input("cache_device", options=CACHE_DEVICES, default=CACHE_DEVICES[0],
+    return io.Combo.Input("cache_device", options=CACHE_DEVICES, default=SHARED_INPUTS.default("cache_device"),
                           tooltip="Where the cached residuals live. 'offload device' (usually system RAM) saves VRAM "
                           "for long videos at the cost of a copy per reused step.")
 
 
-def cache_device_for(model, value: str) -> torch.device | None:
+def cache_device_for(value: str, model) -> torch.device | None:
     """The device the ``cache_device`` input names for ``model`` (a ModelPatcher): its offload device, or None (keep
     cached tensors where they were computed). ValueError for an unknown value (ComfyUI 0.3.64 does not validate V3
     combo values at /prompt, so the node does)."""
@@ -87,9 +58,8 @@ FORECAST_ORDERS = {"off": 0, "1st order": 1, "2nd order": 2, "auto": AUTO}
 def forecast_input() -> io.Combo.Input:
     """Optional, so that a saved workflow (or API prompt) without it loads and keeps plain reuse (the config's
     default order)."""
-    default = next(name for name, order in FORECAST_ORDERS.items()
-                   if order == config_default(StackCacheConfig, "forecast"))
-    return io.Combo.Input("forecast", options=list(FORECAST_ORDERS), default=default, optional=True,
+    return io.Combo.Input("forecast", options=list(FORECAST_ORDERS), default=SHARED_INPUTS.default("forecast"),
+                          optional=True,
                           tooltip="What a skipped step adds instead of running the blocks. 'off': the residual of "
                           "the last computed step (plain reuse). '1st order' / '2nd order': the residual "
                           "extrapolated to this step's sigma from the last 2 / 3 computed steps (finite "
@@ -106,7 +76,7 @@ def forecast_input() -> io.Combo.Input:
 def forward_budget_input() -> io.Int.Input:
     """Optional and last, so that a saved workflow (or API prompt) without it loads and keeps its threshold policy."""
     return io.Int.Input("forward_budget", display_name="forward budget (steps to compute)",
-                        default=config_default(StackCacheConfig, "forward_budget"), min=0,
+                        default=SHARED_INPUTS.default("forward_budget"), min=0,
                         max=10000, optional=True,
                         tooltip="Compute about this many of the sampler's steps (0 = off: the threshold alone "
                         "decides). The cache places them where they matter most for the final image: from this "
@@ -123,7 +93,7 @@ def forward_budget_input() -> io.Int.Input:
 def skip_correction_input() -> io.Float.Input:
     """Optional and last, so that a saved workflow (or API prompt) without it loads and runs as before."""
     return io.Float.Input("skip_correction", display_name="skip correction (euler)",
-                          default=config_default(StackCacheConfig, "skip_correction"), min=0.0, max=1.0, step=0.05,
+                          default=SHARED_INPUTS.default("skip_correction"), min=0.0, max=1.0, step=0.05,
                           optional=True,
                           tooltip="0 = off. After skipped steps, the next computed step also corrects what they "
                           "added to the latent: by this fraction of the difference between the residuals they used "
@@ -138,6 +108,19 @@ def forecast_order(value: str) -> int | str:
     if value not in FORECAST_ORDERS:  # ComfyUI 0.3.64 does not validate V3 combo values at /prompt
         raise ValueError(f"unknown forecast {value!r}; choose one of {list(FORECAST_ORDERS)}")
     return FORECAST_ORDERS[value]
+
+
+#: every Apply node's inputs that set a config field of another name or form (``ConfigInputs``): a released input keeps
+#: its name, and its default is the config field's
+CACHE_INPUTS = {
+    "rel_l1_thresh": "threshold",
+    "forecast": ConfigInput("forecast_order", lambda value, model: forecast_order(value),
+                            lambda order: next(name for name, o in FORECAST_ORDERS.items() if o == order)),
+    "cache_device": ConfigInput("cache_device", cache_device_for,
+                                lambda device: CACHE_DEVICES[0 if device is None else 1]),
+}
+#: the inputs every Apply node has, over the config fields every cache shares
+SHARED_INPUTS = ConfigInputs(StackCacheConfig, CACHE_INPUTS)
 
 
 def calibration_name_input(kind: str, what: str) -> io.String.Input:

@@ -37,9 +37,9 @@ from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
-                     config_default, forecast_input, forward_budget_input, skip_correction_input,
+                     CACHE_INPUTS, forecast_input, forward_budget_input, skip_correction_input,
                      window_inputs)
-from ..features import CATEGORY, display_name
+from ..features import CATEGORY, ConfigInputs, display_name
 from ..families import DetectedModel
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
 
@@ -150,6 +150,7 @@ class MagCache(BlockStackCache):
     title = NODE_TITLE
     variant_input = "curve"
     published = PUBLISHED
+    config_inputs = ConfigInputs(MagCacheConfig, CACHE_INPUTS)
     calibration = MagCacheCalibration()
     calibrate_inputs = {"threshold": 0.0, "max_skip_steps": 0, "retention_ratio": 0.0, "start_percent": 0.0,
                         "end_percent": 1.0, "cache_device": "compute device"}
@@ -197,17 +198,17 @@ class ApplyMagCache(ApplyCacheNode):
                         "curve's '(high noise)' / '(low noise)' part; each uses its own sampler's steps.",
             inputs=[
                 cache_model_input(),
-                io.Float.Input("threshold", default=config_default(MagCacheConfig, "threshold"), min=0.0, max=1.0,
+                io.Float.Input("threshold", default=MAGCACHE.config_inputs.default("threshold"), min=0.0, max=1.0,
                                step=0.01,
                                tooltip="How much accumulated error to tolerate before computing again (the sum of "
                                "|1 - product of ratios| since the last computed step). 0 = never skip (output "
                                "identical to no node). 0.06 is the safe default; 0.12-0.24 is faster and less "
                                "faithful."),
                 io.Int.Input("max_skip_steps", display_name="K (max consecutive skips)",
-                             default=config_default(MagCacheConfig, "max_skip_steps"), min=0, max=20,
+                             default=MAGCACHE.config_inputs.default("max_skip_steps"), min=0, max=20,
                              tooltip="K: at most this many steps in a row reuse the residual before one is computed. "
                              "0 = never skip. 2-4 is typical (the MagCache scripts use 2-6)."),
-                io.Float.Input("retention_ratio", default=config_default(MagCacheConfig, "retention_ratio"), min=0.0,
+                io.Float.Input("retention_ratio", default=MAGCACHE.config_inputs.default("retention_ratio"), min=0.0,
                                max=1.0, step=0.01,
                                tooltip="This fraction of the first steps is always computed (they set the "
                                "composition). Counted on this sampler's own steps, so for a Wan 2.2 expert it "

@@ -8,16 +8,15 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
-from ...omni_hooks.caching.config import StackCacheConfig
 from ...omni_hooks.teacache.config import DEFAULT_RECOMMENDED_THRESHOLD
 from ...omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients
 from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
-                     config_default, forecast_input, forward_budget_input, skip_correction_input,
+                     CACHE_INPUTS, SHARED_INPUTS, forecast_input, forward_budget_input, skip_correction_input,
                      window_inputs)
-from ..features import CATEGORY, display_name
+from ..features import CATEGORY, ConfigInputs, display_name
 from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients, for_family
 from ..families import DetectedModel
 
@@ -41,7 +40,7 @@ def published_window(found: TeaCacheCoefficients, start: float, end: float) -> d
     """The caching window of a run with ``found``: the user's start_percent / end_percent where set (another value
     than the config's default, 0 / 1), the published window of ``found`` otherwise (Flux Kontext 0.2-0.9, ...); the
     user's two values where combining them would leave no window."""
-    default_start, default_end = (config_default(StackCacheConfig, name) for name in ("start_percent", "end_percent"))
+    default_start, default_end = (SHARED_INPUTS.default(name) for name in ("start_percent", "end_percent"))
     window = (start if start != default_start else found.start_percent,
               end if end != default_end else found.end_percent)
     if window[0] > window[1]:
@@ -108,6 +107,7 @@ class TeaCache(BlockStackCache):
     title = NODE_TITLE
     variant_input = "model_variant"
     published = PUBLISHED
+    config_inputs = ConfigInputs(TeaCacheConfig, CACHE_INPUTS)
     calibration = TeaCacheCalibration()
     calibrate_inputs = {"rel_l1_thresh": 0.0, "start_percent": 0.0, "end_percent": 1.0,
                         "cache_device": "compute device"}
@@ -149,7 +149,7 @@ class ApplyTeaCache(ApplyCacheNode):
                         "changed, reusing the last computed residual. Detects the model; reports every decision.",
             inputs=[
                 cache_model_input(),
-                io.Float.Input("rel_l1_thresh", default=config_default(TeaCacheConfig, "rel_l1_thresh"), min=-1.0,
+                io.Float.Input("rel_l1_thresh", default=TEACACHE.config_inputs.default("rel_l1_thresh"), min=-1.0,
                                max=10.0, step=0.01,
                                tooltip="How much accumulated change to tolerate before computing again. -1 = the "
                                "published recommendation for the detected model (e.g. 0.08 Wan 2.1 T2V 1.3B, 0.2 "

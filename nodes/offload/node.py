@@ -3,9 +3,8 @@ run is ``session.OffloadSession``.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any
 
 import comfy.model_management
 import comfy.patcher_extension
@@ -14,7 +13,7 @@ from comfy_api.latest import io
 
 from ...omni_hooks.offload import OffloadConfig
 from ..families import detect_for_node, model_input
-from ..features import CATEGORY, AppliedFeature, Category, attach_feature, display_name, named
+from ..features import CATEGORY, AppliedFeature, Category, ConfigInput, ConfigInputs, attach_feature, display_name
 from . import host, kept
 from .placement import gib
 from .session import KIND, OffloadSession
@@ -27,38 +26,34 @@ MAX_PREFETCH = 8
 PIN_OPTIONS: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 
 
-#: each input -> the ``OffloadConfig`` field it sets and its value there (the node's "auto" / 0 is the field's None)
-CONFIG_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "blocks_to_offload": ("blocks_to_offload", lambda blocks: None if blocks == AUTO else blocks),
-    "prefetch_blocks": ("prefetch_blocks", lambda blocks: blocks),
-    "pin_memory": ("pin_memory", PIN_OPTIONS.__getitem__),
-    "vram_budget_gb": ("vram_budget_bytes", lambda gb: int(gb * 1024 ** 3) if gb > 0 else None),
-}
+GIB = 1024 ** 3
 
 
-def config_default(input_name: str) -> Any:
-    """The default of the ``OffloadConfig`` field ``input_name`` sets: where the node's schema takes it from."""
-    name = CONFIG_FIELDS[input_name][0]
-    return next(f.default for f in dataclasses.fields(OffloadConfig) if f.name == name)
+def _pin_option(value: str, model=None) -> bool | None:
+    if value not in PIN_OPTIONS:  # ComfyUI 0.3.64 does not validate V3 combo values at /prompt
+        raise ValueError(f"unknown pin_memory {value!r}; choose one of {list(PIN_OPTIONS)}")
+    return PIN_OPTIONS[value]
+
+
+#: the node's inputs over ``OffloadConfig``: what the node alone means by a value (-1 / 0 = None, a combo's words,
+#: GiB); the config checks every value and gives every default
+CONFIG_INPUTS = ConfigInputs(OffloadConfig, {
+    "blocks_to_offload": ConfigInput("blocks_to_offload", lambda blocks, model: None if blocks == AUTO else blocks,
+                                     lambda blocks: AUTO if blocks is None else blocks),
+    "pin_memory": ConfigInput("pin_memory", _pin_option,
+                              lambda pin: next(name for name, value in PIN_OPTIONS.items() if value is pin)),
+    "vram_budget_gb": ConfigInput("vram_budget_bytes", lambda gb, model: None if gb == 0 else gb * GIB,
+                                  lambda budget: 0.0 if budget is None else budget / GIB),
+})
 
 
 def config_for(model, **inputs: Any) -> OffloadConfig:
-    """The node's one frozen config, from its inputs (each set on its field by ``CONFIG_FIELDS``) and ``model``; the
-    config checks each value once. ValueError naming the node and its input for a value it cannot use; what only
-    this node means by a value (-1 blocks, a combo value ComfyUI 0.3.64 does not check, GiB) is checked here."""
-    if inputs["pin_memory"] not in PIN_OPTIONS:
-        raise ValueError(f"{NODE_TITLE}: unknown pin_memory {inputs['pin_memory']!r}; choose one of "
-                         f"{list(PIN_OPTIONS)}")
-    if inputs["blocks_to_offload"] < AUTO:
-        raise ValueError(f"{NODE_TITLE}: blocks_to_offload must be -1 (auto) or 0..{MAX_BLOCKS}, got "
-                         f"{inputs['blocks_to_offload']}")
-    budget = inputs["vram_budget_gb"]
-    if not (math.isfinite(budget) and budget >= 0):
-        raise ValueError(f"{NODE_TITLE}: vram_budget_gb must be 0 (what ComfyUI reports free) or more, got {budget}")
+    """The node's one frozen config, from its inputs (``CONFIG_INPUTS``) and ``model``; the config checks each value
+    once. ValueError naming the node and its input for a value it cannot use."""
     try:
-        config = OffloadConfig(**{field: value_of(inputs[name]) for name, (field, value_of) in CONFIG_FIELDS.items()})
+        config = OffloadConfig(**CONFIG_INPUTS.fields(inputs, model))
     except ValueError as e:
-        raise named(NODE_TITLE, e) from None
+        raise CONFIG_INPUTS.error(NODE_TITLE, e, inputs, model) from None
     detected = detect_for_node(NODE_TITLE, model)
     check_for_this_machine(model, len(detected.build_stack(model.model.diffusion_model).blocks), config)
     return config
@@ -86,8 +81,8 @@ def check_for_this_machine(model, block_count: int, config: OffloadConfig) -> No
         return
     total = int(comfy.model_management.get_total_memory(target))
     if budget > total:
-        raise ValueError(f"{NODE_TITLE}: vram_budget_gb is {budget / 1024 ** 3:g} but {target} has {gib(total)} in "
-                         f"all: set at most {math.floor(total / 1024 ** 3 * 10) / 10:g}, or 0 for the VRAM ComfyUI "
+        raise ValueError(f"{NODE_TITLE}: vram_budget_gb is {budget / GIB:g} but {target} has {gib(total)} in "
+                         f"all: set at most {math.floor(total / GIB * 10) / 10:g}, or 0 for the VRAM ComfyUI "
                          f"reports free")
 
 
@@ -98,21 +93,23 @@ class CPUOffload(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         inputs = [
             model_input(" Combine with Apply TeaCache or Apply MagCache in either order."),
-            io.Int.Input("blocks_to_offload", default=AUTO, min=AUTO, max=MAX_BLOCKS,  # AUTO: the config's None
+            io.Int.Input("blocks_to_offload", default=CONFIG_INPUTS.default("blocks_to_offload"), min=AUTO,
+                         max=MAX_BLOCKS,
                          tooltip="How many transformer blocks to stream from system RAM during sampling (the last "
                          "ones of the stack). -1 = auto: as few as needed so that the other blocks, whole, plus the "
                          "streaming slots fit in the VRAM ComfyUI reports free after loading, less its estimate of "
                          "this run's activations (or vram_budget_gb). 0 = none. More than the model has = all."),
-            io.Int.Input("prefetch_blocks", default=config_default("prefetch_blocks"), min=0, max=MAX_PREFETCH,
+            io.Int.Input("prefetch_blocks", default=CONFIG_INPUTS.default("prefetch_blocks"), min=0, max=MAX_PREFETCH,
                          tooltip="How many blocks to copy ahead while a block computes. The GPU holds 1 + this many "
                          "offloaded blocks at once. 1 hides the copies when a block computes longer than it copies "
                          "(video models); raise it for short blocks, 0 copies each block when it runs. At most the "
                          "model's blocks less one."),
-            io.Combo.Input("pin_memory", options=list(PIN_OPTIONS), default="auto",
+            io.Combo.Input("pin_memory", options=list(PIN_OPTIONS), default=CONFIG_INPUTS.default("pin_memory"),
                            tooltip="Page-lock the system-RAM copies of the offloaded blocks so they copy at full "
                            "speed and in the background. auto = on with CUDA, up to half the machine's RAM; off "
                            "saves locked RAM on a machine short of memory."),
-            io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.1,
+            io.Float.Input("vram_budget_gb", default=CONFIG_INPUTS.default("vram_budget_gb"), min=0.0, max=1024.0,
+                           step=0.1,
                            tooltip="The most VRAM this model's weights may take while sampling (weights outside the "
                            "blocks + resident blocks + slots). 0 = the VRAM ComfyUI reports free after loading, less "
                            "its estimate of this run's activations. Decides auto, and how many partly loaded blocks "

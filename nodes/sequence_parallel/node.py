@@ -14,7 +14,6 @@ the next run starts a fresh one.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -30,8 +29,8 @@ from ...omni_hooks.sequence_parallel.batch import call_batch
 from . import group as sp_group
 from . import rendezvous
 from ..families import FAMILIES, DetectedModel, ModelFamily, detect
-from ..features import (CATEGORY, FEATURES_KEY, RUN_KEY, AppliedFeature, Category, FeatureSpec, attach_feature,
-                        display_name, register_feature)
+from ..features import (CATEGORY, FEATURES_KEY, RUN_KEY, AppliedFeature, Category, ConfigInputs, FeatureSpec,
+                        attach_feature, display_name, register_feature)
 from ..stats_store import FeatureReport, StepTotals
 from .shard import ATTENTION_OVERRIDE, KIND, ShardSession, attention_taken_error
 from .plain import PlainDataError
@@ -46,13 +45,7 @@ AUTO = "auto"
 # options rank 0 keeps to itself: its own wrappers and callbacks (they run around the call on rank 0) and our run
 LOCAL_ONLY_OPTIONS = ("wrappers", "callbacks", RUN_KEY, FEATURES_KEY)
 #: the node's inputs that set a field of the config's group settings (``group.GroupSettings``) under another name
-GROUP_FIELDS = {"master_address": "host", "master_port": "port"}
-
-
-def group_default(input_name: str):
-    """The default of the ``GroupSettings`` field ``input_name`` sets: where the node's schema takes it from."""
-    field = GROUP_FIELDS[input_name]
-    return next(f.default for f in dataclasses.fields(sp_group.GroupSettings) if f.name == field)
+GROUP_INPUTS = ConfigInputs(sp_group.GroupSettings, {"master_address": "host", "master_port": "port"})
 
 
 def supported_families() -> str:
@@ -87,7 +80,7 @@ def is_loopback(address: str) -> bool:
 
 
 def resolve_devices(value: str, world_size: int,
-                    master_address: str = group_default("master_address")) -> tuple[str, ...]:
+                    master_address: str = GROUP_INPUTS.default("master_address")) -> tuple[str, ...]:
     """The local ranks' devices: "auto" = the visible GPUs (at most ``world_size``), else ``world_size`` CPU ranks;
     or a comma-separated list ("cuda:0,cuda:1"), each entry a device of this machine. Ranks beyond the list are
     remote, which only a ``master_address`` other than loopback allows. ValueError naming the input and the fix."""
@@ -392,10 +385,10 @@ class SequenceParallel(io.ComfyNode):
                                 "and join with the worker command (README)."),
                 io.Combo.Input("backend", options=[AUTO, "nccl", "gloo"], default=AUTO,
                                tooltip="torch.distributed backend. 'auto': NCCL on CUDA, gloo on CPU."),
-                io.String.Input("master_address", default=group_default("master_address"),
+                io.String.Input("master_address", default=GROUP_INPUTS.default("master_address"),
                                 tooltip="Where rank 0 listens. Keep 127.0.0.1 unless remote ranks join; only this "
                                 "address is used."),
-                io.Int.Input("master_port", default=group_default("master_port"), min=0, max=65535,
+                io.Int.Input("master_port", default=GROUP_INPUTS.default("master_port"), min=0, max=65535,
                              tooltip="Rank 0's port; 0 picks a free one (local ranks only)."),
                 io.Boolean.Input("cfg_parallel", default=False,
                                  tooltip="With cfg > 1: half the ranks compute the cond batch, the other half the "

@@ -1,6 +1,7 @@
 """Configuration of block-level (layer-wise) CPU offload."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,7 +33,7 @@ class OffloadConfig:
 
     Frozen: built once by the caller and read unchanged by the run (``LayerwiseOffloadRun.config``) and its planner.
     What tensors stay in place (``keep_resident``) is a function of the caller's, passed to the run beside the
-    config. Raises ValueError naming the field for a value no run can use.
+    config. Raises ValueError naming the field for a value no run can use; a budget in bytes is kept whole.
     """
 
     prefetch_blocks: int = 1
@@ -55,5 +56,9 @@ class OffloadConfig:
             raise ValueError(f"pin_memory must be None (auto), True or False, got {self.pin_memory!r}")
         for name in ("pinned_budget_bytes", "vram_budget_bytes"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0 or None (auto), got {value!r}")
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0 or None (auto), got {value!r}")
+            object.__setattr__(self, name, int(value))  # whole bytes

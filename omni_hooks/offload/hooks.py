@@ -358,21 +358,17 @@ class LayerwiseOffloadRun:
 
 
 def apply_layerwise_offload(blocks: Sequence[torch.nn.Module], device: torch.device | str, *,
-                            prefetch_blocks: int = 1, pin_memory: bool | None = None,
-                            pinned_budget_bytes: int | None = None, keep_resident: KeepResidentFn | None = None,
-                            offload_buffers: bool = True, measure_waits: bool = True) -> LayerwiseOffloadRun:
+                            keep_resident: KeepResidentFn | None = None, **options: Any) -> LayerwiseOffloadRun:
     """Offload ``blocks`` (a block stack, in execution order) to the CPU and stream them to ``device`` block by block.
 
-    See ``OffloadConfig`` for the options; ``keep_resident``: tensors for which it returns True are not offloaded and
-    are left where they are (the host places them, e.g. a block's small modulation table that a cache reads before the
-    block runs). Returns the applied run: ``remove()`` undoes everything, ``stats`` /
-    ``collect_stats()`` report it. Raises ValueError (changing nothing) for an empty or repeated block list, a block
-    that is already offloaded, a tensor shared between blocks or one that cannot be packed as plain bytes.
+    ``options`` are ``OffloadConfig``'s fields (its defaults for the others). ``keep_resident``: tensors for which it
+    returns True are not offloaded and are left where they are (the host places them, e.g. a block's small modulation
+    table that a cache reads before the block runs). Returns the applied run: ``remove()`` undoes everything,
+    ``stats`` / ``collect_stats()`` report it. Raises ValueError (changing nothing) for a bad option, an empty or
+    repeated block list, a block that is already offloaded, a tensor shared between blocks or one that cannot be packed
+    as plain bytes.
     """
-    config = OffloadConfig(prefetch_blocks=prefetch_blocks, pin_memory=pin_memory,
-                           pinned_budget_bytes=pinned_budget_bytes, offload_buffers=offload_buffers,
-                           measure_waits=measure_waits)
-    return LayerwiseOffloadRun(blocks, device, config, keep_resident).apply()
+    return LayerwiseOffloadRun(blocks, device, OffloadConfig(**options), keep_resident).apply()
 
 
 def _resolve_device(device: torch.device | str) -> torch.device:

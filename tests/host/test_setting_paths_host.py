@@ -196,17 +196,6 @@ def test_cpu_offloads_prefetch_blocks_reaches_its_hook_in_one_config(monkeypatch
     assert run.stats.summary()["prefetch_blocks"] == 3
 
 
-def test_cpu_offloads_inputs_default_to_their_config_fields_defaults(monkeypatch):
-    from omnitest.pack import pack_module
-
-    node = pack_module("nodes.offload.node")
-    defaults = node_defaults(node.CPUOffload)
-    config = pack_module("omni_hooks.offload").OffloadConfig
-    assert set(defaults) == set(node.CONFIG_FIELDS)
-    for name, (field, value_of) in node.CONFIG_FIELDS.items():
-        assert value_of(defaults[name]) == field_default(config, field), (name, defaults[name])
-
-
 def node_defaults(node_class) -> dict:
     """Each input of a V3 node's schema: its declared default."""
     schema = node_class.define_schema()
@@ -219,29 +208,58 @@ def field_default(config_cls, name: str):
     return found.default
 
 
-def test_each_cache_input_defaults_to_its_config_fields_default(wan):
+def every_node_and_its_config_inputs():
+    """Each node of the pack whose inputs set config fields, and its ``ConfigInputs`` (the one mapping)."""
     from omnitest.pack import pack_module
 
-    inputs = pack_module("nodes.caches.inputs")
-    for kind, node_class, config_cls in (("teacache", "ApplyTeaCache", "TeaCacheConfig"),
-                                         ("magcache", "ApplyMagCache", "MagCacheConfig")):
+    for kind, node_class in (("teacache", "ApplyTeaCache"), ("magcache", "ApplyMagCache")):
         module = pack_module(f"nodes.caches.{kind}")
-        config = getattr(pack_module(f"omni_hooks.{kind}"), config_cls)
-        defaults = node_defaults(getattr(module, node_class))
-        as_config = {"cache_device": lambda v: inputs.cache_device_for(wan.patcher, v),
-                     "forecast": inputs.forecast_order}
-        for name, default in defaults.items():
-            if name == getattr(module, kind.upper()).variant_input:
-                continue  # 'auto': a choice among published entries, not a config field
-            got = as_config.get(name, lambda v: v)(default)
-            assert got == field_default(config, inputs.config_field(name)), (node_class, name, default)
+        cache = getattr(module, kind.upper())
+        yield getattr(module, node_class), cache.config_inputs, {cache.variant_input}
+    offload = pack_module("nodes.offload.node")
+    yield offload.CPUOffload, offload.CONFIG_INPUTS, set()
+    sp = pack_module("nodes.sequence_parallel.node")  # its group settings: the inputs the degrees do not decide
+    yield sp.SequenceParallel, sp.GROUP_INPUTS, {"world_size", "ulysses_degree", "ring_degree", "devices", "backend",
+                                                 "cfg_parallel"}
 
 
-def test_sequence_parallels_address_and_port_default_to_the_group_settings():
+def test_every_nodes_inputs_default_to_their_config_fields_default_through_one_mapping(wan):
+    """Each input's widget default is its config field's default, in the node's form, and back: the default is
+    written once, in the config (``ConfigInputs``), for the caches, CPU Offload and Sequence Parallel alike."""
+    checked = 0
+    for node_class, config_inputs, not_fields in every_node_and_its_config_inputs():
+        for name, default in node_defaults(node_class).items():
+            if name in not_fields:
+                continue
+            spec = config_inputs.input(name)
+            expected = field_default(config_inputs.config_cls, spec.field)
+            assert spec.to_config(default, wan.patcher) == expected, (node_class.__name__, name, default)
+            assert config_inputs.default(name) == default, (node_class.__name__, name)
+            checked += 1
+    assert checked >= 20, checked  # 9 inputs per cache, 3 of CPU Offload, 2 of Sequence Parallel
+
+
+def test_a_config_error_reaches_the_user_in_the_nodes_words(wan):
+    """The config checks a value once; the node's error names the node, its input and the value the user gave, and
+    the node's form of 'auto' (-1 blocks, 0 GiB) where the config says None."""
     from omnitest.pack import pack_module
 
-    node = pack_module("nodes.sequence_parallel.node")
-    settings = pack_module("nodes.sequence_parallel.group").GroupSettings
-    defaults = node_defaults(node.SequenceParallel)
-    for name, field in node.GROUP_FIELDS.items():
-        assert defaults[name] == field_default(settings, field), name
+    node = pack_module("nodes.offload.node")
+    inputs = dict(blocks_to_offload=-2, prefetch_blocks=1, pin_memory="auto", vram_budget_gb=0.0)
+    with pytest.raises(ValueError, match=r"^CPU Offload: blocks_to_offload must be an integer >= 0 or -1 \(auto\), "
+                                         r"got -2$"):
+        node.config_for(wan.patcher, **inputs)
+    with pytest.raises(ValueError, match=r"^CPU Offload: vram_budget_gb must be a finite number >= 0 or 0.0 "
+                                         r"\(auto\), got -1.5$"):
+        node.config_for(wan.patcher, **{**inputs, "blocks_to_offload": -1, "vram_budget_gb": -1.5})
+    from omnitest.pack import run_node
+
+    tea = pack_module("nodes.caches.teacache")
+    applied = dict(model=wan.patcher, rel_l1_thresh=0.1, start_percent=0.0, end_percent=1.0,
+                   cache_device="compute device", model_variant="wan2.1_t2v_1.3B")
+    with pytest.raises(ValueError, match=r"^Apply TeaCache: unknown forecast 'third'"):
+        run_node(tea.ApplyTeaCache, **applied, forecast="third")
+    with pytest.raises(ValueError, match=r"^Apply TeaCache: forward_budget must be a whole number"):
+        run_node(tea.ApplyTeaCache, **applied, forward_budget=-3)
+
+
