@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from comfy_api.latest import io
 
-from ...omni_hooks.teacache.config import DEFAULT_RECOMMENDED_THRESHOLD
-from ...omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients
+from ...omni_hooks.teacache.config import DEFAULT_RECOMMENDED_THRESHOLD, RECOMMENDED_SPEEDUP
+from ...omni_hooks.teacache import (TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients,
+                                    recommended_threshold)
 from . import calibration_files
 from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
                    register_cache)
@@ -79,11 +80,12 @@ class TeaCacheCalibration(CacheCalibration):
                                     coefficients=coefficients,
                                     threshold=threshold, signal=signal, source=f"calibration file {name}")
 
-    def collect(self, run: TeaCacheRun) -> list[tuple[float, float]]:
-        return run.calibration_pairs()
+    def collect(self, run: TeaCacheRun) -> list[list[tuple[float, float]]]:
+        return run.calibration_series()
 
-    def file_contents(self, parts: list[list[tuple[float, float]]], detected: DetectedModel) -> dict:
-        pairs = [pair for part in parts for pair in part]
+    def file_contents(self, parts: list[list[list[tuple[float, float]]]], detected: DetectedModel) -> dict:
+        series = [branch for part in parts for branch in part]
+        pairs = [pair for branch in series for pair in branch]
         coefficients = fit_coefficients(pairs)
         return {
             "kind": KIND,
@@ -91,13 +93,15 @@ class TeaCacheCalibration(CacheCalibration):
             "variant": detected.variant,
             "signal": "default",
             "coefficients": coefficients,
+            "recommended_threshold": recommended_threshold(coefficients, series),
             "points": len(pairs),
             "input_change_range": [min(p[0] for p in pairs), max(p[0] for p in pairs)],
             "output_change_range": [min(p[1] for p in pairs), max(p[1] for p in pairs)],
         }
 
     def describe(self, data: dict) -> str:
-        return f"fitted {data['coefficients']} from {data['points']} points"
+        return (f"fitted {data['coefficients']} from {data['points']} points; rel_l1_thresh -1 uses its recommended "
+                f"{data['recommended_threshold']:g} (about {RECOMMENDED_SPEEDUP:g}x fewer steps on this run)")
 
 
 class TeaCache(BlockStackCache):

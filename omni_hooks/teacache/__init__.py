@@ -6,6 +6,7 @@ from .hook import (
     TeaCacheRun,
     apply_teacache_hook,
     fit_coefficients,
+    recommended_threshold,
     relative_l1,
 )
 from .state import TeaCacheState
@@ -19,5 +20,6 @@ __all__ = [
     "TeaCacheState",
     "apply_teacache_hook",
     "fit_coefficients",
+    "recommended_threshold",
     "relative_l1",
 ]

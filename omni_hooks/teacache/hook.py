@@ -10,8 +10,9 @@ above 1 where the forecast has recently erred more per unit of change than over 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from ..caching.forecast import ALTERNATING_COHERENCE
 from ..caching.run import StackCacheRun
 from ..caching.state import ActiveCall, Decision
 from ..caching.stats import CALIBRATE, FIRST, FORCED, MEASURE, REUSE, SHAPE, THRESHOLD, WINDOW, CacheRunStats
-from .config import TeaCacheConfig
+from .config import DEFAULT_RECOMMENDED_THRESHOLD, RECOMMENDED_SPEEDUP, TeaCacheConfig
 from .state import TeaCacheState
 
 HOOK_NAMES = ("teacache", "teacache_block", "teacache_tail", "teacache_capture")
@@ -64,9 +65,10 @@ class TeaCacheRun(StackCacheRun):
         self.modulated_input = modulated_input
         self.rescale = np.poly1d(config.coefficients)
 
-    def calibration_pairs(self) -> list[tuple[float, float]]:
-        """Every (modulated-input change, stack-output change) pair recorded in calibration mode, all branches."""
-        return [p for key in self.states.contexts() for p in self.branch_state(key).calibration_pairs]
+    def calibration_series(self) -> list[list[tuple[float, float]]]:
+        """The (modulated-input change, stack-output change) pairs recorded in calibration mode: one list per branch,
+        in step order (the first step has none)."""
+        return [list(self.branch_state(key).calibration_pairs) for key in self.states.contexts()]
 
     def _forced_reason(self, info: CallContext) -> str | None:
         if info.step is None or not info.total_steps:
@@ -162,3 +164,39 @@ def fit_coefficients(pairs: list[tuple[float, float]], degree: int = 4) -> list[
     x = np.array([p[0] for p in pairs], dtype=np.float64)
     y = np.array([p[1] for p in pairs], dtype=np.float64)
     return [float(c) for c in np.polyfit(x, y, degree)]
+
+
+def recommended_threshold(coefficients: Sequence[float], series: Sequence[Sequence[tuple[float, float]]],
+                          speedup: float = RECOMMENDED_SPEEDUP) -> float:
+    """The threshold at which TeaCache with ``coefficients`` would have computed about ``1/speedup`` of the steps of
+    the calibrating run that recorded ``series`` (``TeaCacheRun.calibration_series``): the largest one (to 3
+    significant digits) that still computes at least that many, replaying the run's decisions branch by branch (its
+    first step computed, then reuse while the accumulated rescaled change stays below the threshold).
+    ``DEFAULT_RECOMMENDED_THRESHOLD`` when the series hold no step to replay."""
+    rescale = np.poly1d(coefficients)
+    changes = [[abs(float(rescale(x))) for x, _ in branch] for branch in series if branch]
+    if not changes:
+        return DEFAULT_RECOMMENDED_THRESHOLD
+    steps = sum(len(branch) + 1 for branch in changes)
+    wanted = math.ceil(steps / speedup)
+
+    def computed(threshold: float) -> int:
+        count = 0
+        for branch in changes:
+            count += 1  # the first step
+            accumulated = 0.0
+            for change in branch:
+                accumulated += change
+                if accumulated >= threshold:
+                    count += 1
+                    accumulated = 0.0
+        return count
+
+    low, high = 0.0, max(sum(branch) for branch in changes) + 1.0  # computed(low) >= wanted > computed(high)
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if computed(middle) >= wanted else (low, middle)
+    if low <= 0.0:
+        return 0.0
+    scale = 10.0 ** (2 - math.floor(math.log10(low)))
+    return math.floor(low * scale) / scale  # rounded down: it computes at least as many steps

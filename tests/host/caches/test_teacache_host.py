@@ -1,6 +1,8 @@
 """Apply TeaCache inside a real ComfyUI (in-process): bit-identical at threshold 0, monotone, branches, lifecycle."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -205,6 +207,13 @@ def test_calibrate_writes_a_file_that_apply_teacache_offers_and_uses(env, wan):
                         steps=16, cfg=3.0)
         reused.append(last_run(env)["summary"]["reused"])
     assert reused == sorted(reused) and reused[-1] > 0
+    # -1 uses the threshold the file recommends: about 1.8x fewer steps on the run it measured
+    assert files.load("teacache", "tiny wan")["recommended_threshold"] == data["recommended_threshold"] > 0
+    env.tiny.sample(wan, model=env.apply(wan.patcher, rel_l1_thresh=-1.0, variant="calibration: tiny wan"),
+                    steps=16, cfg=3.0)
+    summary = last_run(env)["summary"]
+    assert summary["threshold"] == data["recommended_threshold"]
+    assert math.ceil(16 / 1.8) <= summary["computed"] <= math.ceil(16 / 1.8) + 2, summary
 
 
 def test_a_calibration_file_of_another_family_is_refused(env, wan):

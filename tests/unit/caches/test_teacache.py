@@ -13,6 +13,7 @@ from omni_hooks.teacache import (
     TeaCacheConfig,
     apply_teacache_hook,
     fit_coefficients,
+    recommended_threshold,
 )
 
 ALWAYS_COMPUTE = (0.0, 0.0, 0.0, 0.0, 1.0)   # f == 1 >= any threshold below 1
@@ -278,11 +279,47 @@ def test_calibration_records_pairs_computes_everything_and_fits():
     timesteps = [1 - i / 12 for i in range(12)]
     run_steps(model, run, timesteps, torch.randn(2, 5, 8), branches=("a", "b"))
     assert run.stats.reused == 0
-    pairs = run.calibration_pairs()
-    assert len(pairs) == 2 * (len(timesteps) - 1)
+    series = run.calibration_series()
+    assert [len(branch) for branch in series] == [len(timesteps) - 1] * 2
+    pairs = [pair for branch in series for pair in branch]
     assert all(x > 0 and y > 0 for x, y in pairs)
     coefficients = fit_coefficients(pairs)
     assert len(coefficients) == 5
+
+
+def test_a_calibrations_recommended_threshold_gives_its_speed_up_on_the_run_it_measured():
+    """Replayed by TeaCache itself on the run the calibration measured, the recommended threshold computes about
+    1/1.8 of the steps (RECOMMENDED_SPEEDUP, the published recommendations' speed-up), and a threshold a little
+    above it computes fewer: the recommendation is the largest that keeps that many."""
+    import math
+
+    model = ToyDiT()
+    timesteps = [1 - (i / 30) ** 1.5 for i in range(30)]  # uneven changes, as a real schedule's
+    x = torch.randn(2, 5, 8)
+    calibrating = apply_teacache_hook(toy_stack(model), TeaCacheConfig(0.0, IDENTITY, calibrate=True),
+                                      signal_from_time_embedding())
+    run_steps(model, calibrating, timesteps, x, branches=("c", "u"))
+    series = calibrating.calibration_series()
+    calibrating.remove()
+    coefficients = fit_coefficients([pair for branch in series for pair in branch])
+    threshold = recommended_threshold(coefficients, series)
+    assert threshold > 0
+
+    def computed_steps(value: float) -> int:  # of the decisions (a step's branches may decide as one)
+        run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(value, tuple(coefficients), ret_steps=0,
+                                                                   force_last_step=False),
+                                  signal_from_time_embedding())
+        try:
+            run_steps(model, run, timesteps, x, branches=("c", "u"))
+            assert len(run.stats.evaluations) == len(timesteps)
+            return sum(e.computed for e in run.stats.evaluations)
+        finally:
+            run.remove()
+
+    wanted = math.ceil(len(timesteps) / 1.8)
+    assert wanted <= computed_steps(threshold) <= wanted + 1
+    assert computed_steps(threshold * 1.05) < computed_steps(threshold)
+    assert recommended_threshold(coefficients, [[], []]) == 0.2  # nothing to replay: the default
 
 
 def test_fit_recovers_a_known_polynomial_and_refuses_too_few_points():
