@@ -548,10 +548,18 @@ def sample(case: TinyCase, model: Optional[comfy.model_patcher.ModelPatcher] = N
     NestedTensor, as one tensor: its streams flattened per sample and concatenated); deterministic for equal
     arguments. Never mutates ``case``'s conditioning or latent. ``callback(step, x0, x, total_steps)``: called after
     each step, where the ``KSampler`` node's progress callback runs (and ComfyUI checks for an interrupt).
+
+    Each call starts as a fresh process's first run: a diffusion model that keeps its text prefix's keys and values
+    across runs (HiDream-O1's ``clear_kv_cache``) forgets them first. Else a later run computes its first step on
+    fewer tokens (the cached prefix left out), where other matrix shapes may round otherwise (``MKL_CBWR=COMPATIBLE``
+    and ``AVX2`` do; bit-equality holds only where the same kernels see the same shapes).
     """
     import comfy.sample
 
     model = case.patcher if model is None else model
+    forget = getattr(model.model.diffusion_model, "clear_kv_cache", None)
+    if forget is not None:
+        forget()
     steps = case.steps if steps is None else steps
     cfg = case.cfg if cfg is None else cfg
     with torch.inference_mode():
