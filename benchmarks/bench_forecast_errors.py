@@ -93,10 +93,10 @@ def observed(observer: Observer):
                 continue
             made = [history.forecast(sigma, candidate=key).residual for key in candidate_names()]
             errors = [m.float() - want for m in made]
-            chosen = call.record.branches[i].forecast_order if call.record is not None else 0
+            chosen = call.record.branches[i].candidate if call.record is not None else 0
             observer.skips.append((observer.prompt, label, float(sigma), errors, chosen))
             if observer.forced is not None:
-                pick = (min(range(len(errors)), key=lambda o: float(errors[o].square().sum()))
+                pick = (min(range(len(errors)), key=lambda c: float(errors[c].square().sum()))
                         if observer.forced == CLOSEST else observer.forced)
                 residuals[i] = made[pick]
         return residuals
@@ -124,7 +124,7 @@ def summed_errors(observer: Observer) -> dict[str, tuple[float, float]]:
     reference's residuals summed alike, mean over the prompts."""
     policies = {name: (lambda key: lambda errors, chosen: key)(key) for key, name in candidate_names().items()}
     policies[CACHE_CHOICE] = lambda errors, chosen: chosen
-    policies[CLOSEST] = lambda errors, chosen: min(range(len(errors)), key=lambda o: float(errors[o].square().sum()))
+    policies[CLOSEST] = lambda errors, chosen: min(range(len(errors)), key=lambda c: float(errors[c].square().sum()))
     results = {name: [0.0, 0.0] for name in policies}
     prompts = sorted({p for p, *_ in observer.skips})
     for prompt in prompts:

@@ -5,7 +5,7 @@ part (a ``FeatureReport``) when the run ends (``nodes.features.SamplingRun``).
 Events (``PromptServer.send_sync``, to the prompt's client only):
   * ``omni_hooks.step``: after every model evaluation of a cache; ``{run_id, prompt_id, node_id, node_title,
     workflow_id, sampler_node_id, kind, model, threshold, started_at, step, total_steps, computed, seconds, branches:
-    [{branch, computed, reason, metric, threshold, forecast_order}]}`` (at most ``STEP_BRANCHES_LIMIT`` branches,
+    [{branch, computed, reason, metric, threshold, candidate}]}`` (at most ``STEP_BRANCHES_LIMIT`` branches,
     ``branches_omitted`` counts the rest);
   * ``omni_hooks.run``: when a run ends (also after an error or interrupt); the history entry below.
 Routes (registered at import, so also under ``/api``):

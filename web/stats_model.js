@@ -32,8 +32,9 @@ export const REASONS = {
   mixed: { label: "mixed", help: "several evaluations summarised in one cell" },
 };
 
-/** What a skipped branch's residual came from (omni_hooks/caching/stats.py BranchDecision.forecast_order). */
-export const FORECAST_ORDERS = { 0: "reuse", 1: "1st order", 2: "2nd order", 3: "Taylor", 4: "Chebyshev fit" };
+/** The forecast candidates a skipped branch's residual came from, by key (omni_hooks/caching/stats.py
+ * BranchDecision.candidate). */
+export const FORECAST_CANDIDATES = { 0: "reuse", 1: "1st order", 2: "2nd order", 3: "Taylor", 4: "Chebyshev fit" };
 
 const NON_FINITE = new Set(["NaN", "Infinity", "-Infinity"]);
 
@@ -97,7 +98,7 @@ function record(ev) {
     branches: (Array.isArray(ev.branches) ? ev.branches : []).map((b) => ({
       branch: String(b?.branch ?? "all"), computed: !!b?.computed, reason: String(b?.reason ?? ""),
       metric: b?.metric ?? null, threshold: b?.threshold ?? null,
-      forecast_order: Number.isInteger(b?.forecast_order) ? b.forecast_order : null,
+      candidate: Number.isInteger(b?.candidate) ? b.candidate : null,
     })),
   };
 }
@@ -247,7 +248,7 @@ export function speedupBasis(c) {
 }
 
 function emptyCell(step) {
-  return { first_step: step, last_step: step, n: 0, computed: 0, reused: 0, reasons: {}, orders: {}, metric: null,
+  return { first_step: step, last_step: step, n: 0, computed: 0, reused: 0, reasons: {}, candidates: {}, metric: null,
     threshold: null };
 }
 
@@ -261,7 +262,7 @@ export function branchCells(run) {
         cell.n = 1;
         cell[b.computed ? "computed" : "reused"] = 1;
         cell.reasons[b.reason || (b.computed ? "threshold" : "reuse")] = 1;
-        if (b.forecast_order != null) cell.orders[b.forecast_order] = 1;
+        if (b.candidate != null) cell.candidates[b.candidate] = 1;
         cell.metric = b.metric;
         cell.threshold = b.threshold;
         (out[b.branch] ??= []).push(cell);
@@ -277,7 +278,7 @@ export function branchCells(run) {
       cell.reused = finiteOr(b.reused, 0);
       cell.n = cell.computed + cell.reused;
       cell.reasons = { ...(b.reasons ?? {}) };
-      cell.orders = { ...(b.orders ?? {}) };
+      cell.candidates = { ...(b.candidates ?? {}) };
       cell.metric = b.metric_max ?? null;
       cell.threshold = b.threshold ?? null;
       (out[name] ??= []).push(cell);
@@ -297,7 +298,7 @@ export function binCells(cells, maxCells) {
     for (const c of group) {
       cell.n += c.n; cell.computed += c.computed; cell.reused += c.reused;
       for (const [r, k] of Object.entries(c.reasons)) cell.reasons[r] = (cell.reasons[r] ?? 0) + k;
-      for (const [o, k] of Object.entries(c.orders ?? {})) cell.orders[o] = (cell.orders[o] ?? 0) + k;
+      for (const [f, k] of Object.entries(c.candidates ?? {})) cell.candidates[f] = (cell.candidates[f] ?? 0) + k;
       const m = finiteOr(c.metric);
       if (m !== null) cell.metric = Math.max(finiteOr(cell.metric, -Infinity), m);
       cell.threshold = c.threshold ?? cell.threshold;
@@ -327,7 +328,7 @@ export function cellReason(cell) {
 
 function laneKey(cells) {
   return cells.map((c) => `${c.first_step}:${Object.entries(c.reasons).sort().join(",")}`
-    + `:${Object.entries(c.orders ?? {}).sort().join(",")}`).join(";");
+    + `:${Object.entries(c.candidates ?? {}).sort().join(",")}`).join(";");
 }
 
 /** Sort order of branch names: cond entries, then uncond entries, then the rest (numbers by value). */
@@ -382,13 +383,13 @@ export function describeCell(cell, lane) {
   return `${lane.label}, ${steps}: ${what}${forecastWords(cell)}${metric}`;
 }
 
-/** With a forecast: which order each skipped evaluation of ``cell`` used, e.g. ", 1st order" or
+/** With a forecast: which candidate each skipped evaluation of ``cell`` used, e.g. ", 1st order" or
  * ", 1st order 3, reuse 1" ("" without a forecast). */
 export function forecastWords(cell) {
-  const orders = Object.entries(cell.orders ?? {}).sort((a, b) => b[1] - a[1] || a[0] - b[0]);
-  if (!orders.length) return "";
-  const name = (o) => FORECAST_ORDERS[o] ?? `order ${o}`;
-  return ", " + (cell.n > 1 ? orders.map(([o, k]) => `${name(o)} ${k}`) : orders.map(([o]) => name(o))).join(", ");
+  const used = Object.entries(cell.candidates ?? {}).sort((a, b) => b[1] - a[1] || a[0] - b[0]);
+  if (!used.length) return "";
+  const name = (f) => FORECAST_CANDIDATES[f] ?? `candidate ${f}`;
+  return ", " + (cell.n > 1 ? used.map(([f, k]) => `${name(f)} ${k}`) : used.map(([f]) => name(f))).join(", ");
 }
 
 /** Axis labels for a strip: 1-based step numbers at the first, middle and last cell (the last one's last step). */

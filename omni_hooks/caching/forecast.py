@@ -27,13 +27,12 @@ from them (``ResidualHistory.prediction_errors``); ``CandidateScores`` keeps a r
 the distance (in the coordinate) those predictions spanned. A skip uses the candidate whose error, carried to the
 skip's own distance from the last computed step, is smallest: an order-k extrapolation errs like the distance to the
 power k + 1, reuse like the distance (``Candidate.degree``), so a skip close to the last computed step favours the
-higher orders and one far from it favours reuse. An error also counts as it adds up in the latent over the coming
-gaps: each candidate's running correlation between its consecutive errors (``CandidateScores.coherence``; reuse
+candidates of higher degree and one far from it favours reuse. An error also counts as it adds up in the latent over the
+coming gaps: each candidate's running correlation between its consecutive errors (``CandidateScores.coherence``; reuse
 lagging a drift errs the same way at every gap) multiplies its error by ``accumulation`` (below 1 for errors that
-alternate, where the cache credits that: ``StackCacheRun.coherence_floor``). Plain reuse unless a candidate beats it.
-An auto branch keeps ``AUTO_KEPT`` residuals (the newest is scored against the ones before it). The scores are
-measured per rank shard and averaged over the ranks (like the caches' metrics), so every rank of a group chooses the
-same one.
+alternate, where the cache credits that: ``StackCacheRun.coherence_floor``). Plain reuse unless a candidate beats it. An
+auto branch keeps ``AUTO_KEPT`` residuals (the newest is scored against the ones before it). The scores are measured per
+rank shard and averaged over the ranks (like the caches' metrics), so every rank of a group chooses the same one.
 
 A policy that knows it forecasts (``ErrorPerMetric``, under ``WEIGHED_ORDERS``): at each computed step the cache also
 knows the metric that made it compute (TeaCache's accumulated change) and the error the forecast a skip would have

@@ -32,7 +32,7 @@ class Forecaster:
     """The forecast of a run whose ``config.forecast_order`` is set (``forecast``): a skipped branch's residual from
     its history, and on a computed call each candidate scored (under "auto") and the history extended.
     ``weighs_metric``: the run's policy weighs its metric by the forecast's record (``ErrorPerMetric``);
-    ``coherence_floor``: the lowest coherence an order's errors are credited with under "auto"."""
+    ``coherence_floor``: the lowest coherence a candidate's errors are credited with under "auto"."""
 
     def __init__(self, config: StackCacheConfig, stats: CacheRunStats, weighs_metric: bool, coherence_floor: float):
         self.config = config
@@ -52,7 +52,7 @@ class Forecaster:
             residuals.append(made.residual if made.residual is not None else st.previous_residual)
             reason = FORECAST_FALLBACK if made.fell_back else FORECAST if made.candidate else None
             if call.record is not None and i < len(call.record.branches):
-                call.record.branches[i].forecast_order = made.candidate
+                call.record.branches[i].candidate = made.candidate
                 if reason:
                     call.record.branches[i].reason = reason
             if made.fell_back:
@@ -80,8 +80,8 @@ class Forecaster:
               distances: list[float | None]) -> None:
         """Update each branch's ``CandidateScores`` from its prediction errors (``ResidualHistory.prediction_errors``,
         concatenated over the call's branches) made over ``distances``: one host sync, and under sequence
-        parallelism the means over the ranks, so that every rank chooses the same orders. A policy that weighs its
-        metric by the forecast also scores the order a skip at that distance would have used against the metric
+        parallelism the means over the ranks, so that every rank chooses the same candidates. A policy that weighs its
+        metric by the forecast also scores the candidate a skip at that distance would have used against the metric
         that made this call compute (``ErrorPerMetric``)."""
         floats = measured_floats(call, measured)
         width = len(floats) // len(states)

@@ -52,7 +52,7 @@ class StackCacheRun:
     step_rules: tuple[type[StepRule], ...] = STEP_RULES
     # under a forecast of ``WEIGHED_ORDERS``, the policy multiplies its metric by ``metric_weight`` (ErrorPerMetric)
     weighs_metric_by_forecast: bool = False
-    # under "auto": the lowest coherence an order's errors are credited with (below 0: errors that alternate cancel)
+    # under "auto": the lowest coherence a candidate's errors are credited with (below 0: errors that alternate cancel)
     coherence_floor: float = COHERENCE_RANGE[0]
     measured_floats = staticmethod(measured_floats)
 

@@ -23,7 +23,7 @@ class CachedResidualState(BaseState):
     residual_input_shape: torch.Size | None = None
     # with forecasting: the last computed residuals (the newest is ``previous_residual``)
     history: ResidualHistory = field(default_factory=ResidualHistory)
-    # with the "auto" forecast: how well each order has predicted this branch's computed residuals
+    # with the "auto" forecast: how well each candidate has predicted this branch's computed residuals
     scores: CandidateScores = field(default_factory=CandidateScores)
     # ... and, for a cache that weighs its metric by the forecast: the forecast's error per unit of metric, and the
     # unweighted metric of the branch's latest decision (None: not measured), which a computed call is scored with

@@ -73,8 +73,8 @@ class BranchDecision:
     metric: float | None   # the accumulated distance (TeaCache) or error (MagCache) the decision compared
     threshold: float
     # with a forecast: the candidate a skipped branch's residual came from (its key in ``forecast.CANDIDATE_NAMES``;
-    # 0: the last residual reused); None otherwise. The statistics' JSON keeps this released name
-    forecast_order: int | None = None
+    # 0: the last residual reused); None otherwise
+    candidate: int | None = None
 
 
 @dataclass
@@ -210,10 +210,10 @@ class CacheRunStats:
         return ("the accumulated change always exceeded the threshold; raise the threshold, or the model may be "
                 "few-step/distilled, where caching has little to skip")
 
-    def forecast_orders(self) -> dict[str, int] | None:
+    def candidates(self) -> dict[str, int] | None:
         """With a forecast: how many skipped branch evaluations used each candidate (by its name in
         ``forecast.CANDIDATE_NAMES``); None without."""
-        used = [b.forecast_order for e in self.evaluations for b in e.branches if b.forecast_order is not None]
+        used = [b.candidate for e in self.evaluations for b in e.branches if b.candidate is not None]
         if not used:
             return None
         return {name: used.count(key) for key, name in CANDIDATE_NAMES.items() if key in used}
@@ -255,7 +255,7 @@ class CacheRunStats:
             "notes": list(self.config.notes) + [n for n in (*(rule.note() for rule in self.rules),
                                                             self.forecast_note(), self.correction_note()) if n]
                      + self.host_notes,
-            "forecast_orders": self.forecast_orders(),
+            "candidates": self.candidates(),
             "budget": self.rule_summary(BUDGET_REASON),
         }
 
@@ -280,8 +280,8 @@ class CacheRunStats:
                              for name, c in sorted(s["branches"].items()))
         line = (f"{self.kind} ({self.model}, threshold {self.threshold:g}): reused {s['reused']}/{s['evaluations']} "
                 f"model evaluations ({branches}); ~{s['estimated_speedup']:.2f}x in the model")
-        if s["forecast_orders"]:
-            line += "; skipped branches from " + ", ".join(f"{name} {n}" for name, n in s["forecast_orders"].items())
+        if s["candidates"]:
+            line += "; skipped branches from " + ", ".join(f"{name} {n}" for name, n in s["candidates"].items())
         if s["warnings"]:
             line += "; " + "; ".join(s["warnings"])
         return line
@@ -294,9 +294,9 @@ class CacheRunStats:
         """The evaluations in at most ``max_bins`` consecutive bins of equal size, for runs too long to keep each.
 
         ``{"bin_size": n, "bins": [{first_step, last_step, evaluations, computed, seconds, branches: {name:
-        {computed, reused, reasons: {reason: count}, orders: {order: count}, metric_max, threshold}}}]}``
-        (``orders``: the skipped evaluations' ``forecast_order``s, empty without a forecast); JSON-safe. ``metric_max``
-        is the largest finite metric of the bin (None when none), so the plot keeps its peaks.
+        {computed, reused, reasons: {reason: count}, candidates: {candidate: count}, metric_max, threshold}}}]}``
+        (``candidates``: the skipped evaluations' ``candidate`` keys, empty without a forecast); JSON-safe.
+        ``metric_max`` is the largest finite metric of the bin (None when none), so the plot keeps its peaks.
         """
         size = max(1, math.ceil(len(self.evaluations) / max(max_bins, 1)))
         bins = []
@@ -306,11 +306,11 @@ class CacheRunStats:
             branches: dict[str, dict[str, Any]] = {}
             for e in chunk:
                 for b in e.branches:
-                    agg = branches.setdefault(b.branch, {"computed": 0, "reused": 0, "reasons": {}, "orders": {},
+                    agg = branches.setdefault(b.branch, {"computed": 0, "reused": 0, "reasons": {}, "candidates": {},
                                                          "metric_max": None, "threshold": b.threshold})
                     agg["computed" if b.computed else "reused"] += 1
-                    if b.forecast_order is not None:
-                        agg["orders"][b.forecast_order] = agg["orders"].get(b.forecast_order, 0) + 1
+                    if b.candidate is not None:
+                        agg["candidates"][b.candidate] = agg["candidates"].get(b.candidate, 0) + 1
                     agg["reasons"][b.reason] = agg["reasons"].get(b.reason, 0) + 1
                     if b.metric is not None and math.isfinite(b.metric):
                         agg["metric_max"] = b.metric if agg["metric_max"] is None else max(agg["metric_max"], b.metric)

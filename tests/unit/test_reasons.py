@@ -87,8 +87,8 @@ def js_set(name: str, source: Path) -> set[str]:
 def test_the_panel_names_every_forecast_candidate_as_the_library_does():
     from omni_hooks.caching.forecast import CANDIDATE_NAMES
 
-    found = re.search(r"export const FORECAST_ORDERS = \{(.*?)\};", PANEL.read_text(encoding="utf-8"), re.S)
-    assert found, f"no FORECAST_ORDERS object in {PANEL}"
+    found = re.search(r"export const FORECAST_CANDIDATES = \{(.*?)\};", PANEL.read_text(encoding="utf-8"), re.S)
+    assert found, f"no FORECAST_CANDIDATES object in {PANEL}"
     entries = re.findall(r'(\d+): "(.*?)"', found.group(1))
     assert {int(key): name for key, name in entries} == CANDIDATE_NAMES
 

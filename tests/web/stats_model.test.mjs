@@ -56,28 +56,28 @@ test("forecast steps are their own reason: a colour, a legend entry, counted as 
   assert.equal(cellReason({ reasons: { forecast: 5, threshold: 1 } }), "threshold");
 });
 
-test("a forecasting run's tooltips say which order each skipped step used, also when binned", () => {
+test("a forecasting run's tooltips say which candidate each skipped step used, also when binned", () => {
   const s = createState();
-  const orders = [null, 1, 2, 0, null];  // auto: 1st order, 2nd order, then plain reuse; computed steps have none
+  const candidates = [null, 1, 2, 0, null];  // auto: 1st order, 2nd order, then plain reuse; computed steps have none
   {
     const steps = [true, false, false, false, true].map((computed, i) => {
       const ev = step("r1", i, computed, { total: 5, reason: [undefined, "forecast", "forecast", "reuse"][i] });
-      for (const b of ev.branches) b.forecast_order = orders[i];
-      ev.branches[1].forecast_order = i === 1 ? 0 : orders[i];  // uncond reused where cond forecast
+      for (const b of ev.branches) b.candidate = candidates[i];
+      ev.branches[1].candidate = i === 1 ? 0 : candidates[i];  // uncond reused where cond forecast
       if (i === 1) ev.branches[1].reason = "reuse";
       return ev;
     });
     steps.forEach((ev) => applyStep(s, ev));
   }
   const list = lanes(shownRun(s));
-  assert.equal(list.length, 2);  // the branches used different orders at step 2: a lane each
+  assert.equal(list.length, 2);  // the branches used different candidates at step 2: a lane each
   assert.equal(describeCell(list[0].cells[1], list[0]), "cond, step 2: reused, 1st order, change 0.1");
   assert.equal(describeCell(list[0].cells[2], list[0]), "cond, step 3: reused, 2nd order, change 0.2");
   assert.equal(describeCell(list[1].cells[3], list[1]), "uncond, step 4: reused, reuse, change 0.3");
   assert.equal(describeCell(list[0].cells[4], list[0]), "cond, step 5: computed (over threshold), change 0.4");
   const binned = binCells(list[0].cells, 1)[0];
   assert.match(describeCell(binned, list[0]), /^cond, steps 1–5: 3\/5 reused \(.*\), reuse 1, 1st order 1, 2nd order 1, /);
-  assert.equal(forecastWords({ n: 1, orders: {} }), "");
+  assert.equal(forecastWords({ n: 1, candidates: {} }), "");
 });
 
 test("branches that differ get a lane each and an explanation", () => {

@@ -128,29 +128,29 @@ def test_an_unknown_forecast_value_is_refused_naming_the_node(env, cache):
 
 
 @pytest.mark.parametrize("cache", ["teacache", "magcache"])
-def test_auto_records_the_order_of_every_skipped_step_in_the_run_statistics(env, cache):
+def test_auto_records_the_candidate_of_every_skipped_step_in_the_run_statistics(env, cache):
     out = env.tiny.sample(env.case, model=env.apply(cache, REUSING[cache], "auto"), steps=STEPS, cfg=3.0)
     assert torch.isfinite(out).all()
     run = env.last_run()
     skipped = [b for e in run["evaluations"] if not e["computed"] for b in e["branches"]]
     computed = [b for e in run["evaluations"] if e["computed"] for b in e["branches"]]
     names = {0: "reuse", 1: "1st order", 2: "2nd order", 3: "Taylor", 4: "Chebyshev fit"}  # the candidates
-    assert skipped and all(b["forecast_order"] in names for b in skipped)
-    assert all(b["forecast_order"] is None for b in computed)
-    assert all((b["reason"] == "reuse") == (b["forecast_order"] == 0) for b in skipped)
+    assert skipped and all(b["candidate"] in names for b in skipped)
+    assert all(b["candidate"] is None for b in computed)
+    assert all((b["reason"] == "reuse") == (b["candidate"] == 0) for b in skipped)
     counted = {}
     for b in skipped:
-        counted[names[b["forecast_order"]]] = counted.get(names[b["forecast_order"]], 0) + 1
-    assert run["summary"]["forecast_orders"] == counted
+        counted[names[b["candidate"]]] = counted.get(names[b["candidate"]], 0) + 1
+    assert run["summary"]["candidates"] == counted
 
 
-def test_off_records_no_order_and_auto_is_an_option_of_both_nodes(env):
+def test_off_records_no_candidate_and_auto_is_an_option_of_both_nodes(env):
     from omnitest.pack import pack_module
 
     env.tiny.sample(env.case, model=env.apply("teacache", REUSING["teacache"], None), steps=STEPS, cfg=3.0)
     run = env.last_run()
-    assert run["summary"]["forecast_orders"] is None
-    assert all(b["forecast_order"] is None for e in run["evaluations"] for b in e["branches"])
+    assert run["summary"]["candidates"] is None
+    assert all(b["candidate"] is None for e in run["evaluations"] for b in e["branches"])
     for module, node in (("nodes.caches.teacache", "ApplyTeaCache"), ("nodes.caches.magcache", "ApplyMagCache")):
         inputs = getattr(pack_module(module), node).INPUT_TYPES()
         options = inputs["optional"]["forecast"]

@@ -195,19 +195,20 @@ def test_magcache_forecasts_too():
     assert not math.isnan(run.stats.summary()["hit_rate"])
 
 
-# -- auto: the order chosen from the run's own computed residuals -----------------------------------------------------
+# -- auto: the candidate chosen from the run's own computed residuals -------------------------------------------------
 
 def linear(s: float, row: int) -> torch.Tensor:
     return (1 + row) * BASE - (2 + row) * s * BASE.flip(0)
 
 
-def orders(run, branch=0):
-    return [e.branches[branch].forecast_order for e in run.stats.evaluations]
+def candidates(run, branch=0):
+    return [e.branches[branch].candidate for e in run.stats.evaluations]
 
 
-@pytest.mark.parametrize("residual, ret_steps, order", [(linear, 3, 1), (quadratic, 4, 2)])
-def test_auto_picks_the_order_that_predicted_the_computed_steps_and_forecasts_exactly(residual, ret_steps, order):
-    # ret_steps computed (the later ones score the orders on the earlier), the rest forecast, the last forced
+@pytest.mark.parametrize("residual, ret_steps, candidate", [(linear, 3, 1), (quadratic, 4, 2)])
+def test_auto_picks_the_candidate_that_predicted_the_computed_steps_and_forecasts_exactly(residual, ret_steps,
+                                                                                          candidate):
+    # ret_steps computed (the later ones score the candidates on the earlier), the rest forecast, the last forced
     x = torch.randn(2, 4, 3, dtype=torch.float64)
     reference = sample(Model(residual), NoCache(), x, branches=("c", "u"))
     model = Model(residual)
@@ -216,9 +217,9 @@ def test_auto_picks_the_order_that_predicted_the_computed_steps_and_forecasts_ex
     skipped = list(range(ret_steps, len(SIGMAS) - 1))
     assert [e.computed for e in run.stats.evaluations] == [i not in skipped for i in range(len(SIGMAS))]
     for b in (0, 1):
-        assert [orders(run, b)[i] for i in skipped] == [order] * len(skipped)
+        assert [candidates(run, b)[i] for i in skipped] == [candidate] * len(skipped)
         assert [reasons(run, b)[i] for i in skipped] == [FORECAST] * len(skipped)
-        assert orders(run, b)[0] is None  # computed steps use no order
+        assert candidates(run, b)[0] is None  # computed steps use no candidate
     for a, b in zip(got, reference):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
 
@@ -234,7 +235,7 @@ def test_auto_falls_back_to_reuse_where_extrapolating_would_have_been_worse():
     run = teacache(model, AUTO, ret_steps=4)
     x = torch.zeros(1, 4, 3, dtype=torch.float64)
     got = sample(model, run, x)
-    assert orders(run)[4:7] == [0, 0, 0] and reasons(run)[4:7] == ["reuse"] * 3
+    assert candidates(run)[4:7] == [0, 0, 0] and reasons(run)[4:7] == ["reuse"] * 3
     assert torch.equal(got[4], got[5])  # the last computed residual, unchanged: x is zero, so the output is it
     scores = run.branch_state("c").scores.errors
     assert scores[0] < scores[1] < scores[2]
@@ -280,10 +281,10 @@ def measurement(errors: list, norm: float | None, products: list | None = None, 
     return [*padded(errors), *padded(products), *padded(before), norm]
 
 
-def test_order_scores_choose_the_smallest_running_error():
+def test_candidate_scores_choose_the_smallest_running_error():
     scores = CandidateScores()
     assert scores.best() == 0  # nothing measured: reuse
-    scores.update(measurement([4.0, 1.0, None], 4.0))  # relative errors 1, 0.25; order 2 not measurable yet
+    scores.update(measurement([4.0, 1.0, None], 4.0))  # relative errors 1, 0.25; 2nd order not measurable yet
     assert scores.best() == 1 and scores.best(kept=1) == 0
     scores.update(measurement([4.0, 0.0, 0.0], 4.0))
     assert scores.errors[1] == pytest.approx(0.125) and scores.errors[2] == 0.0
@@ -303,7 +304,7 @@ def test_accumulation_is_the_power_of_a_sum_of_correlated_errors_over_independen
     assert accumulation(-1.0) == accumulation(low) == 1.0  # errors that alternate are not credited
 
 
-def test_an_order_whose_errors_add_up_loses_to_one_of_the_same_size_whose_errors_alternate():
+def test_a_candidate_whose_errors_add_up_loses_to_one_of_the_same_size_whose_errors_alternate():
     scores = CandidateScores()  # reuse and 1st order err alike, predicting each computed step
     scores.update(measurement([1.0, 1.0, None], 1.0))
     assert scores.best() == 0  # a tie: reuse
@@ -316,7 +317,7 @@ def test_an_order_whose_errors_add_up_loses_to_one_of_the_same_size_whose_errors
     assert scores.coherence == [None] * len(CANDIDATES)
 
 
-def test_a_cache_that_credits_alternating_errors_picks_an_order_reuse_beats_on_size_alone():
+def test_a_cache_that_credits_alternating_errors_picks_a_candidate_reuse_beats_on_size_alone():
     assert accumulation(-0.5, low=ALTERNATING_COHERENCE) < 1.0 == accumulation(-0.5)
     floor = ALTERNATING_COHERENCE
     assert accumulation(-1.0, low=floor) == accumulation(floor, low=floor)  # bounded below
@@ -336,7 +337,7 @@ def test_teacache_credits_alternating_errors_and_magcache_does_not():
     assert MagCacheRun.coherence_floor == COHERENCE_RANGE[0] == 0
 
 
-def test_the_history_measures_how_consecutive_errors_of_an_order_align():
+def test_the_history_measures_how_consecutive_errors_of_a_candidate_align():
     def coherence_after(residual) -> list[float | None]:
         h, scores = ResidualHistory(limit=history_limit(AUTO)), CandidateScores()
         for s in SIGMAS[:5]:
@@ -362,7 +363,7 @@ def test_auto_with_threshold_zero_is_bit_identical_and_forecast_values_are_check
 
 
 
-def test_order_scores_carry_their_errors_to_the_distance_of_the_skip():
+def test_candidate_scores_carry_their_errors_to_the_distance_of_the_skip():
     scores = CandidateScores()
     scores.update(measurement([1.0, 1.2, None], 1.0), horizon=0.2)  # 1st order erred 1.2x reuse over 0.2
     assert scores.horizon == 0.2
@@ -527,14 +528,14 @@ def test_auto_chooses_the_chebyshev_fit_where_the_computed_residuals_alternate_a
     skipped = [i for i, e in enumerate(run.stats.evaluations) if not e.computed]
     assert skipped == list(range(ret_steps, len(WOBBLE_SIGMAS) - 1))
     assert model.blocks[0].calls == len(WOBBLE_SIGMAS) - len(skipped)  # forecasting runs no block
-    chosen = [orders(run)[i] for i in skipped]
+    chosen = [candidates(run)[i] for i in skipped]
     assert chosen[0] == CHEBYSHEV and set(chosen) <= {0, CHEBYSHEV}  # far from the last computed step: reuse
-    assert run.stats.summary()["forecast_orders"] == {name: chosen.count(key) for key, name in
-                                                      ((0, "reuse"), (CHEBYSHEV, "Chebyshev fit")) if key in chosen}
+    assert run.stats.summary()["candidates"] == {name: chosen.count(key) for key, name in
+                                                 ((0, "reuse"), (CHEBYSHEV, "Chebyshev fit")) if key in chosen}
     assert auto_error < min(run_with(order)[2] for order in (0, 1, 2))
 
 
-def test_order_scores_choose_a_pack_candidate_that_predicted_best():
+def test_candidate_scores_choose_a_pack_candidate_that_predicted_best():
     scores = CandidateScores()
     errors = [1.0, 0.5, 0.4, 0.2, 0.3]  # the Taylor step predicted the computed steps best
     scores.update(measurement(errors, 1.0), horizon=0.1)

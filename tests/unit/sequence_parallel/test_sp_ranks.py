@@ -391,8 +391,8 @@ def test_teacache_decides_alike_on_every_rank_with_differing_rank_metrics(rank_p
 
 
 def rank_teacache_auto_forecast(ulysses: int, ring: int):
-    """TeaCache with the auto forecast under sequence parallelism: each rank scores the orders on its own shard of
-    the residuals; the scores are averaged over the ranks, so every rank forecasts with the same order."""
+    """TeaCache with the auto forecast under sequence parallelism: each rank scores the candidates on its own shard
+    of the residuals; the scores are averaged over the ranks, so every rank forecasts with the same candidate."""
     rank = dist.get_rank()
     model = ToyDiT()
     sp = apply_sequence_parallel(model, degrees(ulysses, ring), sp_plan())
@@ -401,7 +401,7 @@ def rank_teacache_auto_forecast(ulysses: int, ring: int):
     outputs = sample(model, run, sp)
     states = [run.branch_state(k) for k in ("c", "u")]
     return dict(pattern=[e.computed for e in run.stats.evaluations],
-                orders=[[b.forecast_order for b in e.branches] for e in run.stats.evaluations],
+                candidates=[[b.candidate for b in e.branches] for e in run.stats.evaluations],
                 scores=[st.scores.errors for st in states],
                 coherence=[st.scores.coherence for st in states],
                 horizons=[st.scores.horizon for st in states],
@@ -412,19 +412,19 @@ def rank_teacache_auto_forecast(ulysses: int, ring: int):
 
 
 @pytest.mark.parametrize("world, ulysses, ring", [(2, 2, 1), (2, 1, 2)])
-def test_auto_forecast_chooses_the_same_order_on_every_rank(rank_pool, world, ulysses, ring):
+def test_auto_forecast_chooses_the_same_candidate_on_every_rank(rank_pool, world, ulysses, ring):
     results = rank_pool(world).run(rank_teacache_auto_forecast, ulysses, ring, timeout=TIMEOUT_S)
-    assert all(r["pattern"] == results[0]["pattern"] and r["orders"] == results[0]["orders"] for r in results)
+    assert all(r["pattern"] == results[0]["pattern"] and r["candidates"] == results[0]["candidates"] for r in results)
     assert all(r["scores"] == results[0]["scores"] and r["coherence"] == results[0]["coherence"]
                for r in results)  # the means over the ranks
     # the forecast's record weighs TeaCache's metric alike on every rank (errors and metric are both rank means)
     assert all(r["weights"] == results[0]["weights"] and r["metrics"] == results[0]["metrics"]
                and r["horizons"] == results[0]["horizons"] for r in results)
     assert results[0]["horizons"][0] is not None and results[0]["weights"][0][1] > 0
-    assert all(e is not None for e in results[0]["scores"][0][:3])  # every order was scored
+    assert all(e is not None for e in results[0]["scores"][0][:3])  # reuse, 1st and 2nd order were scored
     assert results[0]["coherence"][0][0] is not None
-    skipped = [o for o, computed in zip(results[0]["orders"], results[0]["pattern"]) if not computed]
-    assert skipped and all(order in CANDIDATES for branches in skipped for order in branches)
+    skipped = [c for c, computed in zip(results[0]["candidates"], results[0]["pattern"]) if not computed]
+    assert skipped and all(candidate in CANDIDATES for branches in skipped for candidate in branches)
     assert all(r["finite"] and r["residual_tokens"] == 16 // world for r in results)
 
 
