@@ -89,6 +89,8 @@ class BlockStackCache(abc.ABC):
     kind: ClassVar[str]                    # "teacache": feature kind, calibration folder, statistics kind
     title: ClassVar[str]                   # the Apply node's title, which starts its error messages
     variant_input: ClassVar[str]           # the combo input that picks the published entry ("model_variant", "curve")
+    entries: ClassVar[str]                 # what its published entries are called ("TeaCache coefficients")
+    calibrate_title: ClassVar[str]         # its Calibrate node's title
     published: ClassVar[Mapping[str, PublishedEntry]]
     calibration: ClassVar[CacheCalibration]
     calibrate_inputs: ClassVar[Mapping[str, Any]]  # the Apply inputs a calibration run uses
@@ -101,7 +103,7 @@ class BlockStackCache(abc.ABC):
 
     @abc.abstractmethod
     def no_auto_fit(self, detected: DetectedModel) -> str:
-        """The error text when 'auto' picks nothing for this model."""
+        """The error text when 'auto' picks nothing for this model (with ``auto_notes``)."""
 
     @abc.abstractmethod
     def make_config(self, detected: DetectedModel, entry: PublishedEntry | None, tuning: dict[str, Any],
@@ -115,6 +117,15 @@ class BlockStackCache(abc.ABC):
         """Install this cache's hooks for one run on ``diffusion_model``; the run reads ``session.config``."""
 
     # -- what every cache does alike --------------------------------------------------------------------------------
+
+    def auto_notes(self, detected: DetectedModel) -> tuple[str, ...]:
+        """What the user should know about 'auto' on this model: the family's notes for this cache, after the line
+        that says to calibrate first where the family says nothing of this cache's table is published for it."""
+        choice = detected.auto_choice(self.kind)
+        if choice.key is not None or choice.unpublished is None:
+            return choice.notes
+        return (f"no {self.entries} are published for {choice.unpublished}: run {self.calibrate_title} once on this "
+                "model, then choose the calibration", *choice.notes)
 
     def variant_options(self) -> list[str]:
         """'auto', the published entries, and the calibration files of this cache that can be used."""
@@ -163,7 +174,7 @@ class BlockStackCache(abc.ABC):
                           cache_device=cache_device_for(model, tuning.pop("cache_device")), calibrate=calibrate,
                           few_step=FewStepRule(), large_steps=LargeStepRule(),
                           step_profile=None if calibrate else self.step_profile(value),
-                          notes=tuple(detected.auto_choice(self.kind).notes) if auto else ())
+                          notes=self.auto_notes(detected) if auto else ())
             for optional in ("forecast_order", "forward_budget", "skip_correction"):  # older workflows: defaults
                 if optional in tuning:
                     shared[optional] = tuning.pop(optional)

@@ -149,6 +149,8 @@ class MagCache(BlockStackCache):
     kind = KIND
     title = NODE_TITLE
     variant_input = "curve"
+    entries = "MagCache curves"
+    calibrate_title = CALIBRATE_TITLE
     published = PUBLISHED
     calibration = MagCacheCalibration()
     calibrate_inputs = {"threshold": 0.0, "max_skip_steps": 0, "retention_ratio": 0.0, "start_percent": 0.0,
@@ -162,7 +164,7 @@ class MagCache(BlockStackCache):
         return key
 
     def no_auto_fit(self, detected: DetectedModel) -> str:
-        notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in detected.auto_choice(KIND).notes)
+        notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in self.auto_notes(detected))
         if not for_family(detected.family.name):
             return (f"no MagCache curve is published for {detected.describe()} models. {notes}To use MagCache, "
                     f"{CALIBRATE_HINT}.")

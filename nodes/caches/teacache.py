@@ -18,8 +18,8 @@ from .inputs import (cache_device_input, cache_model_input, calibration_name_inp
                      config_default, forecast_input, forward_budget_input, skip_correction_input,
                      window_inputs)
 from ..features import CATEGORY, display_name
-from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients, for_family
-from ..families import DetectedModel
+from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients
+from ..families import DEFAULT_SIGNAL, DetectedModel
 
 KIND = "teacache"
 NODE_ID = "OmniHooks.ApplyTeaCache"
@@ -35,6 +35,13 @@ def _bad_file(name: str, what: str) -> ValueError:
 
 
 MIN_CALIBRATION_STEPS = 8
+
+
+def lacks_signal(detected: DetectedModel, signal: str) -> str:
+    """Why coefficients fitted on ``signal`` cannot run on this model: its family does not offer that signal."""
+    return (f"{detected.describe()} does not offer the signal {signal!r} these coefficients were fitted on (its "
+            f"family offers {', '.join(sorted(detected.family.signals))}). Choose another model_variant, or run "
+            f"{CALIBRATE_TITLE} on this model and choose its file.")
 
 
 def published_window(found: TeaCacheCoefficients, start: float, end: float) -> dict[str, float]:
@@ -67,8 +74,8 @@ class TeaCacheCalibration(CacheCalibration):
     def from_file(self, detected: DetectedModel, value: str, name: str, data: dict) -> TeaCacheCoefficients:
         """The coefficient set of a calibration file's contents; a clear error for a malformed file."""
         coefficients = self.check_file(name, data)
-        signal = data.get("signal", "default")
-        signals = {"default", *(c.signal for c in for_family(detected.family.name))}
+        signal = data.get("signal", DEFAULT_SIGNAL)
+        signals = detected.family.signals
         if signal not in signals:
             raise _bad_file(name, f"has signal {str(signal)[:40]!r}, which {detected.family.name} models do not have "
                                   f"(one of {sorted(signals)})")
@@ -90,7 +97,7 @@ class TeaCacheCalibration(CacheCalibration):
             "kind": KIND,
             "family": detected.family.name,
             "variant": detected.variant,
-            "signal": "default",
+            "signal": DEFAULT_SIGNAL,
             "coefficients": coefficients,
             "points": len(pairs),
             "input_change_range": [min(p[0] for p in pairs), max(p[0] for p in pairs)],
@@ -107,6 +114,8 @@ class TeaCache(BlockStackCache):
     kind = KIND
     title = NODE_TITLE
     variant_input = "model_variant"
+    entries = "TeaCache coefficients"
+    calibrate_title = CALIBRATE_TITLE
     published = PUBLISHED
     calibration = TeaCacheCalibration()
     calibrate_inputs = {"rel_l1_thresh": 0.0, "start_percent": 0.0, "end_percent": 1.0,
@@ -114,7 +123,7 @@ class TeaCache(BlockStackCache):
 
     def no_auto_fit(self, detected: DetectedModel) -> str:
         return (f"no published TeaCache coefficients fit {detected.describe()}. "
-                + " ".join(detected.auto_choice(KIND).notes)
+                + " ".join(self.auto_notes(detected))
                 + " Choose a model_variant, or run 'TeaCache Calibrate' on this model and choose its file.")
 
     def make_config(self, detected: DetectedModel, found: TeaCacheCoefficients | None, tuning: dict[str, Any],
@@ -123,6 +132,8 @@ class TeaCache(BlockStackCache):
         if calibrate:
             found = TeaCacheCoefficients(key="calibrate", family=detected.family.name, coefficients=IDENTITY,
                                          threshold=0.0)
+        if found.signal not in detected.family.signals:
+            raise ValueError(f"coefficients {found.key!r}: {lacks_signal(detected, found.signal)}")
         return TeaCacheConfig(**tuning, recommended_threshold=found.threshold, coefficients=found.coefficients,
                               ret_steps=found.ret_steps, signal=found.signal,
                               model_label=f"{detected.variant}, {found.key}",
@@ -131,8 +142,10 @@ class TeaCache(BlockStackCache):
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> TeaCacheRun:
         config: TeaCacheConfig = session.config
         stack = session.detected.build_stack(diffusion_model)
-        signal = session.detected.build_modulated_input(diffusion_model, config.signal)
-        return apply_teacache_hook(stack, config, signal, session.stats)
+        signal = session.detected.family.signals.get(config.signal)
+        if signal is None:  # make_config refuses such coefficients; a config built for another model could not run
+            raise ValueError(f"{session.feature.describe()}: {lacks_signal(session.detected, config.signal)}")
+        return apply_teacache_hook(stack, config, signal(diffusion_model), session.stats)
 
 
 TEACACHE = register_cache(TeaCache())
