@@ -33,7 +33,7 @@ from .. import families
 from .. import stats_store
 from ..families.drift import ModelDriftError
 from ..families import DetectedModel
-from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, named, register_feature
+from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, attach_feature, named
 from ..stats_store import FeatureReport
 from .inputs import (cache_device_for, calibration_name, config_field, forecast_order, named_input,
                      sample_calibrating, validate_calibration_name)
@@ -82,7 +82,8 @@ class BlockStackCache(abc.ABC):
     and what every cache does alike (resolving 'auto' / a calibration file / a published entry, building the Apply
     node's config, making a run's ``CacheSession``), here once. No UI text: the nodes declare their schemas.
 
-    A cache is one instance of a subclass (``TeaCache()``), registered with ``register_cache``; its nodes are
+    A cache is one instance of a subclass (``TeaCache()``), whose ``feature()`` is its module's ``FEATURE`` (listed in
+    ``nodes.features.FEATURE_MODULES``); its nodes are
     ``ApplyCacheNode`` and ``CalibrateCacheNode`` subclasses that name it in their ``cache`` attribute.
     """
 
@@ -211,11 +212,9 @@ class BlockStackCache(abc.ABC):
         """This cache's part of one sampling run (the lifecycle's session factory for ``kind``)."""
         return CacheSession(self, patcher, feature, detected)
 
-
-def register_cache(cache: BlockStackCache) -> BlockStackCache:
-    """Make ``cache`` a feature of the run lifecycle (once per kind, at import); returns it."""
-    register_feature(FeatureSpec(kind=cache.kind, category=Category.CACHE, session_factory=cache.session))
-    return cache
+    def feature(self) -> FeatureSpec:
+        """How the run lifecycle runs this cache: its module's ``FEATURE``."""
+        return FeatureSpec(kind=self.kind, category=Category.CACHE, session_factory=self.session)
 
 
 class CacheSession(FeatureSession):

@@ -34,8 +34,7 @@ from comfy_api.latest import io
 from ...omni_hooks.magcache import MagCacheConfig, MagCacheRun, apply_mag_cache_hook, interleave
 from ...omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_interleaved
 from . import calibration_files
-from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
-                   register_cache)
+from .base import AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
                      config_default, forecast_input, forward_budget_input, skip_correction_input,
                      window_inputs)
@@ -183,7 +182,8 @@ class MagCache(BlockStackCache):
         return apply_mag_cache_hook(session.detected.build_stack(diffusion_model), session.config, session.stats)
 
 
-MAGCACHE = register_cache(MagCache())
+MAGCACHE = MagCache()
+FEATURE = MAGCACHE.feature()  # listed in nodes.features.FEATURE_MODULES
 
 
 class ApplyMagCache(ApplyCacheNode):

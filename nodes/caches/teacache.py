@@ -12,8 +12,7 @@ from ...omni_hooks.caching.config import StackCacheConfig
 from ...omni_hooks.teacache.config import DEFAULT_RECOMMENDED_THRESHOLD
 from ...omni_hooks.teacache import TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients
 from . import calibration_files
-from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
-                   register_cache)
+from .base import AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
                      config_default, forecast_input, forward_budget_input, skip_correction_input,
                      window_inputs)
@@ -148,7 +147,8 @@ class TeaCache(BlockStackCache):
         return apply_teacache_hook(stack, config, signal(diffusion_model), session.stats)
 
 
-TEACACHE = register_cache(TeaCache())
+TEACACHE = TeaCache()
+FEATURE = TEACACHE.feature()  # listed in nodes.features.FEATURE_MODULES
 
 
 class ApplyTeaCache(ApplyCacheNode):
