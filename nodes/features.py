@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -181,14 +182,25 @@ SessionFactory = Callable[[Any, AppliedFeature, DetectedModel], FeatureSession]
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """How a kind of feature runs: its category and how its part of a sampling run (its session) is made."""
+    """How a kind of feature runs: its category and how its part of a sampling run (its session) is made. The module
+    of a feature kind defines it as ``FEATURE`` and is listed in ``FEATURE_MODULES``."""
 
     kind: str
     category: Category
     session_factory: SessionFactory
 
 
-_SPECS: dict[str, FeatureSpec] = {}
+#: Every kind of feature of the pack: the modules (relative to this package) whose ``FEATURE`` says how it runs.
+#: Rank 0's lifecycle and every sequence-parallel worker know the kinds from here alone (``feature_specs``); a new
+#: kind of feature is one line here.
+FEATURE_MODULES: tuple[str, ...] = (
+    ".caches.teacache",
+    ".caches.magcache",
+    ".offload.session",
+    ".sequence_parallel.node",
+)
+
+_SPECS: dict[str, FeatureSpec] = {}  # feature_specs(), once made
 
 
 def named(title: str, error: ValueError) -> ValueError:
@@ -263,13 +275,18 @@ class ConfigInputs:
         return named(title, ValueError(message))
 
 
-def register_feature(spec: FeatureSpec) -> FeatureSpec:
-    """Make a feature kind known to the lifecycle (once per kind, at import)."""
-    existing = _SPECS.get(spec.kind)
-    if existing is not None and existing != spec:
-        raise ValueError(f"feature kind {spec.kind!r} is already registered")
-    _SPECS[spec.kind] = spec
-    return spec
+def feature_specs() -> dict[str, FeatureSpec]:
+    """Every feature kind's ``FeatureSpec``, by kind: the ``FEATURE`` of each module of ``FEATURE_MODULES``, imported
+    on the first call (each of them imports this module, so not before). ValueError for a kind declared twice."""
+    if not _SPECS:
+        specs: dict[str, FeatureSpec] = {}
+        for name in FEATURE_MODULES:
+            spec: FeatureSpec = importlib.import_module(name, __package__).FEATURE
+            if spec.kind in specs:
+                raise ValueError(f"feature kind {spec.kind!r} is declared twice (FEATURE_MODULES: {name})")
+            specs[spec.kind] = spec
+        _SPECS.update(specs)
+    return _SPECS
 
 
 def applied_features(model) -> tuple[AppliedFeature, ...]:
@@ -291,8 +308,9 @@ def check_combinable(existing: tuple[AppliedFeature, ...], feature: AppliedFeatu
 
 def attach_feature(model, feature: AppliedFeature):
     """A clone of ``model`` carrying ``feature`` (after those it already has). The input MODEL is not changed."""
-    if feature.kind not in _SPECS:
-        raise ValueError(f"unknown feature kind {feature.kind!r}; register it with register_feature()")
+    if feature.kind not in feature_specs():
+        raise ValueError(f"unknown feature kind {feature.kind!r}; list the module defining its FEATURE in "
+                         "FEATURE_MODULES (nodes/features.py)")
     existing = applied_features(model)
     check_combinable(existing, feature)
     clone = model.clone()
@@ -327,7 +345,7 @@ class SamplingRun:
         if ordered:  # the run's node (its statistics entry's): its cache's, else the feature last in SESSION_ORDER
             self.header = stats_store.run_started(ordered[-1])
         for feature in ordered:
-            factory = (factories or {}).get(feature.kind) or _SPECS[feature.kind].session_factory
+            factory = (factories or {}).get(feature.kind) or feature_specs()[feature.kind].session_factory
             session = factory(self.patcher, feature, self.detected)
             session.run_header = self.header
             self.sessions.append(session)

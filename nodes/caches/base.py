@@ -33,8 +33,7 @@ from .. import families
 from .. import stats_store
 from ..families.drift import ModelDriftError
 from ..families import DetectedModel
-from ..features import (AppliedFeature, Category, ConfigInputs, FeatureSession, FeatureSpec, attach_feature, named,
-                        register_feature)
+from ..features import AppliedFeature, Category, ConfigInputs, FeatureSession, FeatureSpec, attach_feature, named
 from ..stats_store import FeatureReport
 from .inputs import calibration_name, sample_calibrating, validate_calibration_name
 
@@ -82,13 +81,16 @@ class BlockStackCache(abc.ABC):
     and what every cache does alike (resolving 'auto' / a calibration file / a published entry, building the Apply
     node's config, making a run's ``CacheSession``), here once. No UI text: the nodes declare their schemas.
 
-    A cache is one instance of a subclass (``TeaCache()``), registered with ``register_cache``; its nodes are
+    A cache is one instance of a subclass (``TeaCache()``), whose ``feature()`` is its module's ``FEATURE`` (listed in
+    ``nodes.features.FEATURE_MODULES``); its nodes are
     ``ApplyCacheNode`` and ``CalibrateCacheNode`` subclasses that name it in their ``cache`` attribute.
     """
 
     kind: ClassVar[str]                    # "teacache": feature kind, calibration folder, statistics kind
     title: ClassVar[str]                   # the Apply node's title, which starts its error messages
     variant_input: ClassVar[str]           # the combo input that picks the published entry ("model_variant", "curve")
+    entries: ClassVar[str]                 # what its published entries are called ("TeaCache coefficients")
+    calibrate_title: ClassVar[str]         # its Calibrate node's title
     published: ClassVar[Mapping[str, PublishedEntry]]
     calibration: ClassVar[CacheCalibration]
     calibrate_inputs: ClassVar[Mapping[str, Any]]  # the Apply inputs a calibration run uses
@@ -102,7 +104,7 @@ class BlockStackCache(abc.ABC):
 
     @abc.abstractmethod
     def no_auto_fit(self, detected: DetectedModel) -> str:
-        """The error text when 'auto' picks nothing for this model."""
+        """The error text when 'auto' picks nothing for this model (with ``auto_notes``)."""
 
     @abc.abstractmethod
     def make_config(self, detected: DetectedModel, entry: PublishedEntry | None, tuning: dict[str, Any],
@@ -116,6 +118,15 @@ class BlockStackCache(abc.ABC):
         """Install this cache's hooks for one run on ``diffusion_model``; the run reads ``session.config``."""
 
     # -- what every cache does alike --------------------------------------------------------------------------------
+
+    def auto_notes(self, detected: DetectedModel) -> tuple[str, ...]:
+        """What the user should know about 'auto' on this model: the family's notes for this cache, after the line
+        that says to calibrate first where the family says nothing of this cache's table is published for it."""
+        choice = detected.auto_choice(self.kind)
+        if choice.key is not None or choice.unpublished is None:
+            return choice.notes
+        return (f"no {self.entries} are published for {choice.unpublished}: run {self.calibrate_title} once on this "
+                "model, then choose the calibration", *choice.notes)
 
     def variant_options(self) -> list[str]:
         """'auto', the published entries, and the calibration files of this cache that can be used."""
@@ -165,7 +176,7 @@ class BlockStackCache(abc.ABC):
                           cache_device=tuning.pop("cache_device"), calibrate=calibrate,
                           few_step=FewStepRule(), large_steps=LargeStepRule(),
                           step_profile=None if calibrate else self.step_profile(value),
-                          notes=tuple(detected.auto_choice(self.kind).notes) if auto else ())
+                          notes=self.auto_notes(detected) if auto else ())
             for optional in ("forecast_order", "forward_budget", "skip_correction"):  # older workflows: defaults
                 if optional in tuning:
                     shared[optional] = tuning.pop(optional)
@@ -200,11 +211,9 @@ class BlockStackCache(abc.ABC):
         """This cache's part of one sampling run (the lifecycle's session factory for ``kind``)."""
         return CacheSession(self, patcher, feature, detected)
 
-
-def register_cache(cache: BlockStackCache) -> BlockStackCache:
-    """Make ``cache`` a feature of the run lifecycle (once per kind, at import); returns it."""
-    register_feature(FeatureSpec(kind=cache.kind, category=Category.CACHE, session_factory=cache.session))
-    return cache
+    def feature(self) -> FeatureSpec:
+        """How the run lifecycle runs this cache: its module's ``FEATURE``."""
+        return FeatureSpec(kind=self.kind, category=Category.CACHE, session_factory=self.session)
 
 
 class CacheSession(FeatureSession):

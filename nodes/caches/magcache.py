@@ -34,8 +34,7 @@ from comfy_api.latest import io
 from ...omni_hooks.magcache import MagCacheConfig, MagCacheRun, apply_mag_cache_hook, interleave
 from ...omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_interleaved
 from . import calibration_files
-from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
-                   register_cache)
+from .base import AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
                      CACHE_INPUTS, forecast_input, forward_budget_input, skip_correction_input,
                      window_inputs)
@@ -149,6 +148,8 @@ class MagCache(BlockStackCache):
     kind = KIND
     title = NODE_TITLE
     variant_input = "curve"
+    entries = "MagCache curves"
+    calibrate_title = CALIBRATE_TITLE
     published = PUBLISHED
     config_inputs = ConfigInputs(MagCacheConfig, CACHE_INPUTS)
     calibration = MagCacheCalibration()
@@ -163,7 +164,7 @@ class MagCache(BlockStackCache):
         return key
 
     def no_auto_fit(self, detected: DetectedModel) -> str:
-        notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in detected.auto_choice(KIND).notes)
+        notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in self.auto_notes(detected))
         if not for_family(detected.family.name):
             return (f"no MagCache curve is published for {detected.describe()} models. {notes}To use MagCache, "
                     f"{CALIBRATE_HINT}.")
@@ -182,7 +183,8 @@ class MagCache(BlockStackCache):
         return apply_mag_cache_hook(session.detected.build_stack(diffusion_model), session.config, session.stats)
 
 
-MAGCACHE = register_cache(MagCache())
+MAGCACHE = MagCache()
+FEATURE = MAGCACHE.feature()  # listed in nodes.features.FEATURE_MODULES
 
 
 class ApplyMagCache(ApplyCacheNode):

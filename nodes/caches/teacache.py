@@ -12,14 +12,13 @@ from ...omni_hooks.teacache.config import DEFAULT_RECOMMENDED_THRESHOLD, RECOMME
 from ...omni_hooks.teacache import (TeaCacheConfig, TeaCacheRun, apply_teacache_hook, fit_coefficients,
                                     recommended_threshold)
 from . import calibration_files
-from .base import (AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode,
-                   register_cache)
+from .base import AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
                      CACHE_INPUTS, SHARED_INPUTS, forecast_input, forward_budget_input, skip_correction_input,
                      window_inputs)
 from ..features import CATEGORY, ConfigInputs, display_name
-from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients, for_family
-from ..families import DetectedModel
+from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients
+from ..families import DEFAULT_SIGNAL, DetectedModel
 
 KIND = "teacache"
 NODE_ID = "OmniHooks.ApplyTeaCache"
@@ -35,6 +34,13 @@ def _bad_file(name: str, what: str) -> ValueError:
 
 
 MIN_CALIBRATION_STEPS = 8
+
+
+def lacks_signal(detected: DetectedModel, signal: str) -> str:
+    """Why coefficients fitted on ``signal`` cannot run on this model: its family does not offer that signal."""
+    return (f"{detected.describe()} does not offer the signal {signal!r} these coefficients were fitted on (its "
+            f"family offers {', '.join(sorted(detected.family.signals))}). Choose another model_variant, or run "
+            f"{CALIBRATE_TITLE} on this model and choose its file.")
 
 
 def published_window(found: TeaCacheCoefficients, start: float, end: float) -> dict[str, float]:
@@ -67,8 +73,8 @@ class TeaCacheCalibration(CacheCalibration):
     def from_file(self, detected: DetectedModel, value: str, name: str, data: dict) -> TeaCacheCoefficients:
         """The coefficient set of a calibration file's contents; a clear error for a malformed file."""
         coefficients = self.check_file(name, data)
-        signal = data.get("signal", "default")
-        signals = {"default", *(c.signal for c in for_family(detected.family.name))}
+        signal = data.get("signal", DEFAULT_SIGNAL)
+        signals = detected.family.signals
         if signal not in signals:
             raise _bad_file(name, f"has signal {str(signal)[:40]!r}, which {detected.family.name} models do not have "
                                   f"(one of {sorted(signals)})")
@@ -91,7 +97,7 @@ class TeaCacheCalibration(CacheCalibration):
             "kind": KIND,
             "family": detected.family.name,
             "variant": detected.variant,
-            "signal": "default",
+            "signal": DEFAULT_SIGNAL,
             "coefficients": coefficients,
             "recommended_threshold": recommended_threshold(coefficients, series),
             "points": len(pairs),
@@ -110,6 +116,8 @@ class TeaCache(BlockStackCache):
     kind = KIND
     title = NODE_TITLE
     variant_input = "model_variant"
+    entries = "TeaCache coefficients"
+    calibrate_title = CALIBRATE_TITLE
     published = PUBLISHED
     config_inputs = ConfigInputs(TeaCacheConfig, CACHE_INPUTS)
     calibration = TeaCacheCalibration()
@@ -118,7 +126,7 @@ class TeaCache(BlockStackCache):
 
     def no_auto_fit(self, detected: DetectedModel) -> str:
         return (f"no published TeaCache coefficients fit {detected.describe()}. "
-                + " ".join(detected.auto_choice(KIND).notes)
+                + " ".join(self.auto_notes(detected))
                 + " Choose a model_variant, or run 'TeaCache Calibrate' on this model and choose its file.")
 
     def make_config(self, detected: DetectedModel, found: TeaCacheCoefficients | None, tuning: dict[str, Any],
@@ -127,6 +135,8 @@ class TeaCache(BlockStackCache):
         if calibrate:
             found = TeaCacheCoefficients(key="calibrate", family=detected.family.name, coefficients=IDENTITY,
                                          threshold=0.0)
+        if found.signal not in detected.family.signals:
+            raise ValueError(f"coefficients {found.key!r}: {lacks_signal(detected, found.signal)}")
         return TeaCacheConfig(**tuning, recommended_threshold=found.threshold, coefficients=found.coefficients,
                               ret_steps=found.ret_steps, signal=found.signal,
                               model_label=f"{detected.variant}, {found.key}",
@@ -135,11 +145,14 @@ class TeaCache(BlockStackCache):
     def build_run(self, session: CacheSession, diffusion_model: torch.nn.Module) -> TeaCacheRun:
         config: TeaCacheConfig = session.config
         stack = session.detected.build_stack(diffusion_model)
-        signal = session.detected.build_modulated_input(diffusion_model, config.signal)
-        return apply_teacache_hook(stack, config, signal, session.stats)
+        signal = session.detected.family.signals.get(config.signal)
+        if signal is None:  # make_config refuses such coefficients; a config built for another model could not run
+            raise ValueError(f"{session.feature.describe()}: {lacks_signal(session.detected, config.signal)}")
+        return apply_teacache_hook(stack, config, signal(diffusion_model), session.stats)
 
 
-TEACACHE = register_cache(TeaCache())
+TEACACHE = TeaCache()
+FEATURE = TEACACHE.feature()  # listed in nodes.features.FEATURE_MODULES
 
 
 class ApplyTeaCache(ApplyCacheNode):

@@ -1,8 +1,8 @@
 """Published TeaCache polynomials, each with where it comes from.
 
 Every entry names the project or paper that published it (``source``). Coefficients are highest degree first
-(numpy.poly1d order). ``signal`` says which tensor the polynomial was fitted on; it must match what the family
-measures. ``threshold`` and the ``start_percent`` / ``end_percent`` window are the published
+(numpy.poly1d order). ``signal`` says which tensor the polynomial was fitted on: a signal its family offers by that
+name (``ModelFamily.signals``). ``threshold`` and the ``start_percent`` / ``end_percent`` window are the published
 entry's (its source in ``source``).
 """
 from __future__ import annotations

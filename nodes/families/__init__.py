@@ -17,7 +17,7 @@ import torch
 from comfy_api.latest import io
 
 from ._refused import refusal
-from .base import AutoChoice, DetectedModel, ModelFamily, UnsupportedModelError, Variant
+from .base import DEFAULT_SIGNAL, AutoChoice, DetectedModel, ModelFamily, UnsupportedModelError, Variant
 
 NOT_FAMILIES = frozenset({"base", "drift", "pass_through"})  # the modules here that are not family files
 
@@ -127,8 +127,13 @@ def _detected(family: ModelFamily, variant: Variant) -> DetectedModel:
             raise RuntimeError(f"model family {family.name!r}: variant {variant.name!r} recommends the {kind} key "
                                f"{choice.key!r}, which the family's auto_keys[{kind!r}] does not "
                                "list")
-    return DetectedModel(family=family, variant=variant.name, auto_choices=variant.auto_choices)
+    if variant.otherwise.key is not None:
+        raise RuntimeError(f"model family {family.name!r}: variant {variant.name!r} recommends the key "
+                           f"{variant.otherwise.key!r} for every cache; a key belongs to one cache's table")
+    return DetectedModel(family=family, variant=variant.name, auto_choices=variant.auto_choices,
+                         otherwise=variant.otherwise)
 
 
-__all__ = ["FAMILIES", "AutoChoice", "DetectedModel", "ModelFamily", "UnsupportedModelError", "Variant", "detect",
-           "detect_for_node", "detection_order", "family_named", "model_input", "supported_families"]
+__all__ = ["DEFAULT_SIGNAL", "FAMILIES", "AutoChoice", "DetectedModel", "ModelFamily", "UnsupportedModelError",
+           "Variant", "detect", "detect_for_node", "detection_order", "family_named", "model_input",
+           "supported_families"]

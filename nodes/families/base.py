@@ -1,12 +1,14 @@
 """What the pack knows about one model family, as registered data shared by every feature.
 
 Each family file in this package defines one ``FAMILY = ModelFamily(...)``: how to recognise the family from the
-diffusion model itself (its class and config, never a file name), how its block stack is called, the TeaCache signal
-it measures, the weights that live outside the block stack, its sequence plan and attention sites, and ONE decision
-tree (``resolve_variant``) that names the detected variant together with what each cache's 'auto' uses for it, keyed
-by the cache's kind ("teacache", "magcache"). The published tables live with each cache (``nodes/caches/``) and
-are keyed by those auto_choices; a cache no family recommends anything for needs nothing here (its 'auto' then
-asks for a calibration). ``nodes/families/__init__.py`` registers every family file and detects.
+diffusion model itself (its class and config, never a file name), how its block stack is called, the signals it
+offers by name (tensors a cache may measure at the head of the stack), the weights that live outside the block
+stack, its sequence plan and attention sites, and ONE decision tree (``resolve_variant``) that names the detected
+variant together with what each cache's 'auto' uses for it, keyed by the cache's kind ("teacache", "magcache"). The
+published tables live with each cache (``nodes/caches/``) and are keyed by those auto_choices; each cache asks the
+family for the signal it needs and says itself how to calibrate where nothing is published. A cache no family
+recommends anything for needs nothing here (its 'auto' then asks for a calibration). ``nodes/families/__init__.py``
+registers every family file and detects.
 """
 from __future__ import annotations
 
@@ -33,34 +35,36 @@ class AutoChoice:
     notes: tuple[str, ...] = ()
     #: the key 'auto' uses instead when the run's conditioning carries reference latents (Flux: Kontext's entry)
     with_reference: str | None = None
+    #: with no key: the model, as users call it, when no entry of the cache's table is published for it at all (the
+    #: cache's 'auto' then says, before ``notes``, to calibrate this model once)
+    unpublished: str | None = None
 
 
 NO_AUTO_CHOICE = AutoChoice()
+#: the signal every family offers, and the one a cache asks for unless its published entry says otherwise
+DEFAULT_SIGNAL = "default"
 
 
 @dataclass(frozen=True, init=False)
 class Variant:
     """The outcome of a family's decision tree: the variant's name and each cache's auto choice for it, keyed by
     the cache's kind: ``Variant("Wan T2V 1.3B", teacache=AutoChoice("wan2.1_t2v_1.3B"), magcache=AutoChoice(...))``.
-    A cache without an entry has no auto choice for the variant."""
+    A cache without an entry uses ``otherwise`` (default: no auto choice, no notes)."""
 
     name: str
     auto_choices: Mapping[str, AutoChoice]
+    otherwise: AutoChoice
 
-    def __init__(self, name: str, **auto_choices: AutoChoice):
+    def __init__(self, name: str, otherwise: AutoChoice = NO_AUTO_CHOICE, **auto_choices: AutoChoice):
         object.__setattr__(self, "name", name)
+        object.__setattr__(self, "otherwise", otherwise)
         object.__setattr__(self, "auto_choices", MappingProxyType(dict(auto_choices)))
 
 
-def calibrate_first(name: str, model: str, *notes: str) -> Variant:
-    """The variant ``name`` of a model (``model``, as users call it) for which neither cache has published numbers:
-    each cache's ``auto`` recommends nothing and says to run its Calibrate node once; ``notes`` follow that line."""
-    def choice(what: str, node: str) -> AutoChoice:
-        return AutoChoice(None, (f"no {what} are published for {model}: run {node} once on this model, then choose "
-                                 "the calibration", *notes))
-
-    return Variant(name, teacache=choice("TeaCache coefficients", "TeaCache Calibrate"),
-                   magcache=choice("MagCache curves", "MagCache Calibrate"))
+def nothing_published(name: str, model: str, *notes: str) -> Variant:
+    """The variant ``name`` of a model (``model``, as users call it) for which no cache has published numbers: no
+    cache's 'auto' has a choice for it (each cache says to calibrate ``model`` first); ``notes`` follow that line."""
+    return Variant(name, otherwise=AutoChoice(None, notes, unpublished=model))
 
 
 #: ``matches(base_model, diffusion_model)``: True when this family handles the model (``base_model`` is ComfyUI's
@@ -69,9 +73,9 @@ Matcher = Callable[[torch.nn.Module, torch.nn.Module], bool]
 #: ``resolve_variant(base_model, diffusion_model)``: called only on models the family matches.
 VariantResolver = Callable[[torch.nn.Module, torch.nn.Module], Variant]
 StackBuilder = Callable[[torch.nn.Module], BlockStack]
-#: ``build_modulated_input(diffusion_model, signal)``: the tensor TeaCache measures; ``signal`` is the ``signal`` of
-#: the coefficient set in use ("default" unless the table says otherwise).
-ModulatedInputBuilder = Callable[[torch.nn.Module, str], ModulatedInput]
+#: ``builder(diffusion_model)``: where one signal of the model comes from (a tensor measured at the head block, e.g.
+#: its timestep-modulated input), as an ``omni_hooks.teacache.ModulatedInput``.
+SignalBuilder = Callable[[torch.nn.Module], ModulatedInput]
 #: For one diffusion model instance, where its sequence is split across ranks and gathered back (which inputs, along
 #: which dimension, which rotary tables are sliced with them): an ``omni_hooks.sequence_parallel`` plan. None means
 #: the family does not support sequence parallelism.
@@ -118,12 +122,14 @@ class ModelFamily:
     """One registered model family (one file per family in ``nodes/families/``).
 
     ``name`` is the family's key everywhere (calibration files, the ``family`` of the published tables);
-    ``display_name`` is how users see it in the supported-families list. ``resident`` names the attributes of the
-    diffusion model (modules or parameters; a name absent on some variant is skipped) that hold weights outside the
-    block stack: embeddings, the tail, side branches such as VACE blocks (a dotted name reaches into a submodule:
-    HiDream-O1's ``language_model.embed_tokens``). With the blocks of ``build_stack`` they hold
-    every parameter and buffer of the model (checked on every tiny and real-size test model), so an offloading feature
-    can stream the blocks and keep exactly these on the compute device.
+    ``display_name`` is how users see it in the supported-families list. ``signals`` names every signal the family
+    offers (``DEFAULT_SIGNAL`` always; e.g. Wan's "ret", the 6-way time projection) and how each is built; a cache
+    asks for one by name (``signal``) and says itself what to do when the family does not offer it. ``resident``
+    names the attributes of the diffusion model (modules or parameters; a name absent on some variant is skipped) that
+    hold weights outside the block stack: embeddings, the tail, side branches such as VACE blocks (a dotted name
+    reaches into a submodule: HiDream-O1's ``language_model.embed_tokens``). With the blocks of ``build_stack`` they
+    hold every parameter and buffer of the model (checked on every tiny and real-size test model), so an offloading
+    feature can stream the blocks and keep exactly these on the compute device.
 
     ``auto_keys`` lists, by cache kind, every key ``resolve_variant`` may recommend; detection refuses a key
     outside them, and the tests check each exists in its table under this family. ``detect_before`` names families
@@ -137,7 +143,7 @@ class ModelFamily:
     matches: Matcher
     resolve_variant: VariantResolver
     build_stack: StackBuilder
-    build_modulated_input: ModulatedInputBuilder
+    signals: Mapping[str, SignalBuilder] = field(hash=False)
     resident: tuple[str, ...]
     auto_keys: Mapping[str, frozenset[str]] = field(default_factory=dict, hash=False)
     detect_before: tuple[str, ...] = ()
@@ -146,6 +152,10 @@ class ModelFamily:
     expects: Expectations | None = field(default=None, hash=False)
     #: without a sequence plan: why the model cannot be split (the Sequence Parallel node says it), "" if not known
     sequence_refusal: str = ""
+
+    def __post_init__(self):
+        if DEFAULT_SIGNAL not in self.signals:
+            raise ValueError(f"model family {self.name!r} offers no {DEFAULT_SIGNAL!r} signal")
 
     def resident_modules(self, diffusion_model: torch.nn.Module) -> dict[str, torch.nn.Module | torch.Tensor]:
         """The ``resident`` attributes this model has (modules or parameters), by name, in declaration order."""
@@ -165,19 +175,17 @@ class DetectedModel:
     family: ModelFamily
     variant: str
     auto_choices: Mapping[str, AutoChoice]
+    otherwise: AutoChoice = NO_AUTO_CHOICE  # the variant's choice for a cache it has no entry for
 
     def auto_choice(self, cache_kind: str) -> AutoChoice:
-        """What ``cache_kind``'s 'auto' uses for this model (no key and no notes when the family names none)."""
-        return self.auto_choices.get(cache_kind, NO_AUTO_CHOICE)
+        """What ``cache_kind``'s 'auto' uses for this model (the variant's ``otherwise`` when it names none)."""
+        return self.auto_choices.get(cache_kind, self.otherwise)
 
     def describe(self) -> str:
         return f"{self.family.name} ({self.variant})"
 
     def build_stack(self, diffusion_model: torch.nn.Module) -> BlockStack:
         return self.family.build_stack(diffusion_model)
-
-    def build_modulated_input(self, diffusion_model: torch.nn.Module, signal: str) -> ModulatedInput:
-        return self.family.build_modulated_input(diffusion_model, signal)
 
     def resident_modules(self, diffusion_model: torch.nn.Module) -> dict[str, torch.nn.Module | torch.Tensor]:
         return self.family.resident_modules(diffusion_model)

@@ -15,8 +15,8 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import (AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg, pe_embedder_probe,
-                   skip_by_type)
+from .base import (DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
+                   pe_embedder_probe, skip_by_type)
 from .flux import flux_layout_attention_sites, flux_layout_sequence_plan
 
 IMG = TensorArg("img", 0)
@@ -46,7 +46,7 @@ def _skip_rules_by_own_block_classes(dm: torch.nn.Module) -> dict:
     return {**{cls: skip_returning(IMG, TXT) for cls in double}, **{cls: skip_returning(X) for cls in single}}
 
 
-def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
     def compute(block, args, kwargs, captured):
         # vec = ((img_mod1, img_mod2), (txt_mod1, txt_mod2)), slices of the Approximator output for this block
         img_mod1 = call_arg(args, kwargs, "vec", 3)[0][0]
@@ -69,7 +69,7 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 
 FAMILY = ModelFamily(
     name="chroma", display_name="Chroma", matches=_matches, resolve_variant=_variant, build_stack=_stack,
-    build_modulated_input=_modulated_input,
+    signals={DEFAULT_SIGNAL: _modulated_input},
     # blocks listed in skip_mmdit / skip_dit are never called: they are neither in the stack nor resident
     resident=("img_in", "txt_in", "distilled_guidance_layer", "final_layer"),
     # Chroma's forward has Flux's modules and names (img_in, pe_embedder, double/single blocks, final_layer): the same

@@ -21,8 +21,8 @@ from ...omni_hooks.sequence_parallel import (
     SequenceParallelSelfAttention,
 )
 from ...omni_hooks.teacache import ModulatedInput
-from .base import (AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg, pe_embedder_probe,
-                   skip_by_type)
+from .base import (DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
+                   pe_embedder_probe, skip_by_type)
 
 IMG = TensorArg("img", 0)
 TXT = TensorArg("txt", 1)
@@ -50,7 +50,7 @@ def flux_layout_stack(dm: torch.nn.Module) -> BlockStack:
                                                flux_layers.SingleStreamBlock: skip_returning(X)}))
 
 
-def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
     def compute(block, args, kwargs, captured):
         return flux_img_modulated(block, IMG.get(args, kwargs), call_arg(args, kwargs, "vec", 2))
     return ModulatedInput(compute=compute)
@@ -144,7 +144,7 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 
 FAMILY = ModelFamily(
     name="flux", display_name="Flux (dev, schnell, Kontext)", matches=_matches, resolve_variant=_variant,
-    build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
+    build_stack=flux_layout_stack, signals={DEFAULT_SIGNAL: _modulated_input},
     resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "final_layer"),
     sequence_plan=flux_layout_sequence_plan, attention_sites=flux_layout_attention_sites,
     auto_keys={"teacache": frozenset({"flux"}), "magcache": frozenset({"flux"})},

@@ -15,7 +15,7 @@ import comfy.ldm.flux.model as flux_model
 import torch
 
 from ...omni_hooks.teacache import ModulatedInput
-from .base import ModelFamily, AutoChoice, Variant, call_arg
+from .base import DEFAULT_SIGNAL, ModelFamily, AutoChoice, Variant, call_arg
 from .flux import IMG, flux_layout_attention_sites, flux_layout_sequence_plan, flux_layout_stack
 
 
@@ -24,7 +24,7 @@ def is_flux2(dm: torch.nn.Module) -> bool:
     return type(dm) is flux_model.Flux and bool(getattr(dm.params, "global_modulation", False))
 
 
-def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
     def compute(block, args, kwargs, captured):
         # Flux's TeaCache signal, img_norm1(img) * (1 + scale) + shift, with the shared img_mod1 the forward passes
         (img_mod1, _), _ = call_arg(args, kwargs, "vec", 2)
@@ -54,7 +54,7 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 
 FAMILY = ModelFamily(
     name="flux2", display_name="Flux 2", matches=_matches, resolve_variant=_variant,
-    build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
+    build_stack=flux_layout_stack, signals={DEFAULT_SIGNAL: _modulated_input},
     resident=("img_in", "time_in", "guidance_in", "txt_in", "final_layer", "double_stream_modulation_img",
               "double_stream_modulation_txt", "single_stream_modulation"),
     sequence_plan=flux_layout_sequence_plan, attention_sites=flux_layout_attention_sites,

@@ -19,7 +19,7 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, skip_by_type
+from .base import DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, skip_by_type
 
 IMAGE = TensorArg("image_tokens", 0)
 TEXT = TensorArg("text_tokens", 2)
@@ -34,10 +34,11 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       head_hidden=IMAGE, tail_hidden=X, skip_block=skip, clone_head_input=False)
 
 
-def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
-    if signal == "hidden":
-        return ModulatedInput(compute=lambda block, args, kwargs, captured: IMAGE.get(args, kwargs))
+def _image_tokens(dm: torch.nn.Module) -> ModulatedInput:
+    return ModulatedInput(compute=lambda block, args, kwargs, captured: IMAGE.get(args, kwargs))
 
+
+def _timestep_embedding(dm: torch.nn.Module) -> ModulatedInput:
     def compute(block, args, kwargs, captured):
         # `captured` is the (batch-expanded) timestep that entered t_embedder; its output is not kept by the model
         # (only t + pooled embedding reaches the blocks), so the small time MLP is evaluated once more here.
@@ -57,7 +58,7 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 
 FAMILY = ModelFamily(
     name="hidream", display_name="HiDream-I1", matches=_matches, resolve_variant=_variant, build_stack=_stack,
-    build_modulated_input=_modulated_input,
+    signals={DEFAULT_SIGNAL: _timestep_embedding, "hidden": _image_tokens},
     resident=("x_embedder", "t_embedder", "p_embedder", "caption_projection", "final_layer"),
     auto_keys={"teacache": frozenset({"hidream_i1_full"})},
     expects=Expectations(

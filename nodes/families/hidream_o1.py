@@ -33,7 +33,8 @@ import torch
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.caching.stats import MODEL_CACHE
 from ...omni_hooks.teacache import ModulatedInput
-from .base import Expectations, ForwardParameters, ModelFamily, Variant, calibrate_first, call_arg
+from .base import (DEFAULT_SIGNAL, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
+                   nothing_published)
 
 X = TensorArg("x", 0)  # the sequence a layer receives (and, positionally, the norm after the layers)
 PAST = TensorArg("past_key_value", 4)
@@ -59,7 +60,7 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(X, PAST), clone_head_input=True, must_compute=_fills_model_cache)
 
 
-def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
     # The first layer's attention input, input_layernorm(x), with the layer's own norm: the timestep reaches the
     # layers only as the <|tms|> token of this sequence (there is no modulation to measure), so the normalised
     # sequence is the signal, as for HiDream-I1 dev/fast.
@@ -74,13 +75,13 @@ def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
 
 def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
     size = _SIZES.get(dm.hidden_size) or f"hidden size {dm.hidden_size}"
-    return calibrate_first(f"HiDream-O1 {size}", "HiDream-O1",
-                           "a call that fills the model's own prompt key/value cache is always computed")
+    return nothing_published(f"HiDream-O1 {size}", "HiDream-O1",
+                             "a call that fills the model's own prompt key/value cache is always computed")
 
 
 FAMILY = ModelFamily(
     name="hidream_o1", display_name="HiDream-O1", matches=_matches, resolve_variant=_variant,
-    build_stack=_stack, build_modulated_input=_modulated_input,
+    build_stack=_stack, signals={DEFAULT_SIGNAL: _modulated_input},
     # the reference-image vision tower, the timestep and patch embeddings, the final layer, and the language model's
     # token embedding and final norm (the tail)
     resident=("visual", "t_embedder1", "x_embedder", "final_layer2", "language_model.embed_tokens",

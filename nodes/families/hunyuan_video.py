@@ -18,14 +18,15 @@ import torch
 from ...omni_hooks.blockstack import TensorArg
 from ...omni_hooks.sequence_parallel import SequenceParallelRefusedInput
 from ...omni_hooks.teacache import ModulatedInput
-from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg, pe_embedder_probe
+from .base import (DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
+                   pe_embedder_probe)
 from .flux import (FLUX_LAYOUT_BLOCKS, flux_img_modulated, flux_layout_attention_sites, flux_layout_sequence_plan,
                    flux_layout_stack)
 
 IMG = TensorArg("img", 0)
 
 
-def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
     def compute(block, args, kwargs, captured):
         # modulation_dims_img is set for I2V with guiding_frame_index (vec then has one row per token range)
         return flux_img_modulated(block, IMG.get(args, kwargs), call_arg(args, kwargs, "vec", 2),
@@ -91,7 +92,7 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 
 FAMILY = ModelFamily(
     name="hunyuan_video", display_name="HunyuanVideo", matches=_matches, resolve_variant=_variant,
-    build_stack=flux_layout_stack, build_modulated_input=_modulated_input,
+    build_stack=flux_layout_stack, signals={DEFAULT_SIGNAL: _modulated_input},
     resident=("img_in", "time_in", "vector_in", "guidance_in", "txt_in", "byt5_in", "time_r_in", "final_layer"),
     sequence_plan=_sequence_plan, attention_sites=flux_layout_attention_sites,
     auto_keys={"teacache": frozenset({"hunyuan_video"}), "magcache": frozenset({"hunyuan_video"})},

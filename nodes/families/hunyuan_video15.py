@@ -39,8 +39,7 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
                                                                    node="MagCache Calibrate"),)))
     return Variant(
         "HunyuanVideo 1.5",
-        teacache=AutoChoice(None, ("no TeaCache coefficients are published for HunyuanVideo 1.5: run TeaCache "
-                                   "Calibrate once on this model, then choose the calibration",)),
+        teacache=AutoChoice(None, unpublished="HunyuanVideo 1.5"),
         magcache=AutoChoice("hunyuan_video1.5", (
             "the 'hunyuan_video1.5' curve was calibrated at 20 steps with CFG; above 20 steps choose "
             "'hunyuan_video1.5_40steps'; for the CFG- or step-distilled checkpoints run MagCache Calibrate",)))
@@ -49,7 +48,7 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 FAMILY = ModelFamily(
     name="hunyuan_video15", display_name="HunyuanVideo 1.5 (and its super-resolution model)", matches=_matches,
     resolve_variant=_variant, build_stack=flux_layout_stack,
-    build_modulated_input=HUNYUAN_VIDEO.build_modulated_input,
+    signals=HUNYUAN_VIDEO.signals,
     resident=(*HUNYUAN_VIDEO.resident, "vision_in", "cond_type_embedding"),
     sequence_plan=HUNYUAN_VIDEO.sequence_plan, attention_sites=flux_layout_attention_sites,
     auto_keys={"magcache": frozenset({"hunyuan_video1.5"})})

@@ -28,7 +28,8 @@ import torch
 from ...omni_hooks.blockstack import BlockStack, ReturnedHidden, TensorArg, skip_returning
 from ...omni_hooks.sequence_parallel import SequenceParallelInput, SequenceParallelOutput, SequenceParallelSelfAttention
 from ...omni_hooks.teacache import ModulatedInput
-from .base import Expectations, ForwardParameters, ModelFamily, Variant, calibrate_first, call_arg
+from .base import (DEFAULT_SIGNAL, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
+                   nothing_published)
 
 VISUAL = TensorArg("visual_embed", 0)
 _MODULE = "comfy.ldm.kandinsky5.model"
@@ -47,7 +48,7 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(VISUAL), clone_head_input=False)
 
 
-def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
     k5 = _model_module()
 
     def compute(block, args, kwargs, captured):
@@ -99,12 +100,12 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
     image = isinstance(base_model, getattr(comfy.model_base, "Kandinsky5Image", ()))
     name = ("Kandinsky 5 image" if image else
             f"Kandinsky 5 video {_VIDEO_SIZES.get(dm.model_dim) or f'(model_dim {dm.model_dim})'}")
-    return calibrate_first(name, "Kandinsky 5")
+    return nothing_published(name, "Kandinsky 5")
 
 
 FAMILY = ModelFamily(
     name="kandinsky5", display_name="Kandinsky 5 (video and image)", matches=_matches, resolve_variant=_variant,
-    build_stack=_stack, build_modulated_input=_modulated_input,
+    build_stack=_stack, signals={DEFAULT_SIGNAL: _modulated_input},
     # the text side (its own blocks, outside the stack), the embeddings and the final layer
     resident=("time_embeddings", "text_embeddings", "pooled_text_embeddings", "visual_embeddings",
               "text_transformer_blocks", "out_layer"),

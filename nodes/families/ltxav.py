@@ -54,7 +54,8 @@ from ...omni_hooks.sequence_parallel import (SequenceParallelCrossAttention, Seq
                                              SequenceParallelSelfAttention)
 from ...omni_hooks.sequence_parallel.sharding import pad_to
 from ...omni_hooks.teacache import ModulatedInput
-from .base import Expectations, ForwardParameters, ModelFamily, Variant, calibrate_first, call_arg
+from .base import (DEFAULT_SIGNAL, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
+                   nothing_published)
 from .ltxv import guide_mask_refusal, rope_spec
 
 X = TensorArg("x", 0)  # the (video, audio) pair a block receives and returns
@@ -75,7 +76,7 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       stream_tails=[(dm.audio_norm_out, NORM_INPUT)])
 
 
-def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
     def compute(block, args, kwargs, captured):
         # The first block's self-attention inputs of both streams, rms_norm(x) * (1 + scale_msa) + shift_msa, each
         # from its own scale_shift_table and timestep (the block's own get_ada_values), packed: the LTX-Video signal
@@ -188,12 +189,12 @@ def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
 
 def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
     size = _SIZES.get(dm.inner_dim) or f"inner_dim {dm.inner_dim}"
-    return calibrate_first(f"LTX-2 {size}", "LTX-2", "a calibration measures the video and the audio together")
+    return nothing_published(f"LTX-2 {size}", "LTX-2", "a calibration measures the video and the audio together")
 
 
 FAMILY = ModelFamily(
     name="ltxav", display_name="LTX-2 (audio and video)", matches=_matches, resolve_variant=_variant,
-    build_stack=_stack, build_modulated_input=_modulated_input,
+    build_stack=_stack, signals={DEFAULT_SIGNAL: _modulated_input},
     # the LTX-Video side (scale_shift_table: the final video modulation), the audio side, the audio-video
     # cross-attention modulations and the text connectors
     resident=("patchify_proj", "adaln_single", "prompt_adaln_single", "caption_projection", "scale_shift_table",

@@ -18,7 +18,7 @@ from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.sequence_parallel import (SequenceParallelInput, SequenceParallelOutput,
                                              SequenceParallelRefusedInput, SequenceParallelSelfAttention)
 from ...omni_hooks.teacache import ModulatedInput
-from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg
+from .base import DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg
 
 X = TensorArg("x", 0)
 NORM_INPUT = TensorArg("input", 0)  # norm_out(x): a LayerNorm called positionally
@@ -33,7 +33,7 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(X), clone_head_input=True)
 
 
-def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
     def compute(block, args, kwargs, captured):
         # The block's first modulation: rms_norm(x) * (1 + scale_msa) + shift_msa from its scale_shift_table and the
         # (per-sample or per-token) timestep projection, as ali-vilab TeaCache4LTX-Video / welltop compute it.
@@ -128,7 +128,7 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 
 FAMILY = ModelFamily(
     name="ltxv", display_name="LTX-Video", matches=_matches, resolve_variant=_variant, build_stack=_stack,
-    build_modulated_input=_modulated_input,
+    signals={DEFAULT_SIGNAL: _modulated_input},
     # scale_shift_table is a parameter of the model itself (the final modulation), not of a block
     resident=("patchify_proj", "adaln_single", "caption_projection", "scale_shift_table", "norm_out", "proj_out"),
     sequence_plan=_sequence_plan, attention_sites=_attention_sites,

@@ -17,7 +17,7 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant
+from .base import DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant
 
 X = TensorArg("x", 0)
 ADALN = TensorArg("adaln_input", 3)
@@ -30,14 +30,19 @@ def lumina_stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(X), clone_head_input=False)
 
 
-def lumina_modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
-    """A NextDiT's TeaCache signal (Lumina 2, Z-Image): ``adaln_input``, or layers[0]'s first modulation."""
-    if signal == "modulated":
-        def compute(block, args, kwargs, captured):
-            scale_msa = block.adaLN_modulation(ADALN.get(args, kwargs)).chunk(4, dim=1)[0]
-            return lumina_model.modulate(block.attention_norm1(X.get(args, kwargs)), scale_msa)
-        return ModulatedInput(compute=compute)
+def _time_embedding(dm: torch.nn.Module) -> ModulatedInput:
     return ModulatedInput(compute=lambda block, args, kwargs, captured: ADALN.get(args, kwargs))
+
+
+def _first_modulation(dm: torch.nn.Module) -> ModulatedInput:
+    def compute(block, args, kwargs, captured):
+        scale_msa = block.adaLN_modulation(ADALN.get(args, kwargs)).chunk(4, dim=1)[0]
+        return lumina_model.modulate(block.attention_norm1(X.get(args, kwargs)), scale_msa)
+    return ModulatedInput(compute=compute)
+
+
+#: A NextDiT's signals (Lumina 2, Z-Image): ``adaln_input``, and "modulated", layers[0]'s first modulation.
+LUMINA_SIGNALS = {DEFAULT_SIGNAL: _time_embedding, "modulated": _first_modulation}
 
 
 def is_z_image(dm: torch.nn.Module) -> bool:
@@ -61,7 +66,7 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 
 FAMILY = ModelFamily(
     name="lumina2", display_name="Lumina Image 2.0", matches=_matches, resolve_variant=_variant,
-    build_stack=lumina_stack, build_modulated_input=lumina_modulated_input,
+    build_stack=lumina_stack, signals=LUMINA_SIGNALS,
     resident=("x_embedder", "t_embedder", "cap_embedder", "noise_refiner", "context_refiner", "norm_final",
               "final_layer"),
     auto_keys={"teacache": frozenset({"lumina_2"})},

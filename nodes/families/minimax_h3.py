@@ -22,7 +22,8 @@ import torch
 
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.teacache import ModulatedInput
-from .base import Expectations, ForwardParameters, ModelFamily, Variant, calibrate_first, call_arg
+from .base import (DEFAULT_SIGNAL, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
+                   nothing_published)
 
 _MODULE = "comfy.ldm.minimax.model"
 X = TensorArg("x", 0)  # the packed sequence [S, hidden] a block receives and returns, and final_layer receives
@@ -40,7 +41,7 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(X), clone_head_input=True)
 
 
-def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
     mm = _model_module()
 
     def compute(block, args, kwargs, captured):
@@ -62,12 +63,12 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
     name = "MiniMax-H3" if dm.hidden_size == _RELEASED_HIDDEN else f"MiniMax-H3 (hidden {dm.hidden_size})"
     if dm.use_adaln_curves:
         name += ", adaLN curve form"
-    return calibrate_first(name, "MiniMax-H3", "a calibration measures the video and the audio together")
+    return nothing_published(name, "MiniMax-H3", "a calibration measures the video and the audio together")
 
 
 FAMILY = ModelFamily(
     name="minimax_h3", display_name="MiniMax-H3 (audio and video)", matches=_matches, resolve_variant=_variant,
-    build_stack=_stack, build_modulated_input=_modulated_input,
+    build_stack=_stack, signals={DEFAULT_SIGNAL: _modulated_input},
     # the patch and text projections, the text refiner, the timestep embedding (a time embedder, or the curve table
     # of the curve-form checkpoints), the rotary frequencies and the final layer with both output heads
     resident=("video_patch_proj", "audio_patch_proj", "condition_proj", "token_refiner", "time_embedder",

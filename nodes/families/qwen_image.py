@@ -23,7 +23,8 @@ from ...omni_hooks.sequence_parallel import (
     SequenceParallelSelfAttention,
 )
 from ...omni_hooks.teacache import ModulatedInput
-from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg, pe_embedder_probe
+from .base import (DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
+                   pe_embedder_probe)
 
 HIDDEN = TensorArg("hidden_states", 0)
 ENCODER = TensorArg("encoder_hidden_states", 1)
@@ -37,7 +38,7 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(ENCODER, HIDDEN), clone_head_input=True)
 
 
-def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
     def compute(block, args, kwargs, captured):
         # img_norm1(hidden) * (1 + scale1) + shift1 from block 0's img_mod(temb), as vllm-omni's Qwen-Image extractor,
         # by the block's own _modulate (with the reference tokens' timestep-zero modulation where the host has it)
@@ -113,7 +114,7 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 
 FAMILY = ModelFamily(
     name="qwen_image", display_name="Qwen-Image", matches=_matches, resolve_variant=_variant, build_stack=_stack,
-    build_modulated_input=_modulated_input,
+    signals={DEFAULT_SIGNAL: _modulated_input},
     resident=("img_in", "txt_norm", "txt_in", "time_text_embed", "norm_out", "proj_out"),
     sequence_plan=_sequence_plan, attention_sites=_attention_sites,
     auto_keys={"teacache": frozenset({"qwen_image"}), "magcache": frozenset({"qwen_image"})},

@@ -14,7 +14,7 @@ import torch
 from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
 from ...omni_hooks.sequence_parallel import SequenceParallelInput, SequenceParallelOutput, SequenceParallelSelfAttention
 from ...omni_hooks.teacache import ModulatedInput
-from .base import AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant
+from .base import DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant
 
 X = TensorArg("x", 0)
 
@@ -30,12 +30,14 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(X), clone_head_input=isinstance(dm, wan.VaceWanModel))
 
 
-def _modulated_input(dm: torch.nn.Module, signal: str) -> ModulatedInput:
-    if signal == "ret":
-        # retention-mode coefficients were fitted on e0, the 6-way time projection each block receives as `e`
-        return ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["e"] if "e" in kwargs else args[1])
+def _time_embedding(dm: torch.nn.Module) -> ModulatedInput:
     # default-mode coefficients were fitted on the time embedding e, the input of time_projection
     return ModulatedInput(compute=lambda block, args, kwargs, captured: captured, capture=dm.time_projection)
+
+
+def _time_projection(dm: torch.nn.Module) -> ModulatedInput:
+    # retention-mode coefficients were fitted on e0, the 6-way time projection each block receives as `e`
+    return ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["e"] if "e" in kwargs else args[1])
 
 
 # Sequence parallelism. Wan makes its tokens inside forward_orig (patch embedding, flatten) and passes them with the
@@ -140,7 +142,7 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
 
 FAMILY = ModelFamily(
     name="wan", display_name="Wan 2.1/2.2", matches=_matches, resolve_variant=_variant, build_stack=_stack,
-    build_modulated_input=_modulated_input,
+    signals={DEFAULT_SIGNAL: _time_embedding, "ret": _time_projection},
     resident=("patch_embedding", "text_embedding", "time_embedding", "time_projection", "head",
               "img_emb",                                      # I2V / FLF2V CLIP image projection
               "ref_conv",                                     # Fun reference image

@@ -24,8 +24,8 @@ from ...omni_hooks.sequence_parallel import (
     SequenceParallelRefusedInput,
     SequenceParallelSelfAttention,
 )
-from .base import ModelFamily, Variant, calibrate_first
-from .lumina2 import is_z_image, lumina_modulated_input, lumina_stack
+from .base import ModelFamily, Variant, nothing_published
+from .lumina2 import LUMINA_SIGNALS, is_z_image, lumina_stack
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
@@ -36,10 +36,10 @@ def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:
 def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
     few_step = ("Z-Image Turbo samples in about 8 steps: the caches keep its first and last steps computed and skip "
                 "little; see the run statistics")
-    return calibrate_first(f"Z-Image (dim {dm.dim}, {len(dm.layers)} layers)",
-                           "Z-Image (vllm-omni's TeaCache numbers are Qwen-Image's, marked there as 'need to be "
-                           "tuned')",
-                           few_step)
+    return nothing_published(f"Z-Image (dim {dm.dim}, {len(dm.layers)} layers)",
+                             "Z-Image (vllm-omni's TeaCache numbers are Qwen-Image's, marked there as 'need to be "
+                             "tuned')",
+                             few_step)
 
 
 # Sequence parallelism. Inside ``patchify_and_embed``, ``x_embedder``'s tokens are padded to the pad multiple and run
@@ -98,7 +98,7 @@ def _attention_sites(dm: torch.nn.Module) -> list[torch.nn.Module]:
 
 FAMILY = ModelFamily(
     name="z_image", display_name="Z-Image (Turbo)", matches=_matches, resolve_variant=_variant,
-    build_stack=lumina_stack, build_modulated_input=lumina_modulated_input,
+    build_stack=lumina_stack, signals=LUMINA_SIGNALS,
     resident=("x_embedder", "t_embedder", "cap_embedder", "noise_refiner", "context_refiner", "norm_final",
               "final_layer", "x_pad_token", "cap_pad_token"),
     sequence_plan=_sequence_plan, attention_sites=_attention_sites)

@@ -32,7 +32,7 @@ from ...omni_hooks.base import HookRegistry, remove_hook_and_restore
 from ...omni_hooks.context import CallContext
 from ...omni_hooks.offload import LayerwiseOffloadRun, OffloadConfig, OffloadStats, unpackable_reason
 from .. import families
-from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec, register_feature
+from ..features import AppliedFeature, Category, FeatureSession, FeatureSpec
 from ..stats_store import FeatureReport, StepTotals
 from . import host, kept, takeover
 from .host import ComfyPins, HostStreaming, HostStreamsHook, activation_reserve, dynamic_vram_reason, \
@@ -414,4 +414,4 @@ class OffloadSession(FeatureSession):
         model.model_loaded_weight_memory = own
 
 
-register_feature(FeatureSpec(kind=KIND, category=Category.OFFLOAD, session_factory=OffloadSession))
+FEATURE = FeatureSpec(kind=KIND, category=Category.OFFLOAD, session_factory=OffloadSession)  # in FEATURE_MODULES

@@ -30,7 +30,7 @@ from . import group as sp_group
 from . import rendezvous
 from ..families import FAMILIES, DetectedModel, ModelFamily, detect
 from ..features import (CATEGORY, FEATURES_KEY, RUN_KEY, AppliedFeature, Category, ConfigInputs, FeatureSpec,
-                        attach_feature, display_name, register_feature)
+                        attach_feature, display_name)
 from ..stats_store import FeatureReport, StepTotals
 from .shard import ATTENTION_OVERRIDE, KIND, ShardSession, attention_taken_error
 from .plain import PlainDataError
@@ -355,7 +355,7 @@ class SequenceParallelSession(ShardSession):
                                 fields={"world_size": summary["world_size"]})
 
 
-register_feature(FeatureSpec(KIND, Category.SEQUENCE_PARALLEL, SequenceParallelSession))
+FEATURE = FeatureSpec(KIND, Category.SEQUENCE_PARALLEL, SequenceParallelSession)  # in features.FEATURE_MODULES
 
 
 def _degree_input(name: str, tooltip: str) -> io.Combo.Input:

@@ -3,8 +3,9 @@ process around it: joining, the command loop, exit).
 
 The worker builds the model class from rank 0's config into a ComfyUI ``ModelPatcher`` of its own (loaded the way
 ComfyUI loads it on rank 0, lowvram included) and mirrors rank 0's run: a ``SamplingRun`` with the same caches and
-offload, where rank 0 has its Sequence Parallel session a ``WorkerShardSession``, and every call through
-``features.run_call``, so the caches decide on the same ``CallContext`` (step, branches, the group's ``RankView``).
+offload (their kinds from the one list rank 0 uses, ``features.FEATURE_MODULES``), where rank 0 has its Sequence
+Parallel session a ``WorkerShardSession``, and every call through ``features.run_call``, so the caches decide on the
+same ``CallContext`` (step, branches, the group's ``RankView``).
 """
 from __future__ import annotations
 
@@ -16,9 +17,7 @@ import comfy.supported_models_base
 import torch
 
 from ...omni_hooks.sequence_parallel import SequenceParallelConfig, SequenceParallelMesh
-from ..caches import magcache, teacache  # noqa: F401  (they register the features a run's command may carry)
 from ..families import DetectedModel, detect, family_named
-from ..offload import session as offload_session  # noqa: F401  (registers CPU Offload's feature)
 from ..features import AppliedFeature, SamplingRun, run_call
 from .shard import KIND, ShardSession
 from .protocol import OPTIONS_SLOT, Command, broadcast_tensors, tensor_signature, to_device

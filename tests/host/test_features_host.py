@@ -96,9 +96,6 @@ def env(user_dir):
                 delattr(dm, MARKER)
             ToySession.log.append(f"close {status}")
 
-    features.register_feature(features.FeatureSpec(kind=TOY, category=features.Category.OFFLOAD,
-                                                   session_factory=ToySession))
-
     class Env:
         tiny = tiny_models
         case = tiny_models.build_case("wan21_t2v")
@@ -120,7 +117,10 @@ def env(user_dir):
 
     ToySession.log.clear()
     ToySession.instances.clear()
-    yield Env
+    with pytest.MonkeyPatch.context() as patch:  # the pack's feature list, with the toy for this module's tests
+        patch.setitem(features.feature_specs(), TOY, features.FeatureSpec(kind=TOY, category=features.Category.OFFLOAD,
+                                                                          session_factory=ToySession))
+        yield Env
 
 
 def module_state(dm: torch.nn.Module):

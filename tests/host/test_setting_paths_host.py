@@ -90,8 +90,8 @@ def sessions_of(monkeypatch, cache) -> list:
     from omnitest.pack import pack_module
 
     features = pack_module("nodes.features")
-    spec = features._SPECS[cache.kind]
-    monkeypatch.setitem(features._SPECS, cache.kind, dataclasses.replace(spec, session_factory=recording))
+    spec = features.feature_specs()[cache.kind]
+    monkeypatch.setitem(features.feature_specs(), cache.kind, dataclasses.replace(spec, session_factory=recording))
     return made
 
 

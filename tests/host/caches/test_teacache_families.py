@@ -269,7 +269,7 @@ def test_a_reused_call_on_the_same_input_reproduces_the_computed_call(env, case)
         dm = executor.class_obj
         config = teacache.TeaCacheConfig(threshold=1e9, coefficients=(0, 0, 0, 1, 0), ret_steps=0,
                                          force_last_step=False)
-        signal = detected.build_modulated_input(dm, "default")
+        signal = detected.family.signals["default"](dm)
         run = teacache.apply_teacache_hook(detected.build_stack(dm), config, signal)
         result = None
         try:

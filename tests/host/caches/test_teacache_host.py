@@ -225,6 +225,34 @@ def test_a_calibration_file_of_another_family_is_refused(env, wan):
         env.apply(wan.patcher, rel_l1_thresh=0.2, variant="calibration: a flux one")
 
 
+def test_coefficients_on_a_signal_the_family_does_not_offer_are_refused_naming_the_node(env, wan):
+    """TeaCache asks the family for the signal its coefficients were fitted on: a calibration file or a published
+    entry whose signal the family does not offer is refused by the Apply node, by name, before any run."""
+    import dataclasses
+
+    from omnitest.pack import pack_module
+
+    families = pack_module("nodes.families")
+    detected = families.detect(wan.patcher)
+    assert sorted(detected.family.signals) == ["default", "ret"]
+    pack_module("nodes.caches.calibration_files").save("teacache", "a hidden one", {
+        "family": "wan", "coefficients": [0, 0, 0, 1, 0], "signal": "hidden"})
+    with pytest.raises(ValueError, match=r"^Apply TeaCache: calibration 'a hidden one' .* has signal 'hidden', which "
+                                         r"wan models do not have \(one of \['default', 'ret'\]\)"):
+        env.apply(wan.patcher, rel_l1_thresh=0.2, variant="calibration: a hidden one")
+    # the same Wan, as a family that offers only its default signal: the retention-mode coefficients need "ret"
+    lacking = dataclasses.replace(detected, family=dataclasses.replace(
+        detected.family, signals={"default": detected.family.signals["default"]}))
+    inputs = dict(rel_l1_thresh=0.2, start_percent=0.0, end_percent=1.0, cache_device="compute device",
+                  model_variant="wan2.1_t2v_1.3B_ret_mode")
+    with pytest.raises(ValueError, match=r"^Apply TeaCache: coefficients 'wan2.1_t2v_1.3B_ret_mode': wan \(.*\) does "
+                                         r"not offer the signal 'ret' these coefficients were fitted on \(its family "
+                                         r"offers default\)\. Choose another model_variant, or run TeaCache "
+                                         r"Calibrate"):
+        env.teacache.TEACACHE.config_for(wan.patcher, lacking, inputs)
+    assert env.teacache.TEACACHE.config_for(wan.patcher, detected, inputs).signal == "ret"
+
+
 def test_what_auto_chose_is_noted_in_the_run_statistics(env):
     flux = env.tiny.build_case("flux")
     env.tiny.sample(flux, model=env.apply(flux.patcher, rel_l1_thresh=0.0, variant="auto"), steps=4)

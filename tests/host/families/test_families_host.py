@@ -197,6 +197,12 @@ REQUIRES.update({"wan animate 2": ("comfy.model_base", "WAN_Animate2"),
                  "wan dancer": ("comfy.model_base", "WAN22_WanDancer")})
 
 
+def _teacache():
+    from omnitest.pack import pack_module
+
+    return pack_module("nodes.caches.teacache").TEACACHE
+
+
 @pytest.fixture(scope="module")
 def families():
     from omnitest.pack import pack_module
@@ -289,7 +295,7 @@ def test_a_tiny_model_matches_exactly_its_family(families, name):
         key = detected.auto_choice(kind).key
         assert key is None or key in detected.family.auto_keys[kind]
     if detected.auto_choice("teacache").key is None:
-        assert detected.auto_choice("teacache").notes, "a model without TeaCache coefficients must say what to do"
+        assert _teacache().auto_notes(detected), "a model without TeaCache coefficients must say what to do"
 
 
 # -- variants on models of the released sizes ------------------------------------------------------------------------
@@ -301,7 +307,7 @@ def test_the_decision_tree_names_the_variant_and_both_recommendations(families, 
     assert (detected.family.name, detected.variant, detected.auto_choice("teacache").key,
             detected.auto_choice("magcache").key) == (family, variant, teacache_key, magcache_key)
     if teacache_key is None:
-        assert detected.auto_choice("teacache").notes
+        assert _teacache().auto_notes(detected)
     assert detected.describe() == f"{family} ({variant})"
 
 
@@ -339,6 +345,59 @@ def test_a_key_the_family_does_not_declare_is_refused(families):
     with pytest.raises(RuntimeError, match=r"recommends the teacache key 'flux', which the family's "
                                            r"auto_keys\['teacache'\]"):
         families._detected(stale, flux.resolve_variant(base_model, base_model.diffusion_model))
+
+
+# -- signals, and what a family says when nothing is published -----------------------------------------------------
+
+def test_every_family_offers_its_signals_by_name_each_built_on_its_tiny_model(families):
+    from omnitest import tiny_models
+    from omnitest.pack import pack_module
+
+    modulated_input = pack_module("omni_hooks.teacache").ModulatedInput
+    case_of = {family: name for name, family in reversed(list(CASE_FAMILY.items()))}  # the first case of each
+    for family in families.FAMILIES:
+        assert families.DEFAULT_SIGNAL in family.signals, family.name
+        dm = tiny_models.build_case(case_of[family.name]).patcher.model.diffusion_model
+        for signal, build in family.signals.items():
+            assert isinstance(build(dm), modulated_input), (family.name, signal)
+
+
+def test_every_published_teacache_entry_names_a_signal_its_family_offers(families):
+    from omnitest.pack import pack_module
+
+    for entry in pack_module("nodes.caches.teacache_coefficients").PUBLISHED.values():
+        assert entry.signal in families.family_named(entry.family).signals, entry.key
+
+
+def test_a_family_without_the_default_signal_is_refused(families):
+    flux = families.family_named("flux")
+    with pytest.raises(ValueError, match="model family 'flux' offers no 'default' signal"):
+        dataclasses.replace(flux, signals={"img": flux.signals[families.DEFAULT_SIGNAL]})
+
+
+def test_where_nothing_is_published_each_cache_says_itself_to_calibrate(families):
+    """The family says only that nothing is published for the model (``nothing_published``, with neutral notes);
+    each cache's 'auto' writes its own line (its entries, its Calibrate node) before those notes."""
+    from omnitest.pack import pack_module
+
+    base = pack_module("nodes.families.base")
+    variant = base.nothing_published("Kandinsky 5 image", "Kandinsky 5", "a neutral note")
+    assert dict(variant.auto_choices) == {}
+    detected = families._detected(families.family_named("kandinsky5"), variant)
+    teacache, magcache = _teacache(), pack_module("nodes.caches.magcache").MAGCACHE
+    assert teacache.auto_notes(detected) == (
+        "no TeaCache coefficients are published for Kandinsky 5: run TeaCache Calibrate once on this model, then "
+        "choose the calibration", "a neutral note")
+    assert magcache.auto_notes(detected) == (
+        "no MagCache curves are published for Kandinsky 5: run MagCache Calibrate once on this model, then choose "
+        "the calibration", "a neutral note")
+    with pytest.raises(ValueError, match=r"^Apply TeaCache: no published TeaCache coefficients fit kandinsky5 "
+                                         r"\(Kandinsky 5 image\)\. no TeaCache coefficients are published for "
+                                         r"Kandinsky 5: run TeaCache Calibrate once"):
+        teacache.resolve(detected, "auto")
+    keyed = base.Variant("Kandinsky 5 image", otherwise=base.AutoChoice("k5"))
+    with pytest.raises(RuntimeError, match="recommends the key 'k5' for every cache"):
+        families._detected(families.family_named("kandinsky5"), keyed)
 
 
 @pytest.mark.parametrize("name", UNSUPPORTED)
