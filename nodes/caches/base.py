@@ -119,6 +119,10 @@ class BlockStackCache(abc.ABC):
 
     # -- what every cache does alike --------------------------------------------------------------------------------
 
+    def auto_sentences(self, detected: DetectedModel) -> str:
+        """``auto_notes`` as sentences for an error message: each capitalised, with its full stop and a space."""
+        return "".join(f"{note[0].upper()}{note[1:]}. " for note in self.auto_notes(detected) if note)
+
     def auto_notes(self, detected: DetectedModel) -> tuple[str, ...]:
         """What the user should know about 'auto' on this model: the family's notes for this cache, after the line
         that says to calibrate first where the family says nothing of this cache's table is published for it."""

@@ -164,7 +164,7 @@ class MagCache(BlockStackCache):
         return key
 
     def no_auto_fit(self, detected: DetectedModel) -> str:
-        notes = "".join(f"{n[0].upper()}{n[1:]}. " for n in self.auto_notes(detected))
+        notes = self.auto_sentences(detected)
         if not for_family(detected.family.name):
             return (f"no MagCache curve is published for {detected.describe()} models. {notes}To use MagCache, "
                     f"{CALIBRATE_HINT}.")

@@ -125,9 +125,8 @@ class TeaCache(BlockStackCache):
                         "cache_device": "compute device"}
 
     def no_auto_fit(self, detected: DetectedModel) -> str:
-        return (f"no published TeaCache coefficients fit {detected.describe()}. "
-                + " ".join(self.auto_notes(detected))
-                + " Choose a model_variant, or run 'TeaCache Calibrate' on this model and choose its file.")
+        return (f"no published TeaCache coefficients fit {detected.describe()}. {self.auto_sentences(detected)}"
+                "Choose a model_variant, or run 'TeaCache Calibrate' on this model and choose its file.")
 
     def make_config(self, detected: DetectedModel, found: TeaCacheCoefficients | None, tuning: dict[str, Any],
                     shared: dict[str, Any]) -> TeaCacheConfig:

@@ -121,8 +121,9 @@ def _variant(base_model: torch.nn.Module, dm: torch.nn.Module) -> Variant:
                        magcache=AutoChoice(None))
     if size is None:
         return Variant(f"Wan T2V {size_label}", magcache=AutoChoice(None), teacache=AutoChoice(
-            None, (f"no published TeaCache coefficients for a Wan model with dim {dm.dim}: choose a model variant or "
-                   "run TeaCache Calibrate",)))
+            None, ("the published Wan T2V coefficients are for dim "
+                   + " and ".join(f"{dim} ({name})" for dim, name in _T2V_SIZES.items())
+                   + f"; this model has dim {dm.dim}",)))
     if size == "1.3B":
         return Variant("Wan T2V 1.3B", teacache=AutoChoice("wan2.1_t2v_1.3B"),
                        magcache=AutoChoice("wan2.1_t2v_1.3B"))

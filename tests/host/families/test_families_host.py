@@ -392,8 +392,9 @@ def test_where_nothing_is_published_each_cache_says_itself_to_calibrate(families
         "no MagCache curves are published for Kandinsky 5: run MagCache Calibrate once on this model, then choose "
         "the calibration", "a neutral note")
     with pytest.raises(ValueError, match=r"^Apply TeaCache: no published TeaCache coefficients fit kandinsky5 "
-                                         r"\(Kandinsky 5 image\)\. no TeaCache coefficients are published for "
-                                         r"Kandinsky 5: run TeaCache Calibrate once"):
+                                         r"\(Kandinsky 5 image\)\. No TeaCache coefficients are published for "
+                                         r"Kandinsky 5: run TeaCache Calibrate once on this model, then choose the "
+                                         r"calibration\. A neutral note\. Choose a model_variant"):
         teacache.resolve(detected, "auto")
     keyed = base.Variant("Kandinsky 5 image", otherwise=base.AutoChoice("k5"))
     with pytest.raises(RuntimeError, match="recommends the key 'k5' for every cache"):
