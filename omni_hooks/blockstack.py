@@ -63,6 +63,23 @@ class ReturnedHidden:
 
 
 SkipFn = Callable[[torch.nn.Module, tuple, dict], Any]
+#: ``compute(head_block, args, kwargs, captured)``: a ``StackSignal``'s tensor
+StackSignalFn = Callable[[torch.nn.Module, tuple, dict, "torch.Tensor | None"], torch.Tensor]
+
+
+@dataclass
+class StackSignal:
+    """A tensor a model's own code computes from its block stack's head call, which a cache may measure from step to
+    step (TeaCache measures one: the head block's timestep-modulated input). A model family offers its signals by
+    name; the cache asks for the one it needs.
+
+    ``compute(head_block, args, kwargs, captured)`` returns a batch-first tensor (first dimension = the head's image
+    stream batch). If ``capture`` is set, the first positional input of that module, which the model calls before the
+    head block, is passed as ``captured`` (e.g. Wan's time embedding entering ``time_projection``).
+    """
+
+    compute: StackSignalFn
+    capture: torch.nn.Module | None = None
 
 
 @dataclass

@@ -18,8 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ...omni_hooks.blockstack import BlockStack, SkipFn
-from ...omni_hooks.teacache import ModulatedInput
+from ...omni_hooks.blockstack import BlockStack, SkipFn, StackSignal
 
 
 class UnsupportedModelError(ValueError):
@@ -74,8 +73,8 @@ Matcher = Callable[[torch.nn.Module, torch.nn.Module], bool]
 VariantResolver = Callable[[torch.nn.Module, torch.nn.Module], Variant]
 StackBuilder = Callable[[torch.nn.Module], BlockStack]
 #: ``builder(diffusion_model)``: where one signal of the model comes from (a tensor measured at the head block, e.g.
-#: its timestep-modulated input), as an ``omni_hooks.teacache.ModulatedInput``.
-SignalBuilder = Callable[[torch.nn.Module], ModulatedInput]
+#: its timestep-modulated input), as an ``omni_hooks.blockstack.StackSignal``.
+SignalBuilder = Callable[[torch.nn.Module], StackSignal]
 #: For one diffusion model instance, where its sequence is split across ranks and gathered back (which inputs, along
 #: which dimension, which rotary tables are sliced with them): an ``omni_hooks.sequence_parallel`` plan. None means
 #: the family does not support sequence parallelism.

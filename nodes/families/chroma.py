@@ -13,8 +13,7 @@ from __future__ import annotations
 import comfy.ldm.chroma.model as chroma_model
 import torch
 
-from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from ...omni_hooks.teacache import ModulatedInput
+from ...omni_hooks.blockstack import BlockStack, StackSignal, TensorArg, skip_returning
 from .base import (DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
                    pe_embedder_probe, skip_by_type)
 from .flux import flux_layout_attention_sites, flux_layout_sequence_plan
@@ -46,12 +45,12 @@ def _skip_rules_by_own_block_classes(dm: torch.nn.Module) -> dict:
     return {**{cls: skip_returning(IMG, TXT) for cls in double}, **{cls: skip_returning(X) for cls in single}}
 
 
-def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> StackSignal:
     def compute(block, args, kwargs, captured):
         # vec = ((img_mod1, img_mod2), (txt_mod1, txt_mod2)), slices of the Approximator output for this block
         img_mod1 = call_arg(args, kwargs, "vec", 3)[0][0]
         return torch.addcmul(img_mod1.shift, 1 + img_mod1.scale, block.img_norm1(IMG.get(args, kwargs)))
-    return ModulatedInput(compute=compute)
+    return StackSignal(compute=compute)
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:

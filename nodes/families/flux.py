@@ -11,7 +11,7 @@ import comfy.ldm.flux.layers as flux_layers
 import comfy.ldm.flux.model as flux_model
 import torch
 
-from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.blockstack import BlockStack, StackSignal, TensorArg, skip_returning
 from ...omni_hooks.sequence_parallel import (
     ReplicatedTokens,
     SequenceParallelInput,
@@ -20,7 +20,6 @@ from ...omni_hooks.sequence_parallel import (
     SequenceParallelRefusedInput,
     SequenceParallelSelfAttention,
 )
-from ...omni_hooks.teacache import ModulatedInput
 from .base import (DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
                    pe_embedder_probe, skip_by_type)
 
@@ -50,10 +49,10 @@ def flux_layout_stack(dm: torch.nn.Module) -> BlockStack:
                                                flux_layers.SingleStreamBlock: skip_returning(X)}))
 
 
-def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> StackSignal:
     def compute(block, args, kwargs, captured):
         return flux_img_modulated(block, IMG.get(args, kwargs), call_arg(args, kwargs, "vec", 2))
-    return ModulatedInput(compute=compute)
+    return StackSignal(compute=compute)
 
 
 # Sequence parallelism (Flux, Chroma, and HunyuanVideo, whose forward has the same modules and names with the text

@@ -14,7 +14,7 @@ import comfy.ldm.flux.layers as flux_layers
 import comfy.ldm.flux.model as flux_model
 import torch
 
-from ...omni_hooks.teacache import ModulatedInput
+from ...omni_hooks.blockstack import StackSignal
 from .base import DEFAULT_SIGNAL, ModelFamily, AutoChoice, Variant, call_arg
 from .flux import IMG, flux_layout_attention_sites, flux_layout_sequence_plan, flux_layout_stack
 
@@ -24,12 +24,12 @@ def is_flux2(dm: torch.nn.Module) -> bool:
     return type(dm) is flux_model.Flux and bool(getattr(dm.params, "global_modulation", False))
 
 
-def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> StackSignal:
     def compute(block, args, kwargs, captured):
         # Flux's TeaCache signal, img_norm1(img) * (1 + scale) + shift, with the shared img_mod1 the forward passes
         (img_mod1, _), _ = call_arg(args, kwargs, "vec", 2)
         return flux_layers.apply_mod(block.img_norm1(IMG.get(args, kwargs)), 1 + img_mod1.scale, img_mod1.shift)
-    return ModulatedInput(compute=compute)
+    return StackSignal(compute=compute)
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:

@@ -17,8 +17,7 @@ from __future__ import annotations
 import comfy.ldm.hidream.model as hidream_model
 import torch
 
-from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from ...omni_hooks.teacache import ModulatedInput
+from ...omni_hooks.blockstack import BlockStack, StackSignal, TensorArg, skip_returning
 from .base import DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, skip_by_type
 
 IMAGE = TensorArg("image_tokens", 0)
@@ -34,16 +33,16 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       head_hidden=IMAGE, tail_hidden=X, skip_block=skip, clone_head_input=False)
 
 
-def _image_tokens(dm: torch.nn.Module) -> ModulatedInput:
-    return ModulatedInput(compute=lambda block, args, kwargs, captured: IMAGE.get(args, kwargs))
+def _image_tokens(dm: torch.nn.Module) -> StackSignal:
+    return StackSignal(compute=lambda block, args, kwargs, captured: IMAGE.get(args, kwargs))
 
 
-def _timestep_embedding(dm: torch.nn.Module) -> ModulatedInput:
+def _timestep_embedding(dm: torch.nn.Module) -> StackSignal:
     def compute(block, args, kwargs, captured):
         # `captured` is the (batch-expanded) timestep that entered t_embedder; its output is not kept by the model
         # (only t + pooled embedding reaches the blocks), so the small time MLP is evaluated once more here.
         return dm.t_embedder(captured, IMAGE.get(args, kwargs).dtype)
-    return ModulatedInput(compute=compute, capture=dm.t_embedder)
+    return StackSignal(compute=compute, capture=dm.t_embedder)
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:

@@ -30,9 +30,8 @@ import sys
 
 import torch
 
-from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.blockstack import BlockStack, StackSignal, TensorArg, skip_returning
 from ...omni_hooks.caching.stats import MODEL_CACHE
-from ...omni_hooks.teacache import ModulatedInput
 from .base import (DEFAULT_SIGNAL, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
                    nothing_published)
 
@@ -60,11 +59,11 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(X, PAST), clone_head_input=True, must_compute=_fills_model_cache)
 
 
-def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> StackSignal:
     # The first layer's attention input, input_layernorm(x), with the layer's own norm: the timestep reaches the
     # layers only as the <|tms|> token of this sequence (there is no modulation to measure), so the normalised
     # sequence is the signal, as for HiDream-I1 dev/fast.
-    return ModulatedInput(compute=lambda block, args, kwargs, captured: block.input_layernorm(X.get(args, kwargs)))
+    return StackSignal(compute=lambda block, args, kwargs, captured: block.input_layernorm(X.get(args, kwargs)))
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:

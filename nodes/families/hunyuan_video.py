@@ -15,9 +15,8 @@ import comfy.ldm.hunyuan_video.model as hy_model
 import comfy.model_base
 import torch
 
-from ...omni_hooks.blockstack import TensorArg
+from ...omni_hooks.blockstack import StackSignal, TensorArg
 from ...omni_hooks.sequence_parallel import SequenceParallelRefusedInput
-from ...omni_hooks.teacache import ModulatedInput
 from .base import (DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
                    pe_embedder_probe)
 from .flux import (FLUX_LAYOUT_BLOCKS, flux_img_modulated, flux_layout_attention_sites, flux_layout_sequence_plan,
@@ -26,12 +25,12 @@ from .flux import (FLUX_LAYOUT_BLOCKS, flux_img_modulated, flux_layout_attention
 IMG = TensorArg("img", 0)
 
 
-def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> StackSignal:
     def compute(block, args, kwargs, captured):
         # modulation_dims_img is set for I2V with guiding_frame_index (vec then has one row per token range)
         return flux_img_modulated(block, IMG.get(args, kwargs), call_arg(args, kwargs, "vec", 2),
                                   call_arg(args, kwargs, "modulation_dims_img", 5))
-    return ModulatedInput(compute=compute)
+    return StackSignal(compute=compute)
 
 
 # Sequence parallelism: the Flux-layout plan, with the text at the rear (``flux_layout_sequence_plan``: the double

@@ -25,9 +25,8 @@ import sys
 import comfy.model_base
 import torch
 
-from ...omni_hooks.blockstack import BlockStack, ReturnedHidden, TensorArg, skip_returning
+from ...omni_hooks.blockstack import BlockStack, ReturnedHidden, StackSignal, TensorArg, skip_returning
 from ...omni_hooks.sequence_parallel import SequenceParallelInput, SequenceParallelOutput, SequenceParallelSelfAttention
-from ...omni_hooks.teacache import ModulatedInput
 from .base import (DEFAULT_SIGNAL, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
                    nothing_published)
 
@@ -48,7 +47,7 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(VISUAL), clone_head_input=False)
 
 
-def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> StackSignal:
     k5 = _model_module()
 
     def compute(block, args, kwargs, captured):
@@ -59,7 +58,7 @@ def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
         self_attn_params = torch.chunk(block.visual_modulation(time_embed), 3, dim=-1)[0]
         shift, scale, _gate = k5.get_shift_scale_gate(self_attn_params)
         return k5.apply_scale_shift_norm(block.self_attention_norm, x, scale, shift)
-    return ModulatedInput(compute=compute)
+    return StackSignal(compute=compute)
 
 
 _ROPE_GROUP = "kandinsky5_rope"

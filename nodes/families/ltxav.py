@@ -48,12 +48,11 @@ from typing import Any
 import comfy.ldm.common_dit
 import torch
 
-from ...omni_hooks.blockstack import BlockStack, PackedStreams, TensorArg, pack_streams, skip_returning
+from ...omni_hooks.blockstack import BlockStack, PackedStreams, StackSignal, TensorArg, pack_streams, skip_returning
 from ...omni_hooks.sequence_parallel import (SequenceParallelCrossAttention, SequenceParallelInput,
                                              SequenceParallelObjectInput, SequenceParallelOutput,
                                              SequenceParallelSelfAttention)
 from ...omni_hooks.sequence_parallel.sharding import pad_to
-from ...omni_hooks.teacache import ModulatedInput
 from .base import (DEFAULT_SIGNAL, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
                    nothing_published)
 from .ltxv import guide_mask_refusal, rope_spec
@@ -76,7 +75,7 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       stream_tails=[(dm.audio_norm_out, NORM_INPUT)])
 
 
-def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> StackSignal:
     def compute(block, args, kwargs, captured):
         # The first block's self-attention inputs of both streams, rms_norm(x) * (1 + scale_msa) + shift_msa, each
         # from its own scale_shift_table and timestep (the block's own get_ada_values), packed: the LTX-Video signal
@@ -88,7 +87,7 @@ def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
             shift, scale = block.get_ada_values(table, x.shape[0], timestep, slice(0, 2))
             streams.append(comfy.ldm.common_dit.rms_norm(x) * (1 + scale) + shift)
         return pack_streams(streams)
-    return ModulatedInput(compute=compute)
+    return StackSignal(compute=compute)
 
 
 # -- sequence parallelism ------------------------------------------------------------------------------------------

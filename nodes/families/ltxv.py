@@ -14,10 +14,9 @@ import comfy.ldm.common_dit
 import comfy.ldm.lightricks.model as ltxv_model
 import torch
 
-from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.blockstack import BlockStack, StackSignal, TensorArg, skip_returning
 from ...omni_hooks.sequence_parallel import (SequenceParallelInput, SequenceParallelOutput,
                                              SequenceParallelRefusedInput, SequenceParallelSelfAttention)
-from ...omni_hooks.teacache import ModulatedInput
 from .base import DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg
 
 X = TensorArg("x", 0)
@@ -33,7 +32,7 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(X), clone_head_input=True)
 
 
-def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> StackSignal:
     def compute(block, args, kwargs, captured):
         # The block's first modulation: rms_norm(x) * (1 + scale_msa) + shift_msa from its scale_shift_table and the
         # (per-sample or per-token) timestep projection, as ali-vilab TeaCache4LTX-Video / welltop compute it.
@@ -44,7 +43,7 @@ def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
             x.shape[0], timestep.shape[1], table.shape[0], -1)
         shift_msa, scale_msa = ada.unbind(dim=2)[:2]
         return comfy.ldm.common_dit.rms_norm(x) * (1 + scale_msa) + shift_msa
-    return ModulatedInput(compute=compute)
+    return StackSignal(compute=compute)
 
 
 # Sequence parallelism. _forward patchifies the latent, computes the RoPE table ``pe`` from the full pixel coordinates

@@ -15,8 +15,7 @@ from __future__ import annotations
 import comfy.ldm.lumina.model as lumina_model
 import torch
 
-from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from ...omni_hooks.teacache import ModulatedInput
+from ...omni_hooks.blockstack import BlockStack, StackSignal, TensorArg, skip_returning
 from .base import DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant
 
 X = TensorArg("x", 0)
@@ -30,15 +29,15 @@ def lumina_stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(X), clone_head_input=False)
 
 
-def _time_embedding(dm: torch.nn.Module) -> ModulatedInput:
-    return ModulatedInput(compute=lambda block, args, kwargs, captured: ADALN.get(args, kwargs))
+def _time_embedding(dm: torch.nn.Module) -> StackSignal:
+    return StackSignal(compute=lambda block, args, kwargs, captured: ADALN.get(args, kwargs))
 
 
-def _first_modulation(dm: torch.nn.Module) -> ModulatedInput:
+def _first_modulation(dm: torch.nn.Module) -> StackSignal:
     def compute(block, args, kwargs, captured):
         scale_msa = block.adaLN_modulation(ADALN.get(args, kwargs)).chunk(4, dim=1)[0]
         return lumina_model.modulate(block.attention_norm1(X.get(args, kwargs)), scale_msa)
-    return ModulatedInput(compute=compute)
+    return StackSignal(compute=compute)
 
 
 #: A NextDiT's signals (Lumina 2, Z-Image): ``adaln_input``, and "modulated", layers[0]'s first modulation.

@@ -20,8 +20,7 @@ import sys
 
 import torch
 
-from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
-from ...omni_hooks.teacache import ModulatedInput
+from ...omni_hooks.blockstack import BlockStack, StackSignal, TensorArg, skip_returning
 from .base import (DEFAULT_SIGNAL, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
                    nothing_published)
 
@@ -41,7 +40,7 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(X), clone_head_input=True)
 
 
-def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> StackSignal:
     mm = _model_module()
 
     def compute(block, args, kwargs, captured):
@@ -51,7 +50,7 @@ def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
         x = X.get(args, kwargs)
         shift, scale = block.adaln_proj(call_arg(args, kwargs, "t_emb", 1))[:2]
         return mm._mod_scale_shift(block.norm1(x), shift, scale, call_arg(args, kwargs, "mod_segments", 2))
-    return ModulatedInput(compute=compute)
+    return StackSignal(compute=compute)
 
 
 def _matches(base_model: torch.nn.Module, dm: torch.nn.Module) -> bool:

@@ -14,7 +14,7 @@ import inspect
 import comfy.ldm.qwen_image.model as qwen_model
 import torch
 
-from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.blockstack import BlockStack, StackSignal, TensorArg, skip_returning
 from ...omni_hooks.sequence_parallel import (
     SequenceParallelInput,
     SequenceParallelOutput,
@@ -22,7 +22,6 @@ from ...omni_hooks.sequence_parallel import (
     SequenceParallelRefusedInput,
     SequenceParallelSelfAttention,
 )
-from ...omni_hooks.teacache import ModulatedInput
 from .base import (DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant, call_arg,
                    pe_embedder_probe)
 
@@ -38,7 +37,7 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(ENCODER, HIDDEN), clone_head_input=True)
 
 
-def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
+def _modulated_input(dm: torch.nn.Module) -> StackSignal:
     def compute(block, args, kwargs, captured):
         # img_norm1(hidden) * (1 + scale1) + shift1 from block 0's img_mod(temb), as vllm-omni's Qwen-Image extractor,
         # by the block's own _modulate (with the reference tokens' timestep-zero modulation where the host has it)
@@ -47,7 +46,7 @@ def _modulated_input(dm: torch.nn.Module) -> ModulatedInput:
         zero_index = kwargs.get(_TIMESTEP_ZERO)
         extra = () if zero_index is None else (zero_index,)
         return block._modulate(block.img_norm1(HIDDEN.get(args, kwargs)), img_mod1, *extra)[0]
-    return ModulatedInput(compute=compute)
+    return StackSignal(compute=compute)
 
 
 # Sequence parallelism. _forward embeds the image tokens (Edit reference tokens appended) and passes them with the text

@@ -11,9 +11,8 @@ import comfy.ldm.wan.model as wan
 import comfy.model_base
 import torch
 
-from ...omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from ...omni_hooks.blockstack import BlockStack, StackSignal, TensorArg, skip_returning
 from ...omni_hooks.sequence_parallel import SequenceParallelInput, SequenceParallelOutput, SequenceParallelSelfAttention
-from ...omni_hooks.teacache import ModulatedInput
 from .base import DEFAULT_SIGNAL, AutoChoice, Expectations, ForwardParameters, ModelFamily, Variant
 
 X = TensorArg("x", 0)
@@ -30,14 +29,14 @@ def _stack(dm: torch.nn.Module) -> BlockStack:
                       skip_block=skip_returning(X), clone_head_input=isinstance(dm, wan.VaceWanModel))
 
 
-def _time_embedding(dm: torch.nn.Module) -> ModulatedInput:
+def _time_embedding(dm: torch.nn.Module) -> StackSignal:
     # default-mode coefficients were fitted on the time embedding e, the input of time_projection
-    return ModulatedInput(compute=lambda block, args, kwargs, captured: captured, capture=dm.time_projection)
+    return StackSignal(compute=lambda block, args, kwargs, captured: captured, capture=dm.time_projection)
 
 
-def _time_projection(dm: torch.nn.Module) -> ModulatedInput:
+def _time_projection(dm: torch.nn.Module) -> StackSignal:
     # retention-mode coefficients were fitted on e0, the 6-way time projection each block receives as `e`
-    return ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["e"] if "e" in kwargs else args[1])
+    return StackSignal(compute=lambda block, args, kwargs, captured: kwargs["e"] if "e" in kwargs else args[1])
 
 
 # Sequence parallelism. Wan makes its tokens inside forward_orig (patch embedding, flatten) and passes them with the

@@ -2,7 +2,6 @@
 from ..context import CallContext
 from .config import RECOMMENDED, TeaCacheConfig
 from .hook import (
-    ModulatedInput,
     TeaCacheRun,
     apply_teacache_hook,
     fit_coefficients,
@@ -14,7 +13,6 @@ from .state import TeaCacheState
 __all__ = [
     "RECOMMENDED",
     "CallContext",
-    "ModulatedInput",
     "TeaCacheConfig",
     "TeaCacheRun",
     "TeaCacheState",

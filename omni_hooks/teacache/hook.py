@@ -1,7 +1,7 @@
 """TeaCache: the decision policy on top of the shared block-stack cache mechanics (``omni_hooks.caching``).
 
 The algorithm is the TeaCache paper's (Liu et al. 2024). The hooks sit on the model's own blocks (``BlockStack``), so
-the model's forward runs unchanged; only the modulated input it measures is model-specific (``ModulatedInput``).
+the model's forward runs unchanged; only the modulated input it measures is model-specific (a family's ``StackSignal``).
 
 Decision per branch: the relative L1 change of the modulated input since the previous call of that branch is mapped
 through the rescale polynomial and accumulated; while the sum stays below ``threshold`` the branch may reuse. Under
@@ -11,13 +11,12 @@ above 1 where the forecast has recently erred more per unit of change than over 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from ..blockstack import BlockStack
+from ..blockstack import BlockStack, StackSignal
 from ..context import CallContext
 from ..caching.forecast import ALTERNATING_COHERENCE
 from ..caching.run import StackCacheRun
@@ -27,22 +26,6 @@ from .config import DEFAULT_RECOMMENDED_THRESHOLD, RECOMMENDED_SPEEDUP, TeaCache
 from .state import TeaCacheState
 
 HOOK_NAMES = ("teacache", "teacache_block", "teacache_tail", "teacache_capture")
-
-ModulatedInputFn = Callable[[torch.nn.Module, tuple, dict, "torch.Tensor | None"], torch.Tensor]
-
-
-@dataclass
-class ModulatedInput:
-    """The extractor protocol: where a model's TeaCache signal comes from.
-
-    ``compute(head_block, args, kwargs, captured)`` returns a batch-first tensor (first dimension = the head's image
-    stream batch). If ``capture`` is set, the first positional input of that module, which the model calls before the
-    head block, is passed as ``captured`` (e.g. Wan's time embedding entering ``time_projection``).
-    """
-
-    compute: ModulatedInputFn
-    capture: torch.nn.Module | None = None
-
 
 def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     """mean|current - previous| / mean|previous| as a 0-d tensor (no host sync)."""
@@ -57,7 +40,7 @@ class TeaCacheRun(StackCacheRun):
     weighs_metric_by_forecast = True
     coherence_floor = ALTERNATING_COHERENCE  # its change metric does not choose skips by reuse's error
 
-    def __init__(self, config: TeaCacheConfig, stack: BlockStack, modulated_input: ModulatedInput,
+    def __init__(self, config: TeaCacheConfig, stack: BlockStack, modulated_input: StackSignal,
                  stats: CacheRunStats | None = None):
         super().__init__(stack, TeaCacheState, config, stats or CacheRunStats("teacache", config),
                          capture_module=modulated_input.capture)
@@ -144,7 +127,7 @@ class TeaCacheRun(StackCacheRun):
         st.previous_output = output.to(cfg.cache_device) if cfg.cache_device is not None else output.clone()
 
 
-def apply_teacache_hook(stack: BlockStack, config: TeaCacheConfig, modulated_input: ModulatedInput,
+def apply_teacache_hook(stack: BlockStack, config: TeaCacheConfig, modulated_input: StackSignal,
                         stats: CacheRunStats | None = None) -> TeaCacheRun:
     """Install TeaCache on a block stack and return the run that drives it (``begin_call``/``end_call``/``remove``)."""
     run = TeaCacheRun(config, stack, modulated_input, stats)

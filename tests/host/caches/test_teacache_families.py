@@ -273,6 +273,9 @@ def test_a_reused_call_on_the_same_input_reproduces_the_computed_call(env, case)
         run = teacache.apply_teacache_hook(detected.build_stack(dm), config, signal)
         result = None
         try:
+            # outside a call the hooks pass through: a model that keeps its text prefix's keys and values across calls
+            # (HiDream-O1) fills them here, so that both calls below see the same tokens
+            executor(*args, **kwargs)
             for _ in range(2):
                 run.begin_call(teacache.CallContext(branches=["all"], labels=["all"]))
                 output = executor(*args, **kwargs)

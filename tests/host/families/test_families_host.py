@@ -353,13 +353,13 @@ def test_every_family_offers_its_signals_by_name_each_built_on_its_tiny_model(fa
     from omnitest import tiny_models
     from omnitest.pack import pack_module
 
-    modulated_input = pack_module("omni_hooks.teacache").ModulatedInput
+    stack_signal = pack_module("omni_hooks.blockstack").StackSignal
     case_of = {family: name for name, family in reversed(list(CASE_FAMILY.items()))}  # the first case of each
     for family in families.FAMILIES:
         assert families.DEFAULT_SIGNAL in family.signals, family.name
         dm = tiny_models.build_case(case_of[family.name]).patcher.model.diffusion_model
         for signal, build in family.signals.items():
-            assert isinstance(build(dm), modulated_input), (family.name, signal)
+            assert isinstance(build(dm), stack_signal), (family.name, signal)
 
 
 def test_every_published_teacache_entry_names_a_signal_its_family_offers(families):

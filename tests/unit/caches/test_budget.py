@@ -13,7 +13,8 @@ from omni_hooks.caching.budget import (BUDGET_REASON, ForwardBudget, StepProfile
 from omni_hooks.caching.config import StackCacheConfig
 from omni_hooks.caching.few_step import FewStepRule
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
-from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omni_hooks.blockstack import StackSignal
+from omni_hooks.teacache import CallContext, TeaCacheConfig, apply_teacache_hook
 
 from .test_forecast import BASE, Model, quadratic, stack_of
 
@@ -142,7 +143,7 @@ def test_a_compute_the_plan_did_not_foresee_replans_the_rest_with_what_is_left()
 
 
 def tea_run(model, budget: int, threshold: float = 10.0, **kw):
-    signal = ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
+    signal = StackSignal(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
     config = TeaCacheConfig(threshold, (0.0, 0.0, 0.0, 1.0, 0.0), forward_budget=budget, few_step=FewStepRule(), **kw)
     return apply_teacache_hook(stack_of(model), config, signal)
 

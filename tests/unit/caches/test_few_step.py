@@ -8,11 +8,12 @@ import torch
 
 from omni_hooks.caching.few_step import FEW_STEP_REASON, FewStepRule
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
-from omni_hooks.teacache import ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omni_hooks.blockstack import StackSignal
+from omni_hooks.teacache import TeaCacheConfig, apply_teacache_hook
 
 from .test_magcache import ToyDiT, computed, run_steps, toy_stack
 
-SIGNAL = ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["t"])
+SIGNAL = StackSignal(compute=lambda block, args, kwargs, captured: kwargs["t"])
 
 
 def magcache(model, steps, rule):

@@ -13,7 +13,8 @@ from omni_hooks.caching.forecast import (ACCUMULATED_GAPS, ALTERNATING_COHERENCE
                                          ResidualHistory, accumulation, chebyshev_weights, history_limit,
                                          lagrange_weights, taylor_weights)
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
-from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omni_hooks.blockstack import StackSignal
+from omni_hooks.teacache import CallContext, TeaCacheConfig, apply_teacache_hook
 from omnitest.sigma_stack import Model, stack_of
 
 ALWAYS_REUSE = (0.0, 0.0, 0.0, 0.0, 0.0)
@@ -29,7 +30,7 @@ def quadratic(s: float, row: int) -> torch.Tensor:
 
 
 def teacache(model: Model, order: int, ret_steps: int = 3, threshold: float = 0.5, **kw):
-    signal = ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
+    signal = StackSignal(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
     config = TeaCacheConfig(threshold, ALWAYS_REUSE, ret_steps=ret_steps, forecast_order=order, **kw)
     return apply_teacache_hook(stack_of(model), config, signal)
 
@@ -418,7 +419,7 @@ def test_teacache_auto_and_1st_order_compute_sooner_where_the_forecast_erred(ord
     runs = {}
     for weighs in (False, True):
         model = Model(kinked)
-        signal = ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
+        signal = StackSignal(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
         run = apply_teacache_hook(stack_of(model), TeaCacheConfig(0.25, (0, 0, 0, 0, 0.1), ret_steps=3,
                                                                   forecast_order=order), signal)
         run.weighs_metric_by_forecast = weighs

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from omni_hooks.caching.large_steps import LARGE_STEP_REASON, LargeStepRule
-from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omni_hooks.blockstack import StackSignal
+from omni_hooks.teacache import CallContext, TeaCacheConfig, apply_teacache_hook
 
 from .test_budget import shifted_schedule
 from .test_forecast import Model, quadratic, stack_of
@@ -24,7 +25,7 @@ def test_a_shifted_schedule_has_its_large_steps_at_the_end_and_an_even_one_has_n
 
 def run(schedule, budget: int = 0, with_schedule: bool = True):
     model = Model(quadratic)
-    signal = ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
+    signal = StackSignal(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
     config = TeaCacheConfig(100.0, (0.0, 0.0, 0.0, 1.0, 0.0), large_steps=LargeStepRule(), forward_budget=budget)
     cache = apply_teacache_hook(stack_of(model), config, signal)
     x = torch.zeros(1, 4, 3, dtype=torch.float64)

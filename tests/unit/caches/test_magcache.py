@@ -9,7 +9,7 @@ import torch
 
 from omni_hooks import HookPhase, module_has_active_hooks
 from omnitest.hooks import count_calls_on
-from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from omni_hooks.blockstack import BlockStack, StackSignal, TensorArg, skip_returning
 from omni_hooks.magcache import (
     CallContext,
     MagCacheConfig,
@@ -20,7 +20,7 @@ from omni_hooks.magcache import (
     residual_change,
     split_interleaved,
 )
-from omni_hooks.teacache import ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omni_hooks.teacache import TeaCacheConfig, apply_teacache_hook
 
 X = TensorArg("x", 0)
 ENC = TensorArg("enc", 1)
@@ -483,14 +483,14 @@ def test_composes_with_a_pre_forward_only_hook_on_the_same_block(phase):
 def test_teacache_and_magcache_on_the_same_blocks_is_refused_naming_both():
     model = ToyDiT()
     tea = apply_teacache_hook(toy_stack(model), TeaCacheConfig(0.5),
-                              ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["t"]))
+                              StackSignal(compute=lambda block, args, kwargs, captured: kwargs["t"]))
     with pytest.raises(RuntimeError, match=r"'teacache'.*'mag_cache_leader_block_hook'"):
         explicit(model, threshold=1.0, mag_ratios=[1.0])
     tea.remove()
     run = explicit(model, threshold=1.0, mag_ratios=[1.0])
     with pytest.raises(RuntimeError, match=r"'mag_cache_leader_block_hook'.*'teacache'"):
         apply_teacache_hook(toy_stack(model), TeaCacheConfig(0.5),
-                            ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["t"]))
+                            StackSignal(compute=lambda block, args, kwargs, captured: kwargs["t"]))
     run.remove()
     assert not any(module_has_active_hooks(m) for m in model.modules())
 

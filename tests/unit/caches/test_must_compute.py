@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from omni_hooks.blockstack import BlockStack, StackSignal, TensorArg, skip_returning
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
-from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omni_hooks.teacache import CallContext, TeaCacheConfig, apply_teacache_hook
 
 X = TensorArg("x", 0)
 ALWAYS_REUSE = (0.0, 0.0, 0.0, 0.0, 0.0)
@@ -62,7 +62,7 @@ def run_steps(model, run):
 def test_a_call_the_stack_must_compute_is_computed_and_says_why(cache):
     model = DiT()
     if cache == "teacache":
-        run = apply_teacache_hook(stack_of(model), TeaCacheConfig(1e9, ALWAYS_REUSE), ModulatedInput(
+        run = apply_teacache_hook(stack_of(model), TeaCacheConfig(1e9, ALWAYS_REUSE), StackSignal(
             compute=lambda block, args, kwargs, captured: X.get(args, kwargs)))
     else:
         run = apply_mag_cache_hook(stack_of(model), MagCacheConfig(threshold=1e9, mag_ratios=(1.0,) * len(FILLS),

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from omni_hooks import module_has_active_hooks
-from omni_hooks.blockstack import BlockStack, PackedStreams, TensorArg, pack_streams, skip_returning
-from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omni_hooks.blockstack import BlockStack, PackedStreams, StackSignal, TensorArg, pack_streams, skip_returning
+from omni_hooks.teacache import CallContext, TeaCacheConfig, apply_teacache_hook
 
 ALWAYS_REUSE = (0.0, 0.0, 0.0, 0.0, 0.0)
 STREAMS = PackedStreams("x", 0)
@@ -86,14 +86,14 @@ def test_threshold_zero_is_bit_identical_and_a_reuse_adds_each_streams_share_at_
     vx, ax = inputs()
     timesteps = [1.0, 0.9, 0.8]
     expected = [model(vx, ax, torch.full((2,), ts)) for ts in timesteps]
-    run = apply_teacache_hook(stack_of(model), TeaCacheConfig(0.0, ALWAYS_REUSE), ModulatedInput(compute=signal))
+    run = apply_teacache_hook(stack_of(model), TeaCacheConfig(0.0, ALWAYS_REUSE), StackSignal(compute=signal))
     assert all(torch.equal(a, b) for a, b in zip(run_steps(model, run, timesteps, vx, ax), expected))
     run.remove()
 
     tails = {"video": [], "audio": []}  # what each tail module made (after the cache replaced its input)
     model.video_out.register_forward_hook(lambda m, args, out: tails["video"].append(out.clone()))
     model.audio_out.register_forward_hook(lambda m, args, out: tails["audio"].append(out.clone()))
-    run = apply_teacache_hook(stack_of(model), TeaCacheConfig(0.5, ALWAYS_REUSE), ModulatedInput(compute=signal))
+    run = apply_teacache_hook(stack_of(model), TeaCacheConfig(0.5, ALWAYS_REUSE), StackSignal(compute=signal))
     outputs = run_steps(model, run, timesteps, vx, ax)
     assert [e.computed for e in run.stats.evaluations] == [True, False, True]
     assert [b.calls for b in model.blocks] == [8, 8, 8]  # 3 plain + 3 at threshold 0 + 2 computed steps

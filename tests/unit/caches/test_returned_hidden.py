@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from omni_hooks import module_has_active_hooks
-from omni_hooks.blockstack import BlockStack, ReturnedHidden, TensorArg, skip_returning
-from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omni_hooks.blockstack import BlockStack, ReturnedHidden, StackSignal, TensorArg, skip_returning
+from omni_hooks.teacache import CallContext, TeaCacheConfig, apply_teacache_hook
 
 ALWAYS_REUSE = (0.0, 0.0, 0.0, 0.0, 0.0)
 X = TensorArg("x", 0)
@@ -71,7 +71,7 @@ def test_threshold_zero_is_bit_identical_and_a_reuse_replaces_the_last_blocks_ou
     grid = torch.randn(2, 3, 4, 8, generator=torch.Generator().manual_seed(1))
     timesteps = [1.0, 0.9, 0.8]
     expected = [model(grid, torch.full((2,), ts)) for ts in timesteps]
-    signal = ModulatedInput(compute=lambda block, args, kwargs, captured: X.get(args, kwargs))
+    signal = StackSignal(compute=lambda block, args, kwargs, captured: X.get(args, kwargs))
     run = apply_teacache_hook(stack_of(model), TeaCacheConfig(0.0, ALWAYS_REUSE), signal)
     assert all(torch.equal(a, b) for a, b in zip(run_steps(model, run, timesteps, grid), expected))
     run.remove()

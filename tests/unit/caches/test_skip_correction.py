@@ -10,7 +10,8 @@ import torch
 
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.caching.skip_correction import SkipCorrection
-from omni_hooks.teacache import CallContext, ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omni_hooks.blockstack import StackSignal
+from omni_hooks.teacache import CallContext, TeaCacheConfig, apply_teacache_hook
 from omnitest.sigma_stack import Model, stack_of
 
 SIGMAS = [1.0, 0.96, 0.9, 0.81, 0.68, 0.52, 0.33, 0.15]  # one sigma per step, like a shifted flow schedule
@@ -29,7 +30,7 @@ def quadratic(s: float, row: int) -> torch.Tensor:
 
 def teacache(model: Model, strength: float, budget: int = 4, order: int | str = 0):
     """TeaCache whose plan (a forward budget, threshold 0) computes ``budget`` of the steps, with skip correction."""
-    signal = ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
+    signal = StackSignal(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
     config = TeaCacheConfig(0.0, (0.0, 0.0, 0.0, 1.0, 0.0), forward_budget=budget, forecast_order=order,
                             skip_correction=strength)
     return apply_teacache_hook(stack_of(model), config, signal)
@@ -170,7 +171,7 @@ def test_strength_zero_is_bit_identical_and_says_nothing():
     x = torch.randn(2, 4, 3, dtype=torch.float64)
     a_model, b_model = Model(linear), Model(linear)
     config = TeaCacheConfig(0.0, (0.0, 0.0, 0.0, 1.0, 0.0), forward_budget=4)
-    signal = ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
+    signal = StackSignal(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
     run = apply_teacache_hook(stack_of(a_model), config, signal)
     assert all(torch.equal(a, b) for a, b in zip(sample(a_model, run, x), sample(b_model, teacache(b_model, 0.0), x)))
     assert not any("skip correction" in n for n in run.stats.summary()["notes"])

@@ -11,12 +11,13 @@ from omni_hooks.caching.large_steps import LargeStepRule
 from omni_hooks.caching.rules import STEP_RULES, StepRule, compute_instead
 from omni_hooks.caching.state import ActiveCall, Decision
 from omni_hooks.magcache import MagCacheConfig, MagCacheRun
-from omni_hooks.teacache import ModulatedInput, TeaCacheConfig, TeaCacheRun
+from omni_hooks.blockstack import StackSignal
+from omni_hooks.teacache import TeaCacheConfig, TeaCacheRun
 
 from .test_magcache import ToyDiT, computed, run_steps, toy_stack
 
 STEPS = 9
-SIGNAL = ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["t"])
+SIGNAL = StackSignal(compute=lambda block, args, kwargs, captured: kwargs["t"])
 
 
 class EveryThirdStep(StepRule):

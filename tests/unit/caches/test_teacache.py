@@ -6,10 +6,9 @@ import torch
 
 from omni_hooks import HookPhase, HookRegistry, ModelHook, module_has_active_hooks
 from omnitest.hooks import count_calls_on
-from omni_hooks.blockstack import BlockStack, TensorArg, skip_returning
+from omni_hooks.blockstack import BlockStack, StackSignal, TensorArg, skip_returning
 from omni_hooks.teacache import (
     CallContext,
-    ModulatedInput,
     TeaCacheConfig,
     apply_teacache_hook,
     fit_coefficients,
@@ -59,8 +58,8 @@ def toy_stack(model: ToyDiT) -> BlockStack:
                       tail_hidden=TensorArg("input", 0), skip_block=skip_returning(TensorArg("x", 0)))
 
 
-def signal_from_time_embedding() -> ModulatedInput:
-    return ModulatedInput(compute=lambda block, args, kwargs, captured: kwargs["t"])
+def signal_from_time_embedding() -> StackSignal:
+    return StackSignal(compute=lambda block, args, kwargs, captured: kwargs["t"])
 
 
 def run_steps(model, run, timesteps, x, branches=("c",), labels=None, total=None):
@@ -217,7 +216,7 @@ def test_capture_module_feeds_the_signal():
         return captured
 
     run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(0.5, ALWAYS_REUSE),
-                              ModulatedInput(compute=compute, capture=model.time_proj))
+                              StackSignal(compute=compute, capture=model.time_proj))
     run_steps(model, run, TIMESTEPS[:2], torch.randn(1, 5, 8))
     assert seen[0].shape == (1, 1) and seen[1].item() == pytest.approx(0.9)
 
@@ -226,7 +225,7 @@ def test_remove_restores_every_module_exactly():
     model = ToyDiT()
     before = {name: set(m.__dict__) for name, m in model.named_modules()}
     run = apply_teacache_hook(toy_stack(model), TeaCacheConfig(0.5, ALWAYS_REUSE),
-                              ModulatedInput(compute=lambda b, a, k, c: c, capture=model.time_proj))
+                              StackSignal(compute=lambda b, a, k, c: c, capture=model.time_proj))
     run_steps(model, run, TIMESTEPS[:2], torch.randn(1, 5, 8))
     run.remove()
     assert {name: set(m.__dict__) for name, m in model.named_modules()} == before

@@ -13,16 +13,17 @@ from omni_hooks import HookRegistry
 from omni_hooks.context import CallContext
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
 from omni_hooks.offload import HOOK_NAME, apply_layerwise_offload
-from omni_hooks.teacache import ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omni_hooks.blockstack import StackSignal
+from omni_hooks.teacache import TeaCacheConfig, apply_teacache_hook
 from omnitest.offload_toys import ToyStack, toy_block_stack, toy_inputs
 
 STEPS = 8
 ALWAYS_REUSE = (0.0, 0.0, 0.0, 0.0, 0.0)
 
 
-def head_modulation() -> ModulatedInput:
+def head_modulation() -> StackSignal:
     """The head block's own modulation of the time embedding: reads block 0's weights before block 0 runs."""
-    return ModulatedInput(compute=lambda head, args, kwargs, captured: head.mod(kwargs["t"]))
+    return StackSignal(compute=lambda head, args, kwargs, captured: head.mod(kwargs["t"]))
 
 
 def apply_teacache(model: ToyStack):

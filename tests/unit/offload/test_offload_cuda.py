@@ -10,7 +10,8 @@ import torch
 
 from omni_hooks.context import CallContext
 from omni_hooks.offload import apply_layerwise_offload
-from omni_hooks.teacache import ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omni_hooks.blockstack import StackSignal
+from omni_hooks.teacache import TeaCacheConfig, apply_teacache_hook
 from omnitest.offload_toys import ToyStack, block_is_resident, resident_count, toy_block_stack, toy_inputs
 
 pytestmark = pytest.mark.cuda
@@ -170,7 +171,7 @@ def test_teacache_skips_move_nothing_on_the_gpu():
     handle = apply_layerwise_offload(model.blocks, CUDA, prefetch_blocks=1)
     config = TeaCacheConfig(threshold=0.5, coefficients=(0.0,) * 5, end_percent=0.5)
     run = apply_teacache_hook(toy_block_stack(model), config,
-                              ModulatedInput(compute=lambda head, args, kwargs, captured: head.mod(kwargs["t"])))
+                              StackSignal(compute=lambda head, args, kwargs, captured: head.mod(kwargs["t"])))
     moved = []
     try:
         for step in range(8):

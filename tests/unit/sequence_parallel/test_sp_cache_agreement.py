@@ -7,7 +7,8 @@ import torch
 
 from omni_hooks.context import CallContext, RankView
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
-from omni_hooks.teacache import ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omni_hooks.blockstack import StackSignal
+from omni_hooks.teacache import TeaCacheConfig, apply_teacache_hook
 from omnitest.toy_dit import ToyDiT, toy_inputs, toy_stack
 
 
@@ -44,14 +45,14 @@ def run(model, cache_run, agreement, steps=6):
     return cache_run.stats.evaluations
 
 
-def slow_signal() -> ModulatedInput:
+def slow_signal() -> StackSignal:
     calls = [0]
 
     def compute(block, args, kwargs, captured):
         calls[0] += 1
         return torch.full((args[0].shape[0], 4), 1.0 + 0.01 * calls[0])
 
-    return ModulatedInput(compute=compute)
+    return StackSignal(compute=compute)
 
 
 def test_teacache_asks_once_per_call_and_decides_on_the_mean_over_ranks():

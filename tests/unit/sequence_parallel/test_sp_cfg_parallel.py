@@ -92,9 +92,9 @@ def rank_cfg_teacache(ulysses: int, batches: tuple[int, ...]):
 
 
 def modulated_signal():
-    from omni_hooks.teacache import ModulatedInput
+    from omni_hooks.blockstack import StackSignal
 
-    return ModulatedInput(compute=lambda block, args, kwargs, captured: args[0])
+    return StackSignal(compute=lambda block, args, kwargs, captured: args[0])
 
 
 @pytest.mark.parametrize("world, ulysses", [(2, 1), (4, 2)])

@@ -30,7 +30,8 @@ from omni_hooks.sequence_parallel import (
     sdpa_attention,
     sequence_to_heads,
 )
-from omni_hooks.teacache import ModulatedInput, TeaCacheConfig, apply_teacache_hook
+from omni_hooks.blockstack import StackSignal
+from omni_hooks.teacache import TeaCacheConfig, apply_teacache_hook
 from omnitest.toy_dit import ToyDiT, sp_plan, toy_inputs, toy_stack
 
 TIMEOUT_S = 90
@@ -343,7 +344,7 @@ def sample(model, run, sp, steps=STEPS):
     return outputs
 
 
-def rank_signal(rank: int) -> ModulatedInput:
+def rank_signal(rank: int) -> StackSignal:
     """A TeaCache signal whose per-step change differs by rank: (rank + 1) x 2% per call."""
     calls = [0]
 
@@ -351,7 +352,7 @@ def rank_signal(rank: int) -> ModulatedInput:
         calls[0] += 1
         return torch.full((args[0].shape[0], 4), 1.0 + 0.02 * (rank + 1) * calls[0])
 
-    return ModulatedInput(compute=compute)
+    return StackSignal(compute=compute)
 
 
 def rank_teacache(ulysses: int, ring: int):
