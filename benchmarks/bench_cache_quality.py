@@ -2,9 +2,9 @@
 
 The models are ``cache_quality_model.MODELS`` (ComfyUI's WanModel, trained on synthetic class-conditional
 distributions by ``train_cache_quality_model.py``: ``small``, ``wide``, ``deep`` and ``long``, of different size and
-data), sampled in-process through ComfyUI's KSampler path: ``--steps`` euler steps (30; 8 or 4 for a few-step run),
-scheduler simple, cfg 3 (cond and uncond batched, so one model evaluation per step), 4 prompts (one per class, seed =
-class).
+data), sampled in-process through ComfyUI's KSampler path: ``--steps`` steps (30; 8 or 4 for a few-step run) of
+``--sampler`` (euler), scheduler simple, cfg 3 (cond and uncond batched, so one model evaluation per step), 4
+prompts (one per class, seed = class).
 TeaCache and MagCache run on the model's own calibration (TeaCache Calibrate / MagCache Calibrate on class 0, seed
 100, at the same step count, like a user calibrating a new model), each swept over thresholds with forecast off /
 1st / 2nd order / auto; then the forward budget swept over its number of steps with each forecast, the threshold at
@@ -96,27 +96,27 @@ def best_per_budget(results: list[dict], steps: int) -> str:
 
 
 def sample_all(spec: cqm.QualityModel, case, model, counter: Evaluations, steps: int,
-               classes=range(cqm.CLASSES)) -> tuple[list[torch.Tensor], list[int]]:
+               classes=range(cqm.CLASSES), sampler: str = "euler") -> tuple[list[torch.Tensor], list[int]]:
     """The final latents and model evaluations of one run per class in ``classes`` (seed = class)."""
     outs, evals = [], []
     for k in classes:
         case.positive, case.negative = spec.conditioning(k), spec.conditioning(None)
         counter.count = 0
-        outs.append(tiny_models.sample(case, model=model, steps=steps, cfg=CFG, seed=k))
+        outs.append(tiny_models.sample(case, model=model, steps=steps, cfg=CFG, seed=k, sampler_name=sampler))
         evals.append(counter.count)
     return outs, evals
 
 
-def calibrated_case(spec: cqm.QualityModel, steps: int):
-    """The model built, both caches calibrated on it (class 0, seed 100, ``steps``: the ``calibration: quality``
-    entries) and its evaluation counter: ``(case, counter)``."""
+def calibrated_case(spec: cqm.QualityModel, steps: int, sampler: str = "euler"):
+    """The model built, both caches calibrated on it (class 0, seed 100, ``steps``, ``sampler``: the ``calibration:
+    quality`` entries) and its evaluation counter: ``(case, counter)``."""
     torch.set_num_threads(1)
     folder_paths.set_user_directory(tempfile.mkdtemp(prefix="omnihooks-quality-"))
     teacache, magcache = pack_module("nodes.caches.teacache"), pack_module("nodes.caches.magcache")
     case = spec.build()
     counter = Evaluations(case.patcher.model.diffusion_model)
     for node in (teacache.TeaCacheCalibrate, magcache.MagCacheCalibrate):
-        run_node(node, model=case.patcher, seed=100, steps=steps, cfg=CFG, sampler_name="euler", scheduler="simple",
+        run_node(node, model=case.patcher, seed=100, steps=steps, cfg=CFG, sampler_name=sampler, scheduler="simple",
                  positive=spec.conditioning(0), negative=spec.conditioning(None),
                  latent_image={"samples": torch.zeros(spec.latent_shape)}, name="quality")
     return case, counter
@@ -165,13 +165,16 @@ def main() -> None:
     parser.add_argument("--skip-corrections", type=float, nargs="*", default=[0.0],
                         help="run every TeaCache and MagCache configuration with each of these skip corrections (0: "
                         "off; a row's name says a correction above 0)")
+    parser.add_argument("--sampler", default="euler", help="ComfyUI's sampler name, for the calibrations and every "
+                        "run (the file names end in _<sampler> for any but euler)")
     opts = parser.parse_args()
     spec, steps = cqm.MODELS[opts.model], opts.steps
     few = steps <= 10
     from comfy_extras.nodes_easycache import EasyCacheNode
 
-    case, counter = calibrated_case(spec, steps)
-    reference, _ = sample_all(spec, case, None, counter, steps)
+    sampler = opts.sampler
+    case, counter = calibrated_case(spec, steps, sampler)
+    reference, _ = sample_all(spec, case, None, counter, steps, sampler=sampler)
 
     def easy(t, _):
         return run_node(EasyCacheNode, model=case.patcher, reuse_threshold=t, start_percent=0.15, end_percent=0.95,
@@ -197,7 +200,7 @@ def main() -> None:
     results = []
     for name, apply, t, forecast, budget, correction in runs:
         model = apply(t, forecast, budget, correction) if apply is not easy else apply(t, forecast)
-        outs, evals = sample_all(spec, case, model, counter, steps)
+        outs, evals = sample_all(spec, case, model, counter, steps, sampler=sampler)
         psnrs = [psnr_db(o, r) for o, r in zip(outs, reference)]
         results.append({"configuration": name, "threshold": t, "budget": budget, "skip_correction": correction,
                         "evaluations": sum(evals) / len(evals),
@@ -210,10 +213,10 @@ def main() -> None:
     finite = [{k: [None if isinstance(x, float) and math.isinf(x) else x for x in v] if isinstance(v, list)
                else None if isinstance(v, float) and math.isinf(v) else v for k, v in r.items()} for r in results]
     name = ("cache_quality" + ("" if spec.name == "small" else f"_{spec.name}")
-            + ("" if steps == 30 else f"_{steps}steps"))
+            + ("" if steps == 30 else f"_{steps}steps") + ("" if sampler == "euler" else f"_{sampler}"))
     (opts.out / f"{name}.json").write_text(json.dumps(finite, indent=1))
     plot_curves(results, opts.out / f"{name}.png", steps=steps, targets=() if few else ((12, 45.0), (8, 40.0)),
-                title=f"{spec.name} model ({spec.description}), {steps} steps")
+                title=f"{spec.name} model ({spec.description}), {steps} steps, {sampler}")
     print(f"\nbest point per budget of model evaluations (of {steps}), mean / worst prompt in dB "
           "(threshold or budget):\n")
     print(best_per_budget(results, steps))
