@@ -2,12 +2,12 @@
 
 Runs TaylorSeerLite (philipy1219/ComfyUI-TaylorSeer), Spectrum (judian17/ComfyUI-Spectrum) and Spectrum Apply WAN
 (xmarre/ComfyUI-Spectrum-WAN-Proper) on ``cache_quality_model.MODELS`` exactly as ``bench_cache_quality.py`` runs
-TeaCache and MagCache (same ComfyUI KSampler path, euler, scheduler simple, cfg 3, the 4 prompts, seed = class, the
-same reference), each swept over its knobs (``forecasting_packs.PACKS``). A model evaluation (a forward) is counted
-when the last block runs. The packs are not part of this repository: fetch them into a folder of your own and pass
-it as ``--packs`` (``forecasting_packs`` has the commands; the benchmark prints them for a pack it cannot find).
-Each pack runs on a model of its own: Spectrum Apply WAN leaves its wrapper on the shared model, so later runs of any
-clone of it still forecast.
+TeaCache and MagCache (same ComfyUI KSampler path, ``--sampler`` (euler), scheduler simple, cfg 3, the 4 prompts,
+seed = class, the same reference), each swept over its knobs (``forecasting_packs.PACKS``). A model evaluation (a
+forward) is counted when the last block runs. The packs are not part of this repository: fetch them into a folder of
+your own and pass it as ``--packs`` (``forecasting_packs`` has the commands; the benchmark prints them for a pack it
+cannot find). Each pack runs on a model of its own: Spectrum Apply WAN leaves its wrapper on the shared model, so
+later runs of any clone of it still forecast.
 
 Writes ``docs/forecasting_packs[_<model>][_<steps>steps].json`` (every point), then compares with this pack's own
 sweep of the same model and step count (``docs/cache_quality*.json``, from ``bench_cache_quality.py``): per budget of
@@ -45,12 +45,13 @@ WORST_GAP_DB = 2.0  # a setting counts as consistent when its worst prompt is wi
 COMPARED_BUDGETS = {30: (6, 8, 10, 12, 14, 20), 8: (5, 6, 7), 6: (4, 5)}
 
 
-def result_name(prefix: str, model: str, steps: int) -> str:
-    return prefix + ("" if model == "small" else f"_{model}") + ("" if steps == 30 else f"_{steps}steps")
+def result_name(prefix: str, model: str, steps: int, sampler: str = "euler") -> str:
+    return (prefix + ("" if model == "small" else f"_{model}") + ("" if steps == 30 else f"_{steps}steps")
+            + ("" if sampler == "euler" else f"_{sampler}"))
 
 
 def sweep_pack(pack: fp.ForecastingPack, node_cls: type, spec: cqm.QualityModel, steps: int,
-               reference: list[torch.Tensor]) -> list[dict]:
+               reference: list[torch.Tensor], sampler: str = "euler") -> list[dict]:
     """Every setting of ``pack`` at ``steps``, on a model of its own: one row per setting (as the quality bench's)."""
     case = spec.build()
     counter = bcq.Evaluations(case.patcher.model.diffusion_model)
@@ -59,7 +60,7 @@ def sweep_pack(pack: fp.ForecastingPack, node_cls: type, spec: cqm.QualityModel,
         started = time.perf_counter()
         model = fp.apply_node(node_cls, case.patcher, setting)
         with fp.quiet():
-            outs, evals = bcq.sample_all(spec, case, model, counter, steps)
+            outs, evals = bcq.sample_all(spec, case, model, counter, steps, sampler=sampler)
         psnrs = [psnr_db(o, r) for o, r in zip(outs, reference)]
         rows.append({"configuration": pack.name, "setting": pack.label(setting), "evaluations": sum(evals) / len(evals),
                      "evaluations_per_prompt": evals, "psnr_mean": sum(psnrs) / len(psnrs), "psnr_min": min(psnrs),
@@ -135,9 +136,12 @@ def main() -> None:
     parser.add_argument("--more-rows", type=Path, nargs="*", default=[],
                         help="folders with more of this pack's rows for the same model and steps (the --out of "
                         "bench_cache_quality.py, e.g. a sweep with --skip-corrections)")
+    parser.add_argument("--sampler", default="euler", help="ComfyUI's sampler name (the files end in _<sampler> for "
+                        "any but euler, as bench_cache_quality.py's)")
     opts = parser.parse_args()
+    sampler = opts.sampler
     spec, steps = cqm.MODELS[opts.model], opts.steps
-    packs_file = opts.out / (result_name("forecasting_packs", spec.name, steps) + ".json")
+    packs_file = opts.out / (result_name("forecasting_packs", spec.name, steps, sampler) + ".json")
     if not opts.compare_only:
         if opts.packs is None:
             parser.error("--packs is required (the folder the packs were fetched into); see forecasting_packs.py")
@@ -148,17 +152,18 @@ def main() -> None:
             sys.exit(f"bench_forecasting_packs: {e}")
         torch.set_num_threads(1)
         case = spec.build()
-        reference, _ = bcq.sample_all(spec, case, None, bcq.Evaluations(case.patcher.model.diffusion_model), steps)
-        rows = [r for p in chosen for r in sweep_pack(p, nodes[p.name], spec, steps, reference)]
+        reference, _ = bcq.sample_all(spec, case, None, bcq.Evaluations(case.patcher.model.diffusion_model), steps,
+                                      sampler=sampler)
+        rows = [r for p in chosen for r in sweep_pack(p, nodes[p.name], spec, steps, reference, sampler)]
         if opts.only and packs_file.is_file():  # keep the other packs' rows
             rows = [r for r in json.loads(packs_file.read_text()) if r["configuration"] not in opts.only] + rows
         opts.out.mkdir(parents=True, exist_ok=True)
         packs_file.write_text(json.dumps(finite(rows), indent=1))
     packs = json.loads(packs_file.read_text())
-    ours_file = opts.out / (result_name("cache_quality", spec.name, steps) + ".json")
+    ours_file = opts.out / (result_name("cache_quality", spec.name, steps, sampler) + ".json")
     if not ours_file.is_file():
         sys.exit(f"bench_forecasting_packs: no {ours_file.name}; run bench_cache_quality.py --model {spec.name} "
-                 f"--steps {steps} first")
+                 f"--steps {steps} --sampler {sampler} first")
     more = [folder / ours_file.name for folder in opts.more_rows]
     missing = [str(f) for f in more if not f.is_file()]
     if missing:
@@ -168,8 +173,8 @@ def main() -> None:
     groups = {OURS: ours, **{name: [r for r in packs if r["configuration"] == name]
                              for name in dict.fromkeys(r["configuration"] for r in packs)}}
     plot_frontiers(groups, packs_file.with_suffix(".png"), steps=steps,
-                   title=f"{spec.name} model, {steps} steps: best setting per number of forwards")
-    print(f"\n{spec.name} model, {steps} steps: best point at most N forwards, mean / worst prompt in dB "
+                   title=f"{spec.name} model, {steps} steps, {sampler}: best setting per number of forwards")
+    print(f"\n{spec.name} model, {steps} steps, {sampler}: best point at most N forwards, mean / worst prompt in dB "
           f"(setting, forwards):\n")
     print(table)
 
