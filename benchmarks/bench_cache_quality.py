@@ -75,7 +75,9 @@ def budgets(steps: int) -> tuple[int, ...]:
 
 
 def setting(row: dict) -> str:
-    """A row's knob: its forward budget, else its threshold."""
+    """A row's knob: its speed-up, else its forward budget, else its threshold."""
+    if row.get("speedup"):
+        return f"{row['speedup']:g}x"
     return f"budget {row['budget']}" if row.get("budget") else f"{row['threshold']:g}"
 
 
@@ -140,6 +142,17 @@ def mag(case, t: float, forecast: str, budget: int = 0, correction: float = 0.0)
                     forward_budget=budget, skip_correction=correction)[0]
 
 
+def fresh(case, speedup: float, cache: str = "tea", **inputs):
+    """The case's MODEL with a fresh Apply TeaCache (``cache`` "mag": Apply MagCache) on its own calibration, only its
+    ``speedup`` (and ``inputs``) set: every other input at its widget's default."""
+    module, node, variant = (("teacache", "ApplyTeaCache", "model_variant") if cache == "tea"
+                             else ("magcache", "ApplyMagCache", "curve"))
+    node_cls = getattr(pack_module(f"nodes.caches.{module}"), node)
+    widgets = {i.id: i.default for i in node_cls.define_schema().inputs if getattr(i, "default", None) is not None}
+    chosen = {variant: "calibration: quality", "speedup": speedup, **inputs}
+    return run_node(node_cls, model=case.patcher, **{**widgets, **chosen})[0]
+
+
 def corrected(name: str, correction: float) -> str:
     """A configuration's name with its skip correction (none when 0): "TeaCache + skip correction 0.5, forecast auto",
     so that its cache (before the first comma) and its forecast (the last word) read as without it."""
@@ -165,6 +178,8 @@ def main() -> None:
     parser.add_argument("--skip-corrections", type=float, nargs="*", default=[0.0],
                         help="run every TeaCache and MagCache configuration with each of these skip corrections (0: "
                         "off; a row's name says a correction above 0)")
+    parser.add_argument("--speedups", type=float, nargs="*", default=[],
+                        help="also run a fresh Apply TeaCache and Apply MagCache with only these speed-ups set")
     parser.add_argument("--sampler", default="euler", help="ComfyUI's sampler name, for the calibrations and every "
                         "run (the file names end in _<sampler> for any but euler)")
     opts = parser.parse_args()
@@ -197,12 +212,16 @@ def main() -> None:
              for c, t, f in (BUDGET_PULLS if opts.budget_pulls else []) if f in opts.forecasts for b in budgets]
     runs = [(corrected(name, c), apply, t, forecast, budget, c) for name, apply, t, forecast, budget in runs
             for c in (opts.skip_corrections if apply is not easy else [0.0])]
+    runs += [(f"{caches[c][0]} speed-up (fresh node)", partial(fresh, case, s, c), 0.0, None, 0, 0.0, s)
+             for c in caches for s in opts.speedups]
     results = []
-    for name, apply, t, forecast, budget, correction in runs:
-        model = apply(t, forecast, budget, correction) if apply is not easy else apply(t, forecast)
+    for name, apply, t, forecast, budget, correction, *speedup in runs:
+        model = (apply() if speedup else apply(t, forecast, budget, correction) if apply is not easy
+                 else apply(t, forecast))
         outs, evals = sample_all(spec, case, model, counter, steps, sampler=sampler)
         psnrs = [psnr_db(o, r) for o, r in zip(outs, reference)]
         results.append({"configuration": name, "threshold": t, "budget": budget, "skip_correction": correction,
+                        **({"speedup": speedup[0]} if speedup else {}),
                         "evaluations": sum(evals) / len(evals),
                         "evaluations_per_prompt": evals, "psnr_mean": sum(psnrs) / len(psnrs),
                         "psnr_min": min(psnrs), "psnr_per_prompt": psnrs})

@@ -17,7 +17,7 @@ from omnitest.rank_pool import RankPool
 HOST_MARKERS = ("host", "server", "browser")
 
 # the one ComfyUI server process the server and browser tests share
-pytest_plugins = ["omnitest.server_fixtures"]
+pytest_plugins = ["omnitest.server_fixtures", "omnitest.browser"]
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -26,6 +26,7 @@ from ...omni_hooks.caching.config import StackCacheConfig
 from ...omni_hooks.caching.few_step import FewStepRule
 from ...omni_hooks.caching.large_steps import LargeStepRule
 from ...omni_hooks.caching.run import StackCacheRun
+from ...omni_hooks.caching.speedup import describe as describe_speedup, recipe as speedup_recipe
 from ...omni_hooks.caching.stats import DISABLED, BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
 from .compiler import CompilerDrift, CompilerLeftOut
@@ -181,8 +182,12 @@ class BlockStackCache(abc.ABC):
                           few_step=FewStepRule(), large_steps=LargeStepRule(),
                           step_profile=None if calibrate else self.step_profile(value),
                           notes=self.auto_notes(detected) if auto else ())
-            for optional in ("forecast_order", "forward_budget", "skip_correction"):  # older workflows: defaults
-                if optional in tuning:
+            if tuning.get("speedup"):
+                self.check_left_to_speedup(inputs, tuning["speedup"])
+                tuning.update(speedup_recipe(tuning["speedup"]))
+                shared["notes"] = (*shared["notes"], describe_speedup(tuning["speedup"]))
+            for optional in ("forecast_order", "forward_budget", "skip_correction", "speedup"):  # older workflows:
+                if optional in tuning:                                                        # the defaults
                     shared[optional] = tuning.pop(optional)
             reference_key = detected.auto_choice(self.kind).with_reference if auto else None
             if reference_key is not None:  # e.g. Flux: a run with reference latents is Kontext
@@ -192,6 +197,17 @@ class BlockStackCache(abc.ABC):
             return self.make_config(detected, entry, tuning, shared)
         except ValueError as e:
             raise self.config_inputs.error(title, e, inputs, model) from None
+
+    def check_left_to_speedup(self, inputs: dict[str, Any], speedup: float) -> None:
+        """ValueError naming the first of ``inputs`` that a speed-up chooses (``caching.speedup.recipe``) but the user
+        set to another value than its default: at ``speedup`` above 0 it would do nothing."""
+        chosen = speedup_recipe(speedup)
+        for name, value in inputs.items():
+            if name != "speedup" and self.config_inputs.input(name).field in chosen \
+                    and value != self.config_inputs.default(name):
+                raise ValueError(f"{name} {value!r} is not used at speedup {speedup:g}, which chooses it "
+                                 f"({describe_speedup(speedup)}). Set speedup to 0 to use {name}, or set {name} back "
+                                 f"to {self.config_inputs.default(name)!r}")
 
     def step_profile(self, value: str) -> StepProfile | None:
         """The step profile a calibration file holds (a forward budget places its steps by it); None for a published

@@ -36,7 +36,7 @@ from ...omni_hooks.magcache.interp import COND, UNCOND, branch_base, split_inter
 from . import calibration_files
 from .base import AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
-                     CACHE_INPUTS, forecast_input, forward_budget_input, skip_correction_input,
+                     CACHE_INPUTS, forecast_input, forward_budget_input, skip_correction_input, speedup_input,
                      window_inputs)
 from ..features import CATEGORY, ConfigInputs, display_name
 from ..families import DetectedModel
@@ -228,6 +228,7 @@ class ApplyMagCache(ApplyCacheNode):
                 forecast_input(),  # the optional inputs last: a saved workflow's widget values keep their positions
                 forward_budget_input(),
                 skip_correction_input(),
+                speedup_input(),
             ],
             outputs=[io.Model.Output(tooltip="The same MODEL with MagCache attached for its sampling runs.")],
             hidden=[io.Hidden.unique_id])

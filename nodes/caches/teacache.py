@@ -15,7 +15,7 @@ from . import calibration_files
 from .base import AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
                      CACHE_INPUTS, SHARED_INPUTS, forecast_input, forward_budget_input, skip_correction_input,
-                     window_inputs)
+                     speedup_input, window_inputs)
 from ..features import CATEGORY, ConfigInputs, display_name
 from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients
 from ..families import DEFAULT_SIGNAL, DetectedModel
@@ -184,6 +184,7 @@ class ApplyTeaCache(ApplyCacheNode):
                 forecast_input(),  # the optional inputs last: a saved workflow's widget values keep their positions
                 forward_budget_input(),
                 skip_correction_input(),
+                speedup_input(),
             ],
             outputs=[io.Model.Output(tooltip="The same MODEL with TeaCache attached for its sampling runs.")],
             hidden=[io.Hidden.unique_id])

@@ -161,16 +161,17 @@ def plan_steps(count: int, changes: list[float], sizes: list[float], first: int 
 
 
 class BudgetSettings(Protocol):
-    """What a budget reads of its cache's config (``StackCacheConfig``): how many steps, and the calibration's step
-    profile the plan places them by (None: none)."""
+    """What a budget reads of its cache's config (``StackCacheConfig``): how many steps a run of so many computes,
+    and the calibration's step profile the plan places them by (None: none)."""
 
-    forward_budget: int
     step_profile: StepProfile | None
+
+    def budget_steps(self, total_steps: int) -> int: ...
 
 
 @dataclass
 class ForwardBudget:
-    """One run's budget of ``count`` computed steps (see the module docstring): ``config.forward_budget`` and
+    """One run's budget of ``count`` computed steps (see the module docstring): ``config.budget_steps(total)`` and
     ``config.step_profile``, read from the config as it is (never copied).
 
     ``start(total, schedule, protected)`` plans the run; ``decide(step, wants, must)`` says whether that step
@@ -194,7 +195,7 @@ class ForwardBudget:
 
     @property
     def count(self) -> int:
-        return self.config.forward_budget
+        return self.config.budget_steps(self.total or 0)
 
     @property
     def profile(self) -> StepProfile | None:

@@ -19,6 +19,8 @@ from .few_step import FewStepRule
 from .forecast import check_order
 from .large_steps import LargeStepRule
 
+MAX_SPEEDUP = 20.0  # the largest ``speedup``: 1 computed step in 20
+
 
 @dataclass(frozen=True)
 class StackCacheConfig:
@@ -42,6 +44,9 @@ class StackCacheConfig:
     * ``forward_budget``: compute about this many of a run's steps (``caching.budget``), placed where they matter
       most for the final latent; the policy's threshold can bring one forward, its other rules (retention, K, the
       first steps it always computes) give way to the plan; 0 = no budget, the policy alone decides.
+    * ``speedup`` (0, or from 1 to ``MAX_SPEEDUP``): a forward budget per run of ``total_steps / speedup`` steps
+      (``budget_steps``; a run of few steps computes at least what ``few_step`` keeps); 0 = none. The caller sets the
+      rest of a speed-up's recipe (``caching.speedup.recipe``); with it ``forward_budget`` must be 0.
     * ``skip_correction`` (0 to 1): after skipped steps, the next computed step also moves the latent by this fraction
       of what interpolating the gap between the two computed steps corrects in what the skipped steps added
       (``caching.skip_correction``); only with a sampler that takes Euler steps (``CallContext.euler_steps``);
@@ -66,6 +71,7 @@ class StackCacheConfig:
     few_step: FewStepRule | None = None
     large_steps: LargeStepRule | None = None
     forward_budget: int = 0
+    speedup: float = 0.0
     skip_correction: float = 0.0
     step_profile: StepProfile | None = None
     model_label: str = "unknown"
@@ -83,6 +89,13 @@ class StackCacheConfig:
             raise ValueError(f"forward_budget must be a whole number of steps >= 0 (0: no budget), got "
                              f"{self.forward_budget!r}")
         object.__setattr__(self, "forward_budget", int(self.forward_budget))
+        if isinstance(self.speedup, bool) or not isinstance(self.speedup, (int, float)) \
+                or not (self.speedup == 0 or 1 <= self.speedup <= MAX_SPEEDUP):
+            raise ValueError(f"speedup must be 0 (off) or a number from 1 to {MAX_SPEEDUP:g}, got {self.speedup!r}")
+        object.__setattr__(self, "speedup", float(self.speedup))
+        if self.speedup and self.forward_budget:
+            raise ValueError(f"speedup ({self.speedup:g}) and forward_budget ({self.forward_budget}) both say how "
+                             "many steps to compute: set one of them to 0")
         if isinstance(self.skip_correction, bool) or not isinstance(self.skip_correction, (int, float)) \
                 or not 0.0 <= self.skip_correction <= 1.0:
             raise ValueError(f"skip_correction must be a number from 0 (off) to 1, got {self.skip_correction!r}")
@@ -103,9 +116,20 @@ class StackCacheConfig:
         return None if self.calibrate or self.active_budget else self.large_steps
 
     @property
-    def active_budget(self) -> int:
-        """The forward budget a run applies: none (0) while calibrating."""
-        return 0 if self.calibrate else self.forward_budget
+    def active_budget(self) -> bool:
+        """Whether a run applies a forward budget (``forward_budget`` or ``speedup``): never while calibrating."""
+        return not self.calibrate and bool(self.forward_budget or self.speedup)
+
+    def budget_steps(self, total_steps: int) -> int:
+        """The steps a budgeted run of ``total_steps`` computes: ``forward_budget``, or ``total_steps / speedup``
+        rounded (at least 2: the first and the last), and in a run of few steps at least those ``few_step`` keeps
+        (its first and last steps, no two skipped in a row)."""
+        if self.forward_budget or not self.speedup:
+            return self.forward_budget
+        count = max(2, round(total_steps / self.speedup))
+        if self.few_step is not None and self.few_step.applies(total_steps):
+            count = max(count, total_steps - self.few_step.most_skippable(total_steps))
+        return min(count, total_steps)
 
     def in_window(self, step: int, total_steps: int) -> bool:
         """True when ``step`` of ``total_steps`` lies within ``[start_percent, end_percent]``."""

@@ -18,11 +18,11 @@ import pytest
 
 from omnitest.calibrations import IDENTITY_TEACACHE, OVERFLOWING_TEACACHE, write_calibration
 from omnitest.comfy_path import PACK_ROOT
+from omnitest.browser import open_comfy
 from omnitest.strict import strict_json
 
 pytestmark = [pytest.mark.server, pytest.mark.browser]
 
-CHROMIUM = os.environ.get("OMNIHOOKS_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = PACK_ROOT / "test-artifacts"
 IDENTITY = "browser-identity"
 OVERFLOW = "browser-overflow"
@@ -32,57 +32,12 @@ APPLY_TITLE = "TeaCache on the tiny Wan"
 # the tests that watch a run live make each model call this much longer: 40 steps then last over a second, many times
 # the panel's redraw interval, however fast the machine is
 LIVE_STEP_SECONDS = 0.03
-# newer frontends look each custom node up in the Comfy registry; the server's Content-Security-Policy blocks that
-# request (the frontend's own, naming the node type), which is no error of the pack
-REGISTRY_LOOKUP = "Connecting to 'https://api.comfy.org/"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
-    if not Path(CHROMIUM).is_file():
-        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set OMNIHOOKS_CHROMIUM)")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def calibrations(comfy_server):
     write_calibration(comfy_server.base_dir, "teacache", IDENTITY, IDENTITY_TEACACHE)
     write_calibration(comfy_server.base_dir, "teacache", OVERFLOW, OVERFLOWING_TEACACHE)
-
-
-@pytest.fixture
-def page(browser, comfy_server):
-    # a first visit opens the template browser over the page; a user who has seen it does not get it again
-    import requests
-    requests.post(f"{comfy_server.url}/settings/Comfy.TutorialCompleted", json=True, timeout=10).raise_for_status()
-    requests.post(f"{comfy_server.url}/settings/Comfy.ColorPalette", json="dark", timeout=10).raise_for_status()
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.on("console", lambda m: errors.append(m.text) if m.type in ("error", "warning") and "OmniHooks" in m.text
-            and not m.text.startswith(REGISTRY_LOOKUP) else None)
-    open_comfy(page, comfy_server.url)
-    yield page
-    context.close()
-    assert not [e for e in errors if "OmniHooks" in e or "omni_hooks" in e or "omni-" in e], errors
-
-
-def open_comfy(page, url: str) -> None:
-    page.goto(url)
-    page.wait_for_function("() => window.app && window.app.graph && window.comfyAPI && window.comfyAPI.api",
-                           timeout=60000)
-    page.wait_for_function(
-        "() => window.app.extensionManager && window.app.extensions.some(e => e.name === 'OmniHooks.CacheStats')",
-        timeout=60000)
 
 
 def open_panel(page) -> None:

@@ -197,9 +197,13 @@ def test_cpu_offloads_prefetch_blocks_reaches_its_hook_in_one_config(monkeypatch
 
 
 def node_defaults(node_class) -> dict:
-    """Each input of a V3 node's schema: its declared default."""
+    """Each input of a V3 node's schema: its declared default, or for an input a workflow saved without it sets to
+    another value (the caches' speed-up: ``inputs.SAVED_WITHOUT``), that value."""
+    from omnitest.workflows import SAVED_WITHOUT
+
     schema = node_class.define_schema()
-    return {i.id: i.default for i in schema.inputs if getattr(i, "default", None) is not None}
+    return {i.id: i.extra_dict.get(SAVED_WITHOUT, i.default) for i in schema.inputs
+            if getattr(i, "default", None) is not None}
 
 
 def field_default(config_cls, name: str):
@@ -225,7 +229,9 @@ def every_node_and_its_config_inputs():
 
 def test_every_nodes_inputs_default_to_their_config_fields_default_through_one_mapping(wan):
     """Each input's widget default is its config field's default, in the node's form, and back: the default is
-    written once, in the config (``ConfigInputs``), for the caches, CPU Offload and Sequence Parallel alike."""
+    written once, in the config (``ConfigInputs``), for the caches, CPU Offload and Sequence Parallel alike. The one
+    input a fresh node sets to more than its config's default (the speed-up) has the config's default as the value a
+    workflow saved without it keeps."""
     checked = 0
     for node_class, config_inputs, not_fields in every_node_and_its_config_inputs():
         for name, default in node_defaults(node_class).items():

@@ -43,6 +43,8 @@ UPLOAD_KEYS = ("image_upload", "video_upload", "audio_upload", "animated_image_u
 ACTIVE_MODE = 0  # LiteGraph node modes: 0 always, 2 never (muted), 4 bypassed
 
 MissingOk = Callable[[str, Any], bool]
+# an input's option naming the value a workflow saved without it gets in the page (web/saved_workflows.js)
+SAVED_WITHOUT = "omnihooks_saved_without"
 
 
 class UnsupportedWidget(ValueError):
@@ -370,7 +372,8 @@ def _flatten_graph(graph_nodes: list, graph_links: list, definitions: Mapping[st
 
 def ui_to_api(workflow: Mapping[str, Any], object_info: Mapping[str, Any]) -> dict[str, dict]:
     """The API prompt the frontend would queue for this UI workflow (active nodes only, frontend-only ones left out,
-    subgraphs flattened: ``flatten_subgraphs``)."""
+    subgraphs flattened: ``flatten_subgraphs``); a widget the saved values end before takes its default, or the value
+    its ``SAVED_WITHOUT`` option names, as this pack's page extension sets it."""
     workflow = flatten_subgraphs(workflow)
     nodes, links = ui_nodes(workflow), ui_links(workflow)
     prompt: dict[str, dict] = {}
@@ -381,7 +384,8 @@ def ui_to_api(workflow: Mapping[str, Any], object_info: Mapping[str, Any]) -> di
         values = node.get("widgets_values", [])
         layout = widget_layout(info, values)
         inputs: dict[str, Any] = {}
-        for widget, value in zip(layout, [*values, *(w.default for w in layout[len(values):])]):
+        for widget, value in zip(layout, [*values, *(w.options.get(SAVED_WITHOUT, w.default)
+                                                     for w in layout[len(values):])]):
             if widget.input_name is not None:
                 inputs[widget.input_name] = value
         for inp in node.get("inputs", []):

@@ -236,3 +236,31 @@ def test_computes_brought_forward_one_after_the_other_never_drift_past_half_thei
     assert len(budget.computed) == 6 and budget.brought_forward == 4  # all but the first and the last
     for got, (before, want) in zip(budget.computed[1:-1], zip(planned, planned[1:])):
         assert 2 * got >= before + want and got <= want  # each within the second half of its planned gap
+
+
+@pytest.mark.parametrize("steps, speedup, computed", [(30, 2.0, 15), (30, 3.0, 10), (30, 3.75, 8), (30, 6.0, 5),
+                                                      (30, 20.0, 2), (20, 2.5, 8), (10, 2.0, 5), (8, 2.0, 5),
+                                                      (8, 4.0, 5), (6, 3.0, 4), (30, 1.0, 30)])
+def test_a_speedup_computes_its_share_of_each_run_and_a_few_step_run_what_the_few_step_rule_keeps(steps, speedup,
+                                                                                                   computed):
+    """``speedup`` is a budget per run (total / speedup, rounded); a run of 8 steps or fewer computes at least the
+    steps the few-step rule keeps (8 steps: 5; 6 steps: 4), as a run without a budget would."""
+    config = StackCacheConfig(threshold=0.0, speedup=speedup, few_step=FewStepRule())
+    assert config.active_budget and config.budget_steps(steps) == computed
+    model = Model(quadratic)
+    run = apply_teacache_hook(stack_of(model), TeaCacheConfig(0.0, (0.0, 0.0, 0.0, 1.0, 0.0), speedup=speedup,
+                                                              few_step=FewStepRule()),
+                              StackSignal(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None]))
+    sample(model, run, shifted_schedule(steps))
+    assert sum(e.computed for e in run.stats.evaluations) == computed
+    assert run.stats.summary()["budget"]["steps"] == computed
+
+
+def test_a_speedup_is_checked_and_excludes_a_forward_budget():
+    for bad in (0.5, -1, 21, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="speedup must be 0"):
+            StackCacheConfig(0.0, speedup=bad)
+    with pytest.raises(ValueError, match="speedup .* and forward_budget .* set one of them to 0"):
+        StackCacheConfig(0.0, speedup=2.0, forward_budget=8)
+    assert not StackCacheConfig(0.0, speedup=2.0, calibrate=True).active_budget
+    assert not StackCacheConfig(0.0).active_budget and StackCacheConfig(0.0).budget_steps(30) == 0

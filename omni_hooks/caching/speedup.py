@@ -1,0 +1,34 @@
+"""A speed-up: the one setting that says how much faster a run should be; the rest of a cache's config follows.
+
+``recipe(speedup)`` gives the config fields a speed-up sets: the speed-up itself (a forward budget of
+``total_steps / speedup`` per run: ``StackCacheConfig.budget_steps``, placed by the calibration's step profile or the
+schedule), threshold 0 (the plan alone places the computed steps: a threshold that brings a planned step forward only
+cost quality on the benchmark models), the forecast ``FORECAST`` and the skip correction ``SKIP_CORRECTION`` (which
+only a sampler that takes Euler steps applies; with any other the run's notes say nothing was corrected).
+
+Why these (docs/benchmarks.md, "One setting for the speed-up"): under a forward budget of 5 to 15 of 30 steps, on the
+four trained benchmark models, '1st order' with the skip correction 0.5 was within 1 dB of the best forecast and
+correction at every budget with euler, and '1st order' (the correction then does nothing) at every budget but 8 with
+uni_pc; '2nd order' was ahead at a few budgets and far behind at others, 'auto' far behind on one model.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .forecast import CANDIDATE_NAMES
+
+FORECAST = 1
+SKIP_CORRECTION = 0.5
+
+
+def recipe(speedup: float) -> dict[str, Any]:
+    """The config fields of a run at ``speedup`` (above 0; the config checks its range)."""
+    return {"speedup": speedup, "threshold": 0.0, "forward_budget": 0, "forecast_order": FORECAST,
+            "skip_correction": SKIP_CORRECTION}
+
+
+def describe(speedup: float) -> str:
+    """What a speed-up chose, in words, for the run's notes."""
+    return (f"speed-up {speedup:g}x: computes 1 in {speedup:g} steps where the calibration (or the schedule) says "
+            f"they matter most, forecast '{CANDIDATE_NAMES[FORECAST]}' and skip correction {SKIP_CORRECTION:g} "
+            "(euler), the best the benchmarks found; speedup 0 gives the threshold and the other inputs back")

@@ -1,0 +1,126 @@
+"""The speed-up through Apply TeaCache and Apply MagCache on this ComfyUI, on the quality benchmark's small trained
+model (``benchmarks/cache_quality_model.py``, calibrated as the benchmark calibrates it): a fresh node (only its
+speed-up set) runs the recipe (``omni_hooks.caching.speedup``) bit for bit and says so; an input the speed-up chooses
+but the user changed is refused in the node's words; and prompts saved before the input existed compute the same steps
+and give the same latent as in the release that saved them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnitest.cache_nodes import last_summary
+from omnitest.pack import pack_module, run_node
+from omnitest.quality import benchmark_modules
+
+pytestmark = pytest.mark.host
+
+STEPS = 30
+PROMPT = 1
+SAVED = Path(__file__).parent / "data" / "saved_prompts_ba9cd4b.json"
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    import folder_paths
+
+    before = folder_paths.get_user_directory()
+    bench, models = benchmark_modules()
+    spec = models.MODELS["small"]
+    cases = {}
+
+    def case_for(sampler: str):
+        """The model calibrated with ``sampler``, its calibrations the ones "calibration: quality" names."""
+        if sampler not in cases:
+            case = bench.calibrated_case(spec, STEPS, sampler)  # in a user directory of its own
+            cases[sampler] = case, folder_paths.get_user_directory()
+        case, directory = cases[sampler]
+        folder_paths.set_user_directory(directory)
+        return case
+
+    yield bench, spec, case_for
+    folder_paths.set_user_directory(before)
+
+
+def sample(bench, spec, case, counter, model, sampler: str = "euler") -> tuple[torch.Tensor, int]:
+    (latent,), (computed,) = bench.sample_all(spec, case, model, counter, STEPS, classes=[PROMPT], sampler=sampler)
+    return latent, computed
+
+
+@pytest.mark.parametrize("sampler", ["euler", "uni_pc"])
+@pytest.mark.parametrize("cache", ["tea", "mag"])
+def test_a_fresh_node_with_a_speedup_is_its_budget_with_first_order_and_the_skip_correction(small, cache, sampler):
+    bench, spec, case_for = small
+    case, counter = case_for(sampler)
+    for speedup in (2.0, 3.0, 3.75):
+        latent, computed = sample(bench, spec, case, counter, bench.fresh(case, speedup, cache), sampler)
+        notes = last_summary()["notes"]
+        budget = round(STEPS / speedup)
+        recipe = bench.tea(case, 0.0, "1st order", budget, 0.5)
+        expected, expected_computed = sample(bench, spec, case, counter, recipe, sampler)
+        assert computed == expected_computed == budget
+        assert torch.equal(latent, expected), f"{cache} {speedup}x ({sampler}) is not its recipe"
+        assert any(n.startswith(f"speed-up {speedup:g}x: computes 1 in {speedup:g} steps") for n in notes), notes
+        assert any(n.startswith(f"forward budget {budget}: computed {budget} of {STEPS}") for n in notes), notes
+        if sampler != "euler":
+            assert any("skip correction" in n and "euler" in n for n in notes[2:]), notes  # nothing corrected
+
+
+def test_the_widget_offers_the_fresh_speedup_and_a_prompt_without_it_keeps_the_threshold(small):
+    inputs = pack_module("nodes.caches.inputs")
+    for module, node in (("teacache", "ApplyTeaCache"), ("magcache", "ApplyMagCache")):
+        schema = getattr(pack_module(f"nodes.caches.{module}"), node).define_schema()
+        (speedup,) = [i for i in schema.inputs if i.id == "speedup"]
+        assert schema.inputs[-1] is speedup and speedup.optional  # last: saved widget values keep their positions
+        assert speedup.default == inputs.FRESH_SPEEDUP == 2.0
+        assert speedup.extra_dict[inputs.SAVED_WITHOUT] == 0.0  # what the page sets in a workflow saved without it
+    bench, spec, case_for = small
+    case, counter = case_for("euler")
+    old = bench.tea(case, 0.1, "off")  # as a prompt saved before the input: no speedup
+    explicit = run_node(pack_module("nodes.caches.teacache").ApplyTeaCache, model=case.patcher, rel_l1_thresh=0.1,
+                        start_percent=0.0, end_percent=1.0, cache_device="compute device",
+                        model_variant="calibration: quality", speedup=0.0)[0]
+    (a, computed), (b, computed_explicit) = (sample(bench, spec, case, counter, m) for m in (old, explicit))
+    assert torch.equal(a, b) and computed == computed_explicit < STEPS
+    assert not any(n.startswith("speed-up") for n in last_summary()["notes"])
+
+
+@pytest.mark.parametrize("cache, inputs, named", [
+    ("tea", {"rel_l1_thresh": 0.3}, "rel_l1_thresh 0.3 is not used at speedup 2"),
+    ("tea", {"forecast": "2nd order"}, "forecast '2nd order' is not used at speedup 2"),
+    ("mag", {"threshold": 0.1}, "threshold 0.1 is not used at speedup 2"),
+    ("mag", {"skip_correction": 0.25}, "skip_correction 0.25 is not used at speedup 2"),
+    ("tea", {"forward_budget": 8}, "forward_budget 8 is not used at speedup 2"),
+    ("mag", {"speedup": 0.5}, "speedup must be 0 (off) or a number from 1 to 20, got 0.5"),
+])
+def test_an_input_the_speedup_chooses_but_the_user_changed_is_refused_in_the_nodes_words(small, cache, inputs, named):
+    bench, spec, case_for = small
+    case, _ = case_for("euler")
+    title = "Apply TeaCache" if cache == "tea" else "Apply MagCache"
+    with pytest.raises(ValueError) as error:
+        bench.fresh(case, inputs.pop("speedup", 2.0), cache, **inputs)
+    message = str(error.value)
+    assert message.startswith(f"{title}: ") and named in message, message
+    if "not used" in message:
+        assert "Set speedup to 0" in message
+
+
+def test_prompts_saved_before_the_speedup_compute_the_same_steps_and_give_the_same_latent(small):
+    """Every prompt of ``saved_prompts.PROMPTS`` (no ``speedup``) as the release that saved them ran it: the same
+    computed steps, and the same latent (bit for bit on the machine that made the file; within float32 rounding of
+    other matrix kernels on another CPU)."""
+    from omnitest.saved_prompts import PROMPTS, node_and_inputs
+
+    bench, spec, case_for = small
+    saved = json.loads(SAVED.read_text())["results"]
+    assert [[r["cache"], r["sampler"], r["inputs"]] for r in saved] == [list(p) for p in PROMPTS]
+    for (cache, sampler, inputs), then in zip(PROMPTS, saved):
+        case, counter = case_for(sampler)
+        node, full = node_and_inputs(cache, inputs)
+        latent, computed = sample(bench, spec, case, counter, run_node(node, model=case.patcher, **full)[0], sampler)
+        assert computed == then["computed"], (cache, sampler, inputs)
+        before = torch.tensor(then["latent"]).reshape(then["shape"])
+        assert torch.allclose(latent, before, rtol=1e-4, atol=1e-5), (cache, sampler, inputs,
+                                                                       float((latent - before).abs().max()))
