@@ -124,8 +124,8 @@ def speedup_input() -> io.Float.Input:
                           "('1st order') and the skip correction (0.5, with euler), the best the benchmarks found "
                           "at 2x to 3.75x. The threshold, forecast, forward budget and skip correction inputs are "
                           "then not used and must stay at their defaults. 0 = off: the threshold decides, as in the "
-                          "original TeaCache and MagCache nodes, with those inputs. Runs of 8 steps or fewer compute "
-                          "at least their first two and last steps and never skip two in a row.")
+                          "original TeaCache and MagCache nodes, with those inputs. A run of 8 steps or fewer computes "
+                          "at least as many steps as the few-step rule keeps (5 of 8).")
     widget.extra_dict[SAVED_WITHOUT] = SHARED_INPUTS.default("speedup")
     return widget
 

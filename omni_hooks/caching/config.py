@@ -122,8 +122,8 @@ class StackCacheConfig:
 
     def budget_steps(self, total_steps: int) -> int:
         """The steps a budgeted run of ``total_steps`` computes: ``forward_budget``, or ``total_steps / speedup``
-        rounded (at least 2: the first and the last), and in a run of few steps at least those ``few_step`` keeps
-        (its first and last steps, no two skipped in a row)."""
+        rounded (at least 2: the first and the last), and in a run of few steps at least as many as ``few_step``
+        keeps computing (its first and last steps, no two skipped in a row: 5 of 8)."""
         if self.forward_budget or not self.speedup:
             return self.forward_budget
         count = max(2, round(total_steps / self.speedup))

@@ -515,13 +515,15 @@ def _newer_sub_input(name: str, specs: Mapping[str, tuple[str, list]]) -> bool:
 
 
 def as_run(prompt: Mapping[str, Any], object_info: Mapping[str, Any]) -> dict[str, dict]:
-    """A prompt as this server runs it: per node its class and the inputs it declares, an optional input left at its
-    default dropped (a missing optional input takes its default), titles left out."""
+    """A prompt as this server runs it: per node its class and the inputs it declares, an optional input left at the
+    value a prompt without it runs with dropped (its default, or the value its ``SAVED_WITHOUT`` option names), titles
+    left out."""
     result = {}
     for nid, node in prompt.items():
         info = object_info[node["class_type"]]
         specs = expanded_specs(info, node["inputs"])
-        defaults = {w.input_name: w.default for w in _widgets(info, specs, "") if w.input_name and not w.required}
+        defaults = {w.input_name: w.options.get(SAVED_WITHOUT, w.default) for w in _widgets(info, specs, "")
+                    if w.input_name and not w.required}
         result[nid] = {"class_type": node["class_type"],
                        "inputs": {name: value for name, value in node["inputs"].items()
                                   if name in specs and not (name in defaults and value == defaults[name])}}
