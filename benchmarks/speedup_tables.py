@@ -71,7 +71,27 @@ def table(sampler: str) -> tuple[str, list[tuple[str, int, float, float, float |
     return "\n".join(lines), figures
 
 
+def summary(figures: dict[str, list]) -> str:
+    """The README's table: per speed-up and sampler, the lowest and highest mean over the models, and the best pack's
+    at 8 forwards."""
+    lines = ["| `speedup` (computed) | " + " | ".join(SAMPLERS) + " |", "|---|" + "---|" * len(SAMPLERS)]
+    for budget in BUDGETS:
+        cells = []
+        for sampler in SAMPLERS:
+            means = [recipe for _, b, recipe, _, _ in figures[sampler] if b == budget]
+            cells.append(f"{min(means):.1f}-{max(means):.1f}")
+        lines.append(f"| {30 / budget:.3g} ({budget}) | " + " | ".join(cells) + " |")
+    packs = []
+    for sampler in SAMPLERS:
+        means = [pack for _, b, _, _, pack in figures[sampler] if b == 8 and pack is not None]
+        packs.append(f"{min(means):.1f}-{max(means):.1f}")
+    lines.append("| best forecasting pack, 8 forwards | " + " | ".join(packs) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    figures = {sampler: table(sampler)[1] for sampler in SAMPLERS}
+    print(summary(figures))
     for sampler in SAMPLERS:
         text, figures = table(sampler)
         print(f"\n{sampler}:\n\n{text}\n")
