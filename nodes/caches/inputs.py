@@ -103,7 +103,7 @@ def skip_correction_input() -> io.Float.Input:
                           "corrected and the statistics say so.")
 
 
-#: a fresh node's speed-up (the widget's default: 15 of 30 steps, near-lossless in the benchmarks). A saved workflow or
+#: a fresh node's speed-up (the widget's default: 15 of 30 steps, 58-73 dB in the benchmarks). A saved workflow or
 #: API prompt without the input keeps the config's 0 (no speed-up: the threshold and the other inputs decide, as when
 #: it was saved; web/saved_workflows.js does the same for a workflow saved in the page)
 FRESH_SPEEDUP = 2.0
@@ -117,15 +117,16 @@ def speedup_input() -> io.Float.Input:
     """Optional and last, so that a saved workflow (or API prompt) without it loads and keeps what it did: the page
     sets it to 0 in a workflow saved without it (``SAVED_WITHOUT``), the executor leaves it out of such a prompt."""
     widget = io.Float.Input("speedup", display_name="speed-up (x; 0 = threshold)", default=FRESH_SPEEDUP, min=0.0,
-                          max=MAX_SPEEDUP, step=0.25, optional=True,
-                          tooltip="How much faster the run should be: 2 computes 1 in 2 steps, 3.75 computes 8 of "
-                          "30. The cache chooses the rest: which steps to compute (where this model's calibration "
-                          "says they matter most; without one, by the schedule), the forecast for the skipped ones "
-                          "('1st order') and the skip correction (0.5, with euler), the best the benchmarks found "
-                          "at 2x to 3.75x. The threshold, forecast, forward budget and skip correction inputs are "
-                          "then not used and must stay at their defaults. 0 = off: the threshold decides, as in the "
-                          "original TeaCache and MagCache nodes, with those inputs. A run of 8 steps or fewer computes "
-                          "at least as many steps as the few-step rule keeps (5 of 8).")
+                            max=MAX_SPEEDUP, step=0.25, optional=True,
+                            tooltip="How much faster the run should be: 2 computes 1 in 2 steps, 3.75 computes 8 of "
+                            "30. The cache chooses the rest: which steps to compute (where this model's calibration "
+                            "says they matter most; without one, by the schedule), the forecast for the skipped ones "
+                            "('1st order') and the skip correction (0.5, with euler), the choice that did best overall "
+                            "in the benchmarks at 2x to 3.75x. The threshold, forecast, forward budget and skip "
+                            "correction inputs are then not used and must stay at their defaults. 0 = off: the "
+                            "threshold decides, as in the original TeaCache and MagCache nodes, with those inputs. A "
+                            "run of 8 steps or fewer computes at least as many steps as the few-step rule keeps (5 of "
+                            "8).")
     widget.extra_dict[SAVED_WITHOUT] = SHARED_INPUTS.default("speedup")
     return widget
 

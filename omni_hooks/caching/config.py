@@ -122,11 +122,11 @@ class StackCacheConfig:
 
     def budget_steps(self, total_steps: int) -> int:
         """The steps a budgeted run of ``total_steps`` computes: ``forward_budget``, or ``total_steps / speedup``
-        rounded (at least 2: the first and the last), and in a run of few steps at least as many as ``few_step``
-        keeps computing (its first and last steps, no two skipped in a row: 5 of 8)."""
+        rounded, halves up (at least 2: the first and the last), and in a run of few steps at least as many as
+        ``few_step`` keeps computing (its first and last steps, no two skipped in a row: 5 of 8)."""
         if self.forward_budget or not self.speedup:
             return self.forward_budget
-        count = max(2, round(total_steps / self.speedup))
+        count = max(2, math.floor(total_steps / self.speedup + 0.5))  # halves round up
         if self.few_step is not None and self.few_step.applies(total_steps):
             count = max(count, total_steps - self.few_step.most_skippable(total_steps))
         return min(count, total_steps)

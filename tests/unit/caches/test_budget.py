@@ -240,7 +240,7 @@ def test_computes_brought_forward_one_after_the_other_never_drift_past_half_thei
 
 @pytest.mark.parametrize("steps, speedup, computed", [(30, 2.0, 15), (30, 3.0, 10), (30, 3.75, 8), (30, 6.0, 5),
                                                       (30, 20.0, 2), (20, 2.5, 8), (10, 2.0, 5), (8, 2.0, 5),
-                                                      (8, 4.0, 5), (6, 3.0, 4), (30, 1.0, 30)])
+                                                      (8, 4.0, 5), (6, 3.0, 4), (30, 1.0, 30), (25, 2.0, 13)])
 def test_a_speedup_computes_its_share_of_each_run_and_a_few_step_run_what_the_few_step_rule_keeps(steps, speedup,
                                                                                                    computed):
     """``speedup`` is a budget per run (total / speedup, rounded); a run of 8 steps or fewer computes at least the
