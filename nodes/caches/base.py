@@ -186,8 +186,9 @@ class BlockStackCache(abc.ABC):
                 self.check_left_to_speedup(inputs, tuning["speedup"])
                 tuning.update(speedup_recipe(tuning["speedup"]))
                 shared["notes"] = (*shared["notes"], describe_speedup(tuning["speedup"]))
-            for optional in ("forecast_order", "forward_budget", "skip_correction", "speedup"):  # older workflows:
-                if optional in tuning:                                                        # the defaults
+            # inputs a workflow saved before them lacks: such a run keeps the config's defaults
+            for optional in ("forecast_order", "forward_budget", "skip_correction", "speedup"):
+                if optional in tuning:
                     shared[optional] = tuning.pop(optional)
             reference_key = detected.auto_choice(self.kind).with_reference if auto else None
             if reference_key is not None:  # e.g. Flux: a run with reference latents is Kontext

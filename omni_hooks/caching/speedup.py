@@ -32,4 +32,4 @@ def describe(speedup: float) -> str:
     """What a speed-up chose, in words, for the run's notes."""
     return (f"speed-up {speedup:g}x: computes 1 in {speedup:g} steps where the calibration (or the schedule) says "
             f"they matter most, forecast '{CANDIDATE_NAMES[FORECAST]}' and skip correction {SKIP_CORRECTION:g} "
-            "(euler), the best the benchmarks found; speedup 0 gives the threshold and the other inputs back")
+            "(euler), the best overall in the benchmarks; speedup 0 gives the threshold and the other inputs back")

@@ -199,10 +199,11 @@ def test_cpu_offloads_prefetch_blocks_reaches_its_hook_in_one_config(monkeypatch
 def node_defaults(node_class) -> dict:
     """Each input of a V3 node's schema: its declared default, or for an input a workflow saved without it sets to
     another value (the caches' speed-up: ``inputs.SAVED_WITHOUT``), that value."""
-    from omnitest.workflows import SAVED_WITHOUT
+    from omnitest.pack import pack_module
 
+    saved_without = pack_module("nodes.caches.inputs").SAVED_WITHOUT
     schema = node_class.define_schema()
-    return {i.id: i.extra_dict.get(SAVED_WITHOUT, i.default) for i in schema.inputs
+    return {i.id: i.extra_dict.get(saved_without, i.default) for i in schema.inputs
             if getattr(i, "default", None) is not None}
 
 
