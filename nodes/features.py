@@ -29,16 +29,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import comfy.k_diffusion.sampling
 import comfy.model_management
 import comfy.model_patcher
-import comfy.model_sampling
 import comfy.patcher_extension as pe
 import torch
 
 from ..omni_hooks.context import CallContext
 from . import stats_store
 from .families import DetectedModel, detect, drift
+from .samplers import step_index, step_weights, takes_euler_steps
 from .stats_store import FeatureReport, RunHeader
 
 log = logging.getLogger("OmniHooks")
@@ -47,6 +46,8 @@ FEATURES_KEY = "omni_hooks.features"  # transformer_options: the tuple of Applie
 RUN_KEY = "omni_hooks.run"  # transformer_options of a sampling run's model-options copy: its SamplingRun
 # ... and whether its sampler takes plain Euler steps (``CallContext.euler_steps``; sent to every rank with the call)
 EULER_KEY = "omni_hooks.euler_steps"
+# ... and how much each step's output moves the final latent on that sampler (``CallContext.step_weights``)
+WEIGHTS_KEY = "omni_hooks.step_weights"
 WRAPPER_KEY = "omni_hooks"
 CATEGORY = "OmniHooks"                 # every node's menu category
 
@@ -422,11 +423,13 @@ def _outer_sample(executor, *args, **kwargs):
     sampling_run = SamplingRun(patcher=guider.model_patcher, detected=detect(guider.model_patcher))
     guider.model_options = comfy.model_patcher.create_model_options_clone(original_options)
     guider.model_options["transformer_options"][RUN_KEY] = sampling_run
-    # outer_sample(noise, latent_image, sampler, sigmas, ...); an option, so that it reaches the other ranks too
-    guider.model_options["transformer_options"][EULER_KEY] = takes_euler_steps(
-        kwargs.get("sampler", args[2] if len(args) > 2 else None),
-        guider.model_patcher.get_model_object("model_sampling"))
+    # outer_sample(noise, latent_image, sampler, sigmas, ...); options, so that they reach the other ranks too
+    sampler = kwargs.get("sampler", args[2] if len(args) > 2 else None)
     sigmas = kwargs.get("sigmas", args[3] if len(args) > 3 else None)
+    model_sampling = guider.model_patcher.get_model_object("model_sampling")
+    guider.model_options["transformer_options"][EULER_KEY] = takes_euler_steps(sampler, model_sampling)
+    guider.model_options["transformer_options"][WEIGHTS_KEY] = step_weights(sampler, sigmas, model_sampling,
+                                                                            guider.model_patcher)
     sampling_run.steps = max(len(sigmas) - 1, 0) if sigmas is not None else None
     status = "error"
     try:
@@ -446,17 +449,6 @@ def _outer_sample(executor, *args, **kwargs):
             sampling_run.close(status)
         finally:
             guider.model_options = original_options
-
-
-def takes_euler_steps(sampler, model_sampling) -> bool:
-    """True when each step of ``sampler`` moves the latent by ``(next sigma - sigma) * model output``: ComfyUI's
-    'euler' without churn, on a model whose denoised is ``x - sigma * output`` (EPS and flow models; not
-    v-prediction or x0 models)."""
-    plain = (getattr(sampler, "sampler_function", None) is comfy.k_diffusion.sampling.sample_euler
-             and not (getattr(sampler, "extra_options", None) or {}).get("s_churn", 0))
-    denoised = getattr(type(model_sampling), "calculate_denoised", None)
-    return plain and denoised in (comfy.model_sampling.EPS.calculate_denoised,
-                                  comfy.model_sampling.CONST.calculate_denoised)
 
 
 def carries_reference_latents(guider) -> bool:
@@ -536,14 +528,7 @@ def step_of(transformer_options: dict, schedules: dict | None = None) -> StepInf
     if held is not schedule:  # holding the tensor keeps its id from being reused by another one
         values = tuple(float(s) for s in schedule.tolist())
         memo[id(schedule)] = (schedule, values)
-    for i, s in enumerate(values[:-1]):
-        if s == sigma:
-            return StepInfo(i, total, sigma, values)
-    for i in range(total):
-        hi, lo = max(values[i], values[i + 1]), min(values[i], values[i + 1])
-        if lo <= sigma <= hi:
-            return StepInfo(i, total, sigma, values)
-    return StepInfo(None, total, sigma, values)
+    return StepInfo(step_index(values, sigma), total, sigma, values)
 
 
 def transformer_options_of(args: tuple, kwargs: dict) -> dict:
@@ -572,7 +557,8 @@ def call_context(sampling_run: SamplingRun, options: dict) -> CallContext:
     labels = [sampling_run.label_of(u, c) for u, c in zip(uuids, cond_or_uncond)]
     step = step_of(options, sampling_run.schedules)
     return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps, sigma=step.sigma,
-                       schedule=step.schedule, euler_steps=options.get(EULER_KEY) is True)
+                       schedule=step.schedule, euler_steps=options.get(EULER_KEY) is True,
+                       step_weights=options.get(WEIGHTS_KEY))
 
 
 def run_call(sampling_run: SamplingRun, diffusion_model: torch.nn.Module, forward: Callable[..., Any], args: tuple,

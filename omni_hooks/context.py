@@ -73,7 +73,11 @@ class CallContext:
     * ``rank``: the sequence-parallel view of this process for this call;
     * ``euler_steps``: the sampler moves the latent by ``(next sigma - sigma) * output`` at each step of
       ``schedule`` (plain Euler on a model whose denoised is ``x - sigma * output``), so what a call's output adds to
-      the latent is known (``omni_hooks.caching.skip_correction``); False when it does not or the host cannot tell.
+      the latent is known (``omni_hooks.caching.skip_correction``); False when it does not or the host cannot tell;
+    * ``step_weights``: per step of ``schedule``, how far a unit error in that step's model output moves the final
+      latent on the run's sampler, the other steps' outputs held fixed (plain Euler's are its sigma steps; a multistep
+      sampler's differ, most at its last steps); a cache with a forward budget places its computed steps by them.
+      None when the host cannot tell (then the sigma steps stand in).
     """
 
     branches: list[str]
@@ -85,6 +89,7 @@ class CallContext:
     blocks_run: bool | None = None
     rank: RankView = RankView()
     euler_steps: bool = False
+    step_weights: tuple[float, ...] | None = None
 
 
 def sigma_steps(schedule) -> list[float]:

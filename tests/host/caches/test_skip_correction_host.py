@@ -81,7 +81,7 @@ def test_only_comfyuis_plain_euler_on_an_eps_or_flow_model_takes_euler_steps():
     import comfy.samplers
     from omnitest.pack import pack_module
 
-    takes_euler_steps = pack_module("nodes.features").takes_euler_steps
+    takes_euler_steps = pack_module("nodes.samplers").takes_euler_steps
 
     class Flow(ms.ModelSamplingDiscreteFlow, ms.CONST):
         pass
