@@ -217,14 +217,15 @@ function meanComputed(run, summary) {
 }
 
 /** With a forward budget (the run summary's ``budget``): the headline's tile, "computed / budget", and what it
- * says on hover: the steps the budget computed (numbered from 1) and how many the threshold brought forward;
+ * says on hover: the steps the budget computed (numbered from 1), what placed them (``placed_by``, the cache's own
+ * words) and how many the threshold brought forward;
  * null without a budget or before the run finished. */
 export function budgetStat(run) {
   const b = run?.finished ? run.summary?.budget : null;
   if (!b || typeof b !== "object" || !Number.isFinite(b.steps) || !Array.isArray(b.computed)) return null;
   const steps = b.computed.filter(Number.isFinite).map((s) => s + 1);
   const parts = [`budget ${b.steps} of ${b.total_steps ?? "?"} steps; computed ${steps.length}: steps ${compactSteps(steps)}`];
-  if (b.calibrated === false) parts.push("placed by the schedule alone (no calibration file)");
+  if (typeof b.placed_by === "string") parts.push(`placed by ${b.placed_by}`);
   if (b.brought_forward > 0) parts.push(`${b.brought_forward} brought forward by the threshold`);
   return { value: `${steps.length}/${b.steps}`, label: "budget steps computed", help: parts.join("; ") };
 }

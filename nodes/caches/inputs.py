@@ -119,8 +119,9 @@ def speedup_input() -> io.Float.Input:
     widget = io.Float.Input("speedup", display_name="speed-up (x; 0 = threshold)", default=FRESH_SPEEDUP, min=0.0,
                             max=MAX_SPEEDUP, step=0.25, optional=True,
                             tooltip="How much faster the run should be: 2 computes 1 in 2 steps, 3.75 computes 8 of "
-                            "30. The cache chooses the rest: which steps to compute (where this model's calibration "
-                            "says they matter most; without one, by the schedule), the forecast for the skipped ones "
+                            "30. The cache chooses the rest: which steps to compute (where this model's calibration, "
+                            "made with the sampler you generate with, says they matter most for that sampler; without "
+                            "one, by the schedule), the forecast for the skipped ones "
                             "('1st order') and the skip correction (0.5, with euler), the choice that did best overall "
                             "in the benchmarks at 2x to 3.75x. The threshold, forecast, forward budget and skip "
                             "correction inputs are then not used and must stay at their defaults. 0 = off: the "

@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..context import CallContext
-from .budget import StepProfile
+from .budget import SKETCH_SIZE, SKETCH_VALUES, StepProfile
 from .config import StackCacheConfig
 from .forecast import AUTO, AUTO_KEPT, CANDIDATES, FORECAST, FORECAST_FALLBACK, history_limit
 from .state import ActiveCall, CachedResidualState, measured_floats
@@ -163,11 +163,41 @@ def relative_change(current: torch.Tensor, previous: torch.Tensor) -> torch.Tens
     return ((current.float() - prev).square().sum() / (prev.square().sum() + 1e-12)).sqrt()
 
 
+def sketch(part: torch.Tensor) -> torch.Tensor:
+    """``SKETCH_SIZE`` numbers standing for a branch's residual (all of a smaller one), float32: the residual cut into
+    rows of ``SKETCH_SIZE`` values (the last one padded with zeros), each row multiplied by a fixed random sign
+    (``row_signs``), summed. Linear, and it keeps the norm of a difference of two residuals in expectation (a random
+    projection), with every value of the residual counted, not a few sampled."""
+    flat = part.reshape(-1)
+    if flat.numel() <= SKETCH_SIZE:
+        return flat.float()
+    rows = -(-flat.numel() // SKETCH_SIZE)
+    signs = row_signs(rows).to(flat.device)
+    out = torch.zeros(SKETCH_SIZE, dtype=torch.float32, device=flat.device)
+    for first in range(0, rows, SKETCH_ROWS_AT_ONCE):  # bounded temporaries, whatever the residual's size
+        block = flat[first * SKETCH_SIZE:(first + SKETCH_ROWS_AT_ONCE) * SKETCH_SIZE].float()
+        block = torch.nn.functional.pad(block, (0, -block.numel() % SKETCH_SIZE)).view(-1, SKETCH_SIZE)
+        out += (block * signs[first:first + block.shape[0], None]).sum(dim=0)
+    return out
+
+
+SKETCH_ROWS_AT_ONCE = 4096
+
+
+def row_signs(rows: int) -> torch.Tensor:
+    """``rows`` signs (+1 / -1, float32), the same in every process and run (a generator of its own, seed 0)."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, 2, (rows,), generator=generator).float() * 2 - 1
+
+
 class ProfileRecorder:
-    """While calibrating: per step, its sigma and each branch's relative residual change (``step_profile``)."""
+    """While calibrating: per step, its sigma, each branch's relative residual change and a sketch of its residuals
+    (``sketch``; ``step_profile``). Under sequence parallelism a rank sketches its own shard (the calibration file is
+    rank 0's)."""
 
     def __init__(self) -> None:
         self.changes: dict[int, tuple[float, list[float]]] = {}
+        self.sketches: dict[int, list[float]] = {}  # step -> its first call's branches' sketches, one after another
 
     @staticmethod
     def measure(states: list[CachedResidualState], parts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -175,20 +205,30 @@ class ProfileRecorder:
         return [relative_change(part, st.previous_residual) for st, part in zip(states, parts)
                 if st.previous_residual is not None and st.previous_residual.shape == part.shape]
 
-    def record(self, call: ActiveCall, changes: list[torch.Tensor]) -> None:
-        """Add a computed call's changes (``measure``) to its step."""
+    def record(self, call: ActiveCall, changes: list[torch.Tensor], parts: list[torch.Tensor]) -> None:
+        """Add a computed call's changes (``measure``) to its step, and the sketch of its residuals (``parts``) if the
+        step has none yet."""
         step, sigma = call.context.step, call.context.sigma
         if step is not None and sigma is not None and (changes or not self.changes):
             values = measured_floats(call, changes) if changes else [0.0]  # the first step: no change of its own
             self.changes.setdefault(step, (sigma, []))[1].extend(values)
+            if step not in self.sketches:
+                self.sketches[step] = torch.cat([sketch(part) for part in parts]).tolist()
 
     def step_profile(self) -> StepProfile | None:
-        """What a calibrating run measured for a forward budget: per computed step its sigma and the relative change
-        of the residual from the step before (mean over the branches and calls of the step); None with fewer than
-        two steps measured or a change that is not a finite number (a model that produced NaN)."""
+        """What a calibrating run measured for a forward budget: per computed step its sigma, the relative change
+        of the residual from the step before (mean over the branches and calls of the step) and its sketch (strided
+        further where the run's sketches would hold over ``SKETCH_VALUES`` values; none where a step's differs in
+        length or is not finite); None with fewer than two steps measured or a change that is not a finite number (a
+        model that produced NaN)."""
         points = sorted(self.changes.items())
         sigmas = [sigma for _, (sigma, _) in points]
         changes = [sum(values) / len(values) for _, (_, values) in points]
         if len(points) < 2 or not all(math.isfinite(v) for v in sigmas + changes):
             return None
-        return StepProfile(tuple(sigmas), tuple(changes))
+        sketches = [self.sketches.get(step) for step, _ in points]
+        if any(k is None for k in sketches) or len({len(k) for k in sketches}) != 1 \
+                or not all(math.isfinite(v) for k in sketches for v in k):
+            return StepProfile(tuple(sigmas), tuple(changes))
+        stride = -(-len(sketches[0]) // max(1, SKETCH_VALUES // len(sketches)))
+        return StepProfile(tuple(sigmas), tuple(changes), tuple(tuple(k[::stride]) for k in sketches))

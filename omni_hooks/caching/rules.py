@@ -100,7 +100,11 @@ class Budget(StepRule):
             return decisions
         if self.budget.total != total:
             outside = {s for s in range(total) if not self.config.in_window(s, total)}
-            self.budget.start(total, list(call.context.schedule) if call.context.schedule else None, outside)
+            # a speed-up places by the measured trajectory unless the skip correction interpolates the gaps afterwards
+            # (a sampler that takes Euler steps: caching/budget.py says why)
+            self.budget.start(total, list(call.context.schedule) if call.context.schedule else None, outside,
+                              call.context.step_weights,
+                              measured=self.config.speedup > 0 and not call.context.euler_steps)
         must = any(d.reason in NEEDED_REASONS for d in decisions)
         wants = self.config.threshold > 0 and any(d.reason == THRESHOLD for d in decisions)  # 0: the plan alone
         compute, why = self.budget.decide(step, wants, must)

@@ -214,7 +214,7 @@ class StackCacheRun:
         for i, (key, part) in enumerate(zip(call.keys, parts)):
             self.on_residual(call, key, part, output[i * size:(i + 1) * size].detach())
         if self.profile is not None:
-            self.profile.record(call, changes)
+            self.profile.record(call, changes, parts)
         self._count_bytes()
         return self.corrector.corrected(output, corrections) if correcting else None
 

@@ -1,16 +1,20 @@
 """A speed-up: the one setting that says how much faster a run should be; the rest of a cache's config follows.
 
 ``recipe(speedup)`` gives the config fields a speed-up sets: the speed-up itself (a forward budget of
-``total_steps / speedup`` per run: ``StackCacheConfig.budget_steps``, placed by the calibration's step profile or the
-schedule), threshold 0 (the plan alone places the computed steps: a threshold that brings a planned step forward only
-cost quality on the benchmark models), the forecast ``FORECAST`` and the skip correction ``SKIP_CORRECTION`` (which
-only a sampler that takes Euler steps applies; with any other the run's notes say nothing was corrected).
+``total_steps / speedup`` per run: ``StackCacheConfig.budget_steps``; with a sampler that takes Euler steps placed by
+the calibration's step profile or the schedule, with any other by the calibration's measured trajectory and the
+sampler's step weights where the calibration has one: ``budget.measured_plan``), threshold 0 (the plan alone places
+the computed steps: a threshold that brings a planned step forward only cost quality on the benchmark models), the
+forecast ``FORECAST`` and the skip correction ``SKIP_CORRECTION`` (which only a sampler that takes Euler steps
+applies; with any other the run's notes say nothing was corrected).
 
 Why these (docs/benchmarks.md, "One setting for the speed-up"): under forward budgets of 15, 10 and 8 of 30 steps
 (2x to 3.75x), on the four trained benchmark models, '1st order' with skip correction 0.5 was within 1 dB of the best
 forecast and correction of the sweep in 11 of 12 cells with euler, and '1st order' (the correction then does nothing)
-in 10 of 12 with uni_pc and 9 of 12 with dpmpp_2m and res_multistep. Where it missed, mostly '2nd order' was ahead
-(by up to 4.4 dB), which was behind by up to 6.4 on another model; 'auto' was behind by up to 9.4.
+in 10 of 12 with uni_pc and 9 of 12 with dpmpp_2m and res_multistep, placed by the step profile. Where it missed,
+mostly '2nd order' was ahead (by up to 4.4 dB), which was behind by up to 6.4 on another model; 'auto' was behind by
+up to 9.4. The measured placement then moved uni_pc's speed-up up by a mean 4.5 dB over 2x to 6x (within 1 dB of the
+best in 9 of 12 cells, as it now beats the sweep's best on three models by up to 13 dB).
 """
 from __future__ import annotations
 
@@ -31,5 +35,6 @@ def recipe(speedup: float) -> dict[str, Any]:
 def describe(speedup: float) -> str:
     """What a speed-up chose, in words, for the run's notes."""
     return (f"speed-up {speedup:g}x: computes 1 in {speedup:g} steps where the calibration (or the schedule) says "
-            f"they matter most, forecast '{CANDIDATE_NAMES[FORECAST]}' and skip correction {SKIP_CORRECTION:g} "
-            "(euler), the best overall in the benchmarks; speedup 0 gives the threshold and the other inputs back")
+            f"they matter most for this sampler, forecast '{CANDIDATE_NAMES[FORECAST]}' and skip correction "
+            f"{SKIP_CORRECTION:g} (euler), the best overall in the benchmarks; speedup 0 gives the threshold and the "
+            "other inputs back")

@@ -421,13 +421,22 @@ test("a run with a forward budget shows the steps it computed against the budget
   assert.equal(budgetStat(shownRun(s)), null);  // not finished: no summary yet
   applyRun(s, { ...header("rb"), finished_at: 2000, status: "success", summary: {
     evaluations: 4, computed: 3, reused: 1, hit_rate: 0.25, notes: [],
-    budget: { steps: 3, total_steps: 4, planned: [0, 2, 3], computed: [0, 2, 3], brought_forward: 1, calibrated: false },
+    budget: { steps: 3, total_steps: 4, planned: [0, 2, 3], computed: [0, 2, 3], brought_forward: 1, calibrated: false,
+              placement: "schedule", placed_by: "the schedule (no calibration)" },
   } });
   const b = budgetStat(shownRun(s));
   assert.equal(b.value, "3/3");
-  assert.match(b.help, /^budget 3 of 4 steps; computed 3: steps 1, 3–4; placed by the schedule alone/);
+  assert.match(b.help, /^budget 3 of 4 steps; computed 3: steps 1, 3–4; placed by the schedule \(no calibration\)/);
   assert.match(b.help, /1 brought forward by the threshold$/);
   assert.equal(compactSteps([9, 1, 2, 3, 6]), "1–3, 6, 9");
+  applyRun(s, { ...header("rm"), finished_at: 2000, status: "success", summary: {
+    evaluations: 4, computed: 3, reused: 1, hit_rate: 0.25, notes: [],
+    budget: { steps: 3, total_steps: 4, planned: [0, 2, 3], computed: [0, 2, 3], brought_forward: 0, calibrated: true,
+              placement: "measured", placed_by: "the calibration's measured trajectory and the sampler's step weights" },
+  } });
+  assert.equal(budgetStat(shownRun(s)).help,
+               "budget 3 of 4 steps; computed 3: steps 1, 3–4; placed by the calibration's measured trajectory and "
+               + "the sampler's step weights");
   applyRun(s, { ...header("rn"), finished_at: 2000, status: "success", summary: { evaluations: 4, budget: null } });
   assert.equal(budgetStat(shownRun(s)), null);
 });

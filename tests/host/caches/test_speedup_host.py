@@ -49,23 +49,62 @@ def sample(bench, spec, case, counter, model, sampler: str = "euler") -> tuple[t
     return latent, computed
 
 
-@pytest.mark.parametrize("sampler", ["euler", "uni_pc"])
 @pytest.mark.parametrize("cache", ["tea", "mag"])
-def test_a_fresh_node_with_a_speedup_is_its_budget_with_first_order_and_the_skip_correction(small, cache, sampler):
+def test_a_fresh_node_with_a_speedup_is_its_budget_with_first_order_and_the_skip_correction(small, cache):
+    """With euler (a sampler that takes Euler steps) a speed-up is its forward budget, placed by the calibration's
+    step profile, with '1st order' and skip correction 0.5: bit for bit."""
     bench, spec, case_for = small
-    case, counter = case_for(sampler)
+    case, counter = case_for("euler")
     for speedup in (2.0, 3.0, 3.75):
-        latent, computed = sample(bench, spec, case, counter, bench.fresh(case, speedup, cache), sampler)
-        notes = last_summary()["notes"]
+        latent, computed = sample(bench, spec, case, counter, bench.fresh(case, speedup, cache))
+        notes, summary = last_summary()["notes"], last_summary()["budget"]
         budget = round(STEPS / speedup)
         recipe = bench.tea(case, 0.0, "1st order", budget, 0.5)
-        expected, expected_computed = sample(bench, spec, case, counter, recipe, sampler)
-        assert computed == expected_computed == budget
-        assert torch.equal(latent, expected), f"{cache} {speedup}x ({sampler}) is not its recipe"
+        expected, expected_computed = sample(bench, spec, case, counter, recipe)
+        assert computed == expected_computed == budget and summary["placement"] == "calibrated"
+        assert torch.equal(latent, expected), f"{cache} {speedup}x is not its recipe"
         assert any(n.startswith(f"speed-up {speedup:g}x: computes 1 in {speedup:g} steps") for n in notes), notes
-        assert any(n.startswith(f"forward budget {budget}: computed {budget} of {STEPS}") for n in notes), notes
-        if sampler != "euler":
-            assert any("skip correction" in n and "euler" in n for n in notes[2:]), notes  # nothing corrected
+        assert any(n.startswith(f"forward budget {budget}: computed {budget} of {STEPS}") and
+                   n.endswith("placed by the calibration's step profile") for n in notes), notes
+
+
+@pytest.mark.parametrize("cache", ["tea", "mag"])
+def test_with_another_sampler_a_speedup_places_its_steps_by_the_measured_trajectory(small, cache, monkeypatch):
+    """With uni_pc a speed-up computes the steps ``measured_plan`` chooses from the calibration's sketches and the
+    sampler's step weights as this ComfyUI's uni_pc gives them (captured on their way into the run), not the step
+    profile's plan; nothing is corrected and the notes say so."""
+    budget = pack_module("omni_hooks.caching.budget")
+    features, calibration_files = pack_module("nodes.features"), pack_module("nodes.caches.calibration_files")
+    seen = []
+
+    def measured(sampler, sigmas, model_sampling, patcher):
+        weights = step_weights(sampler, sigmas, model_sampling, patcher)
+        seen.append((sigmas.tolist(), weights))
+        return weights
+
+    step_weights = features.step_weights
+    monkeypatch.setattr(features, "step_weights", measured)
+    bench, spec, case_for = small
+    case, counter = case_for("uni_pc")
+    kind = "teacache" if cache == "tea" else "magcache"
+    profile = budget.StepProfile.from_data(calibration_files.load(kind, "quality")["step_profile"])
+    assert profile.sketches is not None and len(profile.sketches) == STEPS
+    differs = 0
+    for speedup in (2.0, 3.0, 3.75):
+        seen.clear()
+        _, computed = sample(bench, spec, case, counter, bench.fresh(case, speedup, cache), "uni_pc")
+        notes, summary = last_summary()["notes"], last_summary()["budget"]
+        count = round(STEPS / speedup)
+        ((sigmas, weights),) = seen
+        assert weights is not None and len(weights) == STEPS
+        expected = budget.measured_plan(count, profile, sigmas, weights)
+        assert computed == count and summary["placement"] == "measured"
+        assert summary["planned"] == summary["computed"] == expected
+        assert any(n.endswith("placed by the calibration's measured trajectory and the sampler's step weights")
+                   for n in notes), notes
+        assert any("skip correction" in n and "euler" in n for n in notes[2:]), notes  # nothing corrected
+        differs += expected != budget.plan_steps(count, profile.changes_for(sigmas), budget.sigma_steps(sigmas))
+    assert differs  # the measured plan is not the step profile's here
 
 
 def test_the_widget_offers_the_fresh_speedup_and_a_prompt_without_it_keeps_the_threshold(small):

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from omni_hooks.caching import budget as budget_module
-from omni_hooks.caching.budget import (BUDGET_REASON, ForwardBudget, StepProfile, compact, gap_costs, plan_steps,
-                                       steps_in_sigma)
+from omni_hooks.caching.budget import (BUDGET_REASON, SKETCH_VALUES, ForwardBudget, StepProfile, compact, gap_costs,
+                                       measured_plan, plan_steps, steps_in_sigma)
+from omni_hooks.caching.residuals import SKETCH_ROWS_AT_ONCE, sketch
 from omni_hooks.caching.config import StackCacheConfig
 from omni_hooks.caching.few_step import FewStepRule
 from omni_hooks.magcache import MagCacheConfig, apply_mag_cache_hook
@@ -210,6 +211,124 @@ def test_no_budget_changes_nothing_and_a_bad_budget_is_refused():
     assert StackCacheConfig(0.1, forward_budget=4, calibrate=True).active_budget == 0
 
 
+def measured_cost(plan, sketches, sigmas, weights) -> float:
+    """The measured plan's cost of ``plan``, summed skip by skip: per gap, the squared norm of the weighed errors of
+    reusing the first step (first gap) or extrapolating linearly in sigma from the two computed steps before it."""
+    total = 0.0
+    for k in range(1, len(plan)):
+        a, b = plan[k - 1], plan[k]
+        error = torch.zeros(sketches.shape[1], dtype=torch.float64)
+        for j in range(a + 1, b):
+            if k == 1:
+                forecast = sketches[a]
+            else:
+                p = plan[k - 2]
+                forecast = sketches[a] + (sigmas[j] - sigmas[a]) / (sigmas[a] - sigmas[p]) * (sketches[a] - sketches[p])
+            error += weights[j] * (sketches[j] - forecast)
+        total += float(error.square().sum())
+    return total
+
+
+def random_trajectory(steps: int, values: int = 6, seed: int = 0):
+    """A schedule, a smooth random residual trajectory sketched on it (with a bend) and random positive weights."""
+    generator = torch.Generator().manual_seed(seed)
+    schedule = shifted_schedule(steps)
+    sigmas = torch.tensor(schedule[:-1], dtype=torch.float64)
+    base = torch.randn(4, values, generator=generator, dtype=torch.float64)
+    sketches = base[0] + sigmas[:, None] * base[1] + sigmas[:, None] ** 2 * base[2] \
+        + torch.relu(0.4 - sigmas)[:, None] ** 3 * 40 * base[3]
+    weights = (torch.rand(steps, generator=generator, dtype=torch.float64) + 0.1).tolist()
+    profile = StepProfile(tuple(schedule[:-1]), (0.0,) + (0.1,) * (steps - 1), tuple(map(tuple, sketches.tolist())))
+    return schedule, sigmas, sketches, weights, profile
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_measured_plan_is_the_cheapest_placement_by_the_calibrations_forecast_errors(seed):
+    steps = 10
+    schedule, sigmas, sketches, weights, profile = random_trajectory(steps, seed=seed)
+    for count in range(2, steps + 1):
+        for protected in (frozenset(), frozenset({4})):
+            plan = measured_plan(count, profile, schedule, weights, protected)
+            count_here = max(count, 2 + len(protected))
+            assert len(plan) == count_here and plan[0] == 0 and plan[-1] == steps - 1 and protected <= set(plan)
+            candidates = [c for c in itertools.combinations(range(steps), count_here)
+                          if c[0] == 0 and c[-1] == steps - 1 and protected <= set(c)]
+            best = min(measured_cost(c, sketches, sigmas, weights) for c in candidates)
+            assert measured_cost(plan, sketches, sigmas, weights) == pytest.approx(best, rel=1e-9, abs=1e-15)
+    assert measured_plan(50, profile, schedule, weights) == list(range(steps))
+
+
+def test_the_measured_plan_computes_where_the_trajectory_bends_and_needs_sketches():
+    schedule = shifted_schedule(20)
+    sigmas = torch.tensor(schedule[:-1], dtype=torch.float64)
+    bend = 0.5 * (sigmas[11] + sigmas[12])
+    line = torch.stack([1 + 0 * sigmas, 2 * sigmas, -sigmas], dim=1)  # 1st order forecasts it exactly ...
+    sketches = line + torch.relu(bend - sigmas)[:, None] * torch.tensor([0.0, 5.0, 3.0])  # ... but for a kink
+    profile = StepProfile(tuple(schedule[:-1]), (0.0,) + (0.1,) * 19, tuple(map(tuple, sketches.tolist())))
+    plan = measured_plan(5, profile, schedule, None)
+    assert 11 in plan or 12 in plan, plan  # a compute right at the kink, where extrapolating fails
+    assert measured_plan(5, StepProfile(profile.sigmas, profile.changes), schedule, None) is None  # no sketches
+    # another schedule of the same model: the sketches are read at its sigmas (linear between calibrated steps)
+    longer = shifted_schedule(40)
+    at = profile.sketches_for(longer)
+    assert at.shape == (40, 3) and torch.allclose(torch.tensor(at[::2]), sketches, atol=1e-12)
+
+
+def test_a_speedup_budget_places_by_the_measured_plan_where_asked_else_by_the_profile():
+    schedule, _, _, weights, profile = random_trajectory(30, seed=3)
+    config = StackCacheConfig(threshold=0.0, speedup=3.0, step_profile=profile)
+    budget = ForwardBudget(config)
+    budget.start(30, schedule, weights=weights, measured=True)
+    assert budget.placement == "measured" and budget.plan == measured_plan(10, profile, schedule, weights)
+    assert "placed by the calibration's measured trajectory" in budget.describe()
+    budget.start(30, schedule, weights=weights)  # not asked (a sampler that takes Euler steps)
+    assert budget.placement == "calibrated"
+    assert budget.plan == plan_steps(10, profile.changes_for(schedule), steps_in_sigma(schedule)[1:] + [
+        schedule[-2] - schedule[-1]])
+    plain = StepProfile(profile.sigmas, profile.changes)
+    budget = ForwardBudget(StackCacheConfig(threshold=0.0, speedup=3.0, step_profile=plain))
+    budget.start(30, schedule, weights=weights, measured=True)  # a calibration made before sketches were kept
+    assert budget.placement == "calibrated" and budget.summary()["placement"] == "calibrated"
+    budget = ForwardBudget(StackCacheConfig(threshold=0.0, speedup=3.0))
+    budget.start(30, schedule, weights=weights, measured=True)
+    assert budget.placement == "schedule" and "placed by the schedule" in budget.describe()
+
+
+def test_sketches_round_trip_and_bad_ones_are_refused():
+    _, _, _, _, profile = random_trajectory(8)
+    data = profile.to_data()
+    again = StepProfile.from_data(data)
+    assert again.sigmas == pytest.approx(profile.sigmas, abs=1e-6) and len(again.sketches) == 8
+    assert torch.allclose(torch.tensor(again.sketches), torch.tensor(profile.sketches), rtol=1e-4)  # 5 digits
+    old = {"sigmas": data["sigmas"], "changes": data["changes"]}  # a calibration made before sketches
+    assert StepProfile.from_data(old).sketches is None
+    for bad in ({**data, "sketches": data["sketches"][:-1]}, {**data, "sketches": "x"},
+                {**data, "sketches": [k[:-1] if i == 3 else k for i, k in enumerate(data["sketches"])]},
+                {**data, "sketches": [[True] * 6] * 8}, {**data, "sketches": [[]] * 8}):
+        with pytest.raises(ValueError):
+            StepProfile.from_data(bad)
+    with pytest.raises(ValueError, match="at most"):
+        StepProfile(profile.sigmas, profile.changes, ((0.0,) * (SKETCH_VALUES // 8 + 1),) * 8)
+    with pytest.raises(ValueError, match="finite"):
+        StepProfile(profile.sigmas, profile.changes, ((float("nan"),) * 6,) * 8)
+
+
+def test_a_sketch_is_linear_keeps_norms_and_counts_every_value(monkeypatch):
+    generator = torch.Generator().manual_seed(5)
+    a, b = (torch.randn(1, 300, 256, generator=generator) for _ in range(2))  # 75 rows of 1024
+    assert sketch(a).shape == (1024,)
+    assert torch.allclose(sketch(a) - sketch(b), sketch(a - b), atol=1e-4)
+    ratios = [float(sketch(d).norm() / d.norm()) for d in (a, b, a - b, 3 * a + b)]
+    assert all(0.8 < r < 1.2 for r in ratios), ratios  # a random projection: the norm in expectation
+    changed = a.clone()
+    changed[0, 299, 255] += 10.0  # the very last value (the padded row) counts too
+    assert float((sketch(changed) - sketch(a)).norm()) == pytest.approx(10.0, rel=1e-4)
+    whole = sketch(a)
+    monkeypatch.setattr("omni_hooks.caching.residuals.SKETCH_ROWS_AT_ONCE", 7)  # in blocks: the same numbers
+    assert SKETCH_ROWS_AT_ONCE > 75 and torch.allclose(sketch(a), whole, atol=1e-4)
+    assert torch.equal(sketch(torch.ones(2, 3)), torch.ones(6))  # a small residual: all of it
+
+
 def test_a_calibrating_run_records_the_residual_change_of_every_step():
     schedule = shifted_schedule(10)
     model = Model(quadratic)
@@ -222,6 +341,10 @@ def test_a_calibrating_run_records_the_residual_change_of_every_step():
         expected = sum(float((quadratic(schedule[i], r) - quadratic(schedule[i - 1], r)).norm()
                              / quadratic(schedule[i - 1], r).norm()) for r in (0, 1)) / 2
         assert profile.changes[i] == pytest.approx(expected, rel=1e-5)
+    # and each step's residuals, sketched: both branches of a residual this small whole, one after the other
+    for i in (0, 5, 9):
+        expected = torch.cat([quadratic(schedule[i], r).reshape(-1) for r in (0, 1)])
+        assert torch.allclose(torch.tensor(profile.sketches[i], dtype=torch.float64), expected.double(), atol=1e-6)
     assert tea_run(Model(quadratic), 0).step_profile() is None  # nothing measured: no profile
     assert BASE.shape == (4, 3)
 
