@@ -9,7 +9,10 @@ port with this pack and a tiny Wan 2.1 checkpoint it writes itself, then, throug
 and prints what the cache did (from the pack's /omni_hooks/runs route), the speedup and the latent difference.
 The server is stopped at the end, also on errors.
 
-Usage: ./run demo [--steps 30] [--threshold 0.1]
+Apply TeaCache runs as a fresh node does: at its `speedup` of 2 (half the steps computed, placed by the calibration).
+`--threshold` runs the published-threshold path instead (`speedup` 0 and that `rel_l1_thresh`).
+
+Usage: ./run demo [--steps 30] [--speedup 2 | --threshold 0.1]
 """
 from __future__ import annotations
 
@@ -29,7 +32,11 @@ LOG_COPY = PACK_ROOT / "test-artifacts" / "demo-comfyui.log"  # the server's own
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--threshold", type=float, default=0.1, help="Apply TeaCache rel_l1_thresh")
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--speedup", type=float, default=None,
+                        help="Apply TeaCache speedup (default: what a fresh node shows, read from the server)")
+    choice.add_argument("--threshold", type=float, default=None,
+                        help="Apply TeaCache rel_l1_thresh on the published-threshold path (speedup 0)")
     opts = parser.parse_args()
     if comfyui_path() is None:
         print("demo: no ComfyUI found; `./run demo` fetches one, or set COMFYUI_PATH to a ComfyUI 0.3.64 or newer "
@@ -62,9 +69,16 @@ def run(server, opts, sampling: dict) -> None:
     print("1. TeaCache Calibrate fitted the tiny model and saved 'tiny-wan-demo'")
 
     timings, latents = {}, {}
-    teacache = ("OmniHooks.ApplyTeaCache", {"rel_l1_thresh": opts.threshold, "start_percent": 0.0,
-                                            "end_percent": 1.0, "cache_device": "compute device",
-                                            "model_variant": "calibration: tiny-wan-demo"})
+    threshold_path = opts.threshold is not None
+    if not threshold_path and opts.speedup is None:  # a fresh node's, as the server's schema gives it
+        info = client.get_json("/object_info/OmniHooks.ApplyTeaCache")["OmniHooks.ApplyTeaCache"]
+        opts.speedup = float(info["input"]["optional"]["speedup"][1]["default"])
+    setting = f"rel_l1_thresh {opts.threshold:g}" if threshold_path else f"speedup {opts.speedup:g}"
+    teacache = ("OmniHooks.ApplyTeaCache", {"rel_l1_thresh": opts.threshold if threshold_path else -1.0,
+                                            "start_percent": 0.0, "end_percent": 1.0,
+                                            "cache_device": "compute device",
+                                            "model_variant": "calibration: tiny-wan-demo",
+                                            "speedup": 0.0 if threshold_path else opts.speedup})
     for label, patches in (("without cache", []), ("with Apply TeaCache", [teacache])):
         graph = tiny_wan_graph(patches, **sampling)
         start = time.perf_counter()
@@ -74,8 +88,7 @@ def run(server, opts, sampling: dict) -> None:
         prompt_id = result.prompt_id
     runs = client.get_json("/omni_hooks/runs", {"prompt_id": prompt_id})["runs"]
     summary = runs[0]["summary"]
-    print(f"2./3. sampled {opts.steps} steps at cfg 5 without and with Apply TeaCache "
-          f"(rel_l1_thresh {opts.threshold})")
+    print(f"2./3. sampled {opts.steps} steps at cfg 5 without and with Apply TeaCache ({setting})")
     print(f"   TeaCache: reused {summary['reused']} of {summary['evaluations']} model evaluations "
           f"({summary['hit_rate']:.0%}); per branch: "
           + ", ".join(f"{b} {c['reused']} reused/{c['computed']} computed"
@@ -90,6 +103,8 @@ def run(server, opts, sampling: dict) -> None:
     print(f"   prompt wall time {timings['without cache']:.2f} s -> {timings['with Apply TeaCache']:.2f} s "
           f"({timings['without cache'] / timings['with Apply TeaCache']:.2f}x); "
           f"latent max abs difference {diff:.4f}, PSNR {psnr:.1f} dB")
+    for note in summary.get("notes", []):
+        print(f"   note: {note}")
     for warning in summary["warnings"]:
         print(f"   warning: {warning}")
 
