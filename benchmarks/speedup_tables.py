@@ -1,13 +1,18 @@
 """The speed-up's tables in docs/benchmarks.md ("One setting for the speed-up"), from the sweeps in ``docs/samplers/``.
 
-Per sampler, per forward budget of 30 steps and per benchmark model: what a fresh node at that speed-up computes
-(``omni_hooks.caching.speedup.recipe``: '1st order', skip correction 0.5 where the sampler is euler), the best
-forecast and correction of the sweep at that budget, 'auto' against the best of 'off' / '1st order' / '2nd order',
-and TaylorSeerLite's best point at that many forwards or fewer (``bench_forecasting_packs.py``).
+Per sampler, per forward budget of 30 steps and per benchmark model: what a fresh node at that speed-up gives
+(``speedup*.json``: Apply TeaCache with only its speed-up set), its recipe (``omni_hooks.caching.speedup.recipe``:
+'1st order', skip correction 0.5 where the sampler is euler) as a forward budget placed by the calibration's step
+profile (a row of the sweep; with euler it is the speed-up itself, bit for bit), the best forecast and correction of
+the sweep at that budget, 'auto' against the best of 'off' / '1st order' / '2nd order', and TaylorSeerLite's best
+point at that many forwards or fewer (``bench_forecasting_packs.py``).
 
 The sweeps (ComfyUI 0.33.0, this repository's machine):
   bench_cache_quality.py --model M --sampler S --budgets 5 6 8 10 12 15 --no-budget-pulls --tea-thresholds
       --mag-thresholds --easy-thresholds --skip-corrections 0 [0.5] --out docs/samplers
+  bench_cache_quality.py --model M --sampler S --budgets --no-budget-pulls --tea-thresholds --mag-thresholds
+      --easy-thresholds --skip-corrections 0 --speedups 2 3 3.75 5 6 --out OUT
+      (OUT's cache_quality*.json saved as docs/samplers/speedup*.json)
   bench_forecasting_packs.py --packs PACKS --only TaylorSeerLite --model M --sampler S --out docs/samplers
 (euler's packs: docs/forecasting_packs*.json, every pack). Run: python benchmarks/speedup_tables.py
 """
@@ -41,12 +46,20 @@ def cell(row: dict) -> str:
     return f"{row['psnr_mean']:.1f} / {row['psnr_min']:.1f}"
 
 
+def speedup_row(model: str, sampler: str, budget: int) -> dict:
+    """The fresh node's row at the speed-up that computes ``budget`` of 30 steps (Apply TeaCache's)."""
+    rows = json.loads((ROOT / "docs" / "samplers" / name("speedup", model, sampler)).read_text())
+    return next(r for r in rows if r["configuration"].startswith("TeaCache speed-up")
+                and round(30 / r["speedup"]) == budget)
+
+
 def table(sampler: str) -> tuple[str, list[tuple[str, int, float, float, float | None]]]:
-    """The markdown table of ``sampler`` and, per model and budget, (model, budget, the speed-up's mean, the sweep's
-    best mean, the best pack's mean or None)."""
+    """The markdown table of ``sampler`` and, per model and budget, (model, budget, the speed-up's mean, the best
+    mean of the sweep and the speed-up, the best pack's mean or None)."""
     correction = 0.5 if sampler == "euler" else 0.0
-    lines = ["| forwards (speed-up) | model | the speed-up | best of the sweep | `auto` against the best fixed order "
-             "| TaylorSeerLite, at most as many |", "|---|---|---|---|---|---|"]
+    lines = ["| forwards (speed-up) | model | the speed-up | its recipe, placed by the step profile "
+             "| best of the sweep | `auto` against the best fixed order | TaylorSeerLite, at most as many |",
+             "|---|---|---|---|---|---|---|"]
     figures = []
     for budget in BUDGETS:
         for model in MODELS:
@@ -54,6 +67,7 @@ def table(sampler: str) -> tuple[str, list[tuple[str, int, float, float, float |
                                           .read_text()) if r.get("budget") == budget]
             recipe = next(r for r in rows if forecast(r) == RECIPE_FORECAST
                           and (r.get("skip_correction") or 0) == correction)
+            speedup = speedup_row(model, sampler, budget)
             best = max(rows, key=lambda r: r["psnr_mean"])
             same = [r for r in rows if (r.get("skip_correction") or 0) == correction]
             auto = next(r for r in same if forecast(r) == "auto")
@@ -62,11 +76,12 @@ def table(sampler: str) -> tuple[str, list[tuple[str, int, float, float, float |
                           else ROOT / "docs" / "samplers" / name("forecasting_packs", model, sampler))
             packs = [r for r in json.loads(packs_file.read_text()) if r["evaluations"] <= budget + 1e-9]
             pack = max(packs, key=lambda r: r["psnr_mean"], default=None)
-            lines.append(f"| {budget} ({30 / budget:.3g}x) | {model} | {cell(recipe)} | {cell(best)} ({label(best)}) "
+            lines.append(f"| {budget} ({30 / budget:.3g}x) | {model} | {cell(speedup)} | {cell(recipe)} "
+                         f"| {cell(best)} ({label(best)}) "
                          f"| {auto['psnr_mean'] - fixed['psnr_mean']:+.1f} ({forecast(fixed)}) | "
                          + ("—" if pack is None else f"{cell(pack)} ({pack['configuration']}: {pack['setting']}, "
                                                      f"{pack['evaluations']:g})") + " |")
-            figures.append((model, budget, recipe["psnr_mean"], best["psnr_mean"],
+            figures.append((model, budget, speedup["psnr_mean"], max(best["psnr_mean"], speedup["psnr_mean"]),
                             None if pack is None else pack["psnr_mean"]))
     return "\n".join(lines), figures
 
@@ -96,7 +111,7 @@ def main() -> None:
         text, figures = table(sampler)
         print(f"\n{sampler}:\n\n{text}\n")
         within = sum(best - recipe <= 1.0 for _, budget, recipe, best, _ in figures if budget >= 8)
-        print(f"the speed-up within 1 dB of the sweep's best at 2x to 3.75x: {within} of "
+        print(f"the speed-up within 1 dB of the best (the sweep's or its own) at 2x to 3.75x: {within} of "
               f"{sum(budget >= 8 for _, budget, *_ in figures)}")
         margins = [recipe - pack for _, budget, recipe, _, pack in figures if budget == 8 and pack is not None]
         print(f"at 8 forwards, the speed-up over TaylorSeerLite: {min(margins):+.1f} to {max(margins):+.1f} dB")
