@@ -1,14 +1,18 @@
 """Workflows saved before the caches' speed-up input existed keep what they did when opened in the real frontend
-(web/saved_workflows.js), while a node the user adds shows the fresh speed-up: a saved UI workflow (an example workflow
-of an earlier release, its widget values ending before the input), an API-format workflow without the input, and one
-saved by this release (its value kept), each queued as the Run button queues it."""
+(web/saved_workflows.js), while a node the user adds shows the fresh speed-up: a saved UI workflow (two example
+workflows as an earlier release shipped them, their widget values ending before the input: ``data/``), an API-format
+workflow without the input, and one saved by this release (its value kept), each queued as the Run button queues
+it; this release's example workflows open at the fresh speed-up."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from omnitest.comfy_path import PACK_ROOT
+
+SAVED_BEFORE = Path(__file__).parent / "data"  # example workflows as the release before the speed-up shipped them
 
 pytestmark = [pytest.mark.server, pytest.mark.browser]
 
@@ -27,10 +31,10 @@ def queued_inputs(page, node_type: str) -> list[dict]:
         .filter(n => n.class_type === type).map(n => n.inputs)""", node_type)
 
 
-@pytest.mark.parametrize("example, node_type", [("teacache_wan21_t2v.json", "OmniHooks.ApplyTeaCache"),
-                                                ("magcache_wan22_t2v_14B.json", "OmniHooks.ApplyMagCache")])
+@pytest.mark.parametrize("example, node_type", [("teacache_wan21_t2v", "OmniHooks.ApplyTeaCache"),
+                                                ("magcache_wan22_t2v_14B", "OmniHooks.ApplyMagCache")])
 def test_a_workflow_saved_before_the_speedup_opens_with_it_off(page, example, node_type):
-    workflow = json.loads((PACK_ROOT / "example_workflows" / example).read_text())
+    workflow = json.loads((SAVED_BEFORE / f"{example}_saved_before_speedup.json").read_text())
     saved = [n["widgets_values"] for n in workflow["nodes"] if n["type"] == node_type]
     assert saved and all(len(values) < 9 for values in saved)  # saved without the optional inputs
     page.evaluate("async (w) => { await window.app.loadGraphData(w, true, true, 'saved before'); }", workflow)
@@ -38,6 +42,16 @@ def test_a_workflow_saved_before_the_speedup_opens_with_it_off(page, example, no
         assert widgets["speedup"] == 0, widgets
         assert widgets[APPLY[node_type]] == values[0]  # what was saved stays
     assert [inputs["speedup"] for inputs in queued_inputs(page, node_type)] == [0] * len(saved)
+
+
+@pytest.mark.parametrize("example, node_type", [("teacache_wan21_t2v", "OmniHooks.ApplyTeaCache"),
+                                                ("magcache_wan22_t2v_14B", "OmniHooks.ApplyMagCache")])
+def test_this_releases_example_workflows_open_and_queue_at_the_fresh_speedup(page, example, node_type):
+    workflow = json.loads((PACK_ROOT / "example_workflows" / f"{example}.json").read_text())
+    page.evaluate("async (w) => { await window.app.loadGraphData(w, true, true, 'example'); }", workflow)
+    speedups = [w["speedup"] for w in widgets_of(page, node_type)]
+    assert speedups and speedups == [2.0] * len(speedups)
+    assert [inputs["speedup"] for inputs in queued_inputs(page, node_type)] == speedups
 
 
 def test_a_node_the_user_adds_offers_the_fresh_speedup_and_a_saved_one_keeps_its_value(page):

@@ -72,13 +72,14 @@ EXPECTED = {
 REQUIRES_NODE = {"sequence_parallel_magcache_flux2_dev": "EmptyFlux2LatentImage",
                  "offload_teacache_calibrate_ltx2": "LTXVConcatAVLatent"}
 
-# the cache node of every sampler (in the order the samplers denoise), with the settings the example shows:
-# TeaCache's published threshold and coefficients picked from the model, MagCache's defaults with the published curve
-# ('auto', or the Wan 2.2 A14B part of each expert); a calibrate node has none.
+# the cache node of every sampler (in the order the samplers denoise), with the settings the example shows: a fresh
+# node's (its speed-up, every other input at its default), TeaCache's coefficients picked from the model, MagCache's
+# published curve ('auto', or the Wan 2.2 A14B part of each expert); a calibrate node has none.
+FRESH = {"forecast": "off", "forward_budget": 0, "skip_correction": 0.0, "speedup": 2.0}
 TEACACHE_RECOMMENDED = {"rel_l1_thresh": -1, "start_percent": 0, "end_percent": 1, "cache_device": "compute device",
-                        "model_variant": "auto", "forecast": "off"}
+                        "model_variant": "auto", **FRESH}
 MAGCACHE_DEFAULTS = {"threshold": 0.06, "max_skip_steps": 2, "retention_ratio": 0.2, "start_percent": 0,
-                     "end_percent": 1, "cache_device": "compute device", "forecast": "off"}
+                     "end_percent": 1, "cache_device": "compute device", **FRESH}
 EXPECTED_CACHES = {
     "teacache_wan21_t2v": [(APPLY, TEACACHE_RECOMMENDED)],
     "teacache_flux_dev_t2i": [(APPLY, TEACACHE_RECOMMENDED)],
