@@ -20,7 +20,8 @@ from typing import Any, Callable
 import folder_paths
 
 PREFIX = "calibration: "
-MAX_FILE_BYTES = 4 * 1024 * 1024  # a calibration file is a few KB; anything far larger is not one
+# a calibration file is a few KB, about 1 MB with its step profile's sketches; anything far larger is not one
+MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_DEPTH = 32                    # the deepest real file nests 3 levels (mag_ratios -> branch -> list)
 TEXT_FIELDS = ("kind", "family", "variant", "signal", "layout")  # compared, used as keys or shown: must be text
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}$")
