@@ -18,16 +18,17 @@ of the residual from the step before, as a rate per unit sigma, so it fits anoth
 one the residual is taken to change in proportion to sigma. The schedule is the run's own (``CallContext.schedule``).
 
 A measured plan (``measured_plan``) replaces that model where the calibration kept a sketch of the residual itself
-(``StepProfile.sketches``: per step a strided sample of each branch's residual) and the run forecasts to first order
-with no correction after the gap: the cost of a gap is then what the calibration's own trajectory says its skips
-would have erred, ``|sum over a < j < b of w_j * (r_j - f_j)| ** 2``, with ``r_j`` the sketch at step j's sigma
-(linear in sigma between calibrated steps), ``f_j`` its 1st-order forecast from the two computed steps before the
-gap (reuse of the first step in the first gap) and ``w_j`` the sampler's step weight (``CallContext.step_weights``:
-how far an error of step j's output moves the final latent; plain Euler's are the sigma steps). A speed-up places
-its steps so with a sampler that takes no Euler steps (docs/benchmarks.md, against the profile's plan at 2x to 6x:
-with ``uni_pc`` up to 13.3 dB ahead on three of the four benchmark models, mean +4.5 over all four, up to 4.8 behind
-on the fourth; with ``dpmpp_2m`` and ``res_multistep`` about even at 2x to 3.75x and ahead at 5x and 6x; with
-``euler`` the skip correction interpolates each gap afterwards, which the extrapolation's cost does not model).
+(``StepProfile.sketches``: per step a fixed random projection of each branch's residual, ``residuals.sketch``) and the
+run forecasts to first order with no correction after the gap: the cost of a gap is then what the calibration's own
+trajectory says its skips would have erred, ``|sum over a < j < b of w_j * (r_j - f_j)| ** 2``, with ``r_j`` the
+sketch at step j's sigma (linear in sigma between calibrated steps), ``f_j`` its 1st-order forecast from the two
+computed steps before the gap (reuse of the first step in the first gap) and ``w_j`` the sampler's step weight
+(``CallContext.step_weights``: how far an error of step j's output moves the final latent; plain Euler's are the sigma
+steps). A speed-up places its steps so with a sampler that takes no Euler steps (docs/benchmarks.md, against the
+profile's plan at 2x to 6x: with ``uni_pc`` up to 13.3 dB ahead on three of the four benchmark models, mean +4.5 over
+all four, up to 4.8 behind on the fourth; with ``dpmpp_2m`` and ``res_multistep`` about even at 2x to 3.75x and ahead
+at 5x and 6x; with ``euler`` the skip correction interpolates each gap afterwards, which the extrapolation's cost does
+not model).
 
 ``ForwardBudget`` is a run's budget: ``decide`` answers per step, computing the planned steps and the protected ones
 (``must``), and lets the cache's policy bring the next planned compute forward (``wants``: its threshold says compute
@@ -50,9 +51,9 @@ PLACEMENTS = {"measured": "the calibration's measured trajectory and the sampler
               "calibrated": "the calibration's step profile", "schedule": "the schedule (no calibration)"}
 
 
-#: a calibration's sketch of a step's residual: this many values of each branch's residual (evenly strided) ...
+#: a calibration's sketch of a step's residual: this many numbers per branch (``residuals.sketch``) ...
 SKETCH_SIZE = 1024
-#: ... and at most this many values over all its steps (a longer run's sketches are strided further)
+#: ... and at most this many over all its steps (a longer run's sketches keep every k-th of their numbers)
 SKETCH_VALUES = 1 << 16
 #: the most steps ``measured_plan`` plans (its cost table is steps ** 3 / 6 sketches long); a longer run gets the
 #: profile's plan
@@ -65,8 +66,8 @@ class StepProfile:
 
     ``sigmas[i]``: the sigma of calibrated step i (descending); ``changes[i]``: the relative change of the residual
     from step i - 1 to i, ``|r_i - r_(i-1)| / |r_(i-1)|`` (averaged over the branches; ``changes[0]`` is 0);
-    ``sketches[i]`` (None: a calibration made before they were kept): a strided sample of step i's residual, its
-    branches one after the other, the same length at every step (``measured_plan``).
+    ``sketches[i]`` (None: a calibration made before they were kept): a fixed random projection of step i's residual
+    (``residuals.sketch``), its branches one after the other, the same length at every step (``measured_plan``).
     """
 
     sigmas: tuple[float, ...]
