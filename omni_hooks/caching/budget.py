@@ -25,8 +25,8 @@ sketch at step j's sigma (linear in sigma between calibrated steps), ``f_j`` its
 computed steps before the gap (reuse of the first step in the first gap) and ``w_j`` the sampler's step weight
 (``CallContext.step_weights``: how far an error of step j's output moves the final latent; plain Euler's are the sigma
 steps). A speed-up places its steps so with a sampler that takes no Euler steps (docs/benchmarks.md, against the
-profile's plan at 2x to 6x: with ``uni_pc`` up to 13.3 dB ahead on three of the four benchmark models, mean +4.5 over
-all four, up to 4.8 behind on the fourth; with ``dpmpp_2m`` and ``res_multistep`` about even at 2x to 3.75x and ahead
+profile's plan at 2x to 6x: with ``uni_pc`` up to 13.3 dB ahead on three of the four benchmark models, mean +4.0 over
+all four, up to 4.9 behind on the fourth; with ``dpmpp_2m`` and ``res_multistep`` about even at 2x to 3.75x and ahead
 at 5x and 6x; with ``euler`` the skip correction interpolates each gap afterwards, which the extrapolation's cost does
 not model).
 

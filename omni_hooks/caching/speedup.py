@@ -13,8 +13,9 @@ Why these (docs/benchmarks.md, "One setting for the speed-up"): under forward bu
 forecast and correction of the sweep in 11 of 12 cells with euler, and '1st order' (the correction then does nothing)
 in 10 of 12 with uni_pc and 9 of 12 with dpmpp_2m and res_multistep, placed by the step profile. Where it missed,
 mostly '2nd order' was ahead (by up to 4.4 dB), which was behind by up to 6.4 on another model; 'auto' was behind by
-up to 9.4. The measured placement then moved uni_pc's speed-up up by a mean 4.5 dB over 2x to 6x (within 1 dB of the
-best in 9 of 12 cells, as it now beats the sweep's best on three models by up to 13 dB).
+up to 9.4. The measured placement then moved uni_pc's speed-up up by a mean 4.0 dB over 2x to 6x: it beats the
+sweep's best on three models by up to 13 dB and trails the step profile's plan on the fourth (within 1 dB of the best,
+its own or the sweep's, in 9 of 12 cells at 2x to 3.75x).
 """
 from __future__ import annotations
 
