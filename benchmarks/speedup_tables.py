@@ -12,7 +12,8 @@ The sweeps (ComfyUI 0.33.0, this repository's machine):
       --mag-thresholds --easy-thresholds --skip-corrections 0 [0.5] --out docs/samplers
   bench_cache_quality.py --model M --sampler S --budgets --no-budget-pulls --tea-thresholds --mag-thresholds
       --easy-thresholds --skip-corrections 0 --speedups 2 3 3.75 5 6 --out OUT
-      (OUT's cache_quality*.json saved as docs/samplers/speedup*.json)
+      (OUT's cache_quality*.json saved as docs/samplers/speedup*.json; heun's, not tabled here, with --budgets 15 10
+      8 6 5 --forecasts "1st order" too)
   bench_forecasting_packs.py --packs PACKS --only TaylorSeerLite --model M --sampler S --out docs/samplers
 (euler's packs: docs/forecasting_packs*.json, every pack). Run: python benchmarks/speedup_tables.py
 """
