@@ -71,9 +71,7 @@ class _StandIn:
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **kwargs) -> torch.Tensor:
         out = torch.ones_like(x)
-        if not self.perturbed:
-            return x - sigma.reshape(-1, *([1] * (x.ndim - 1))).to(x.dtype) * out
-        step = step_index(self.values, float(sigma.flatten()[0]))
+        step = step_index(self.values, float(sigma.flatten()[0])) if self.perturbed else None
         if step is not None and step + 1 < x.shape[0]:
             out[step + 1] = 2.0
         return x - sigma.reshape(-1, *([1] * (x.ndim - 1))).to(x.dtype) * out

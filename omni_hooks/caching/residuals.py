@@ -163,6 +163,9 @@ def relative_change(current: torch.Tensor, previous: torch.Tensor) -> torch.Tens
     return ((current.float() - prev).square().sum() / (prev.square().sum() + 1e-12)).sqrt()
 
 
+SKETCH_ROWS_AT_ONCE = 4096  # rows of a residual ``sketch`` takes at once (its temporaries: 16 MB in float32)
+
+
 def sketch(part: torch.Tensor) -> torch.Tensor:
     """``SKETCH_SIZE`` numbers standing for a branch's residual (all of a smaller one), float32: the residual cut into
     rows of ``SKETCH_SIZE`` values (the last one padded with zeros), each row multiplied by a fixed random sign
@@ -179,9 +182,6 @@ def sketch(part: torch.Tensor) -> torch.Tensor:
         block = torch.nn.functional.pad(block, (0, -block.numel() % SKETCH_SIZE)).view(-1, SKETCH_SIZE)
         out += (block * signs[first:first + block.shape[0], None]).sum(dim=0)
     return out
-
-
-SKETCH_ROWS_AT_ONCE = 4096
 
 
 def row_signs(rows: int) -> torch.Tensor:
