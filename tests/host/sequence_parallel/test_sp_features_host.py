@@ -417,3 +417,38 @@ def test_block_sparse_attention_on_the_same_model_is_refused_naming_both_before_
     assert (entry["kind"], entry["status"], entry["summary"]) == ("sequence_parallel", "error", None)  # never joined
     alone = env.tiny.sample(wan, steps=2)
     assert psnr_db(env.tiny.sample(wan, model=env.sequence_parallel(wan.patcher), steps=2), alone) >= MIN_PSNR_DB
+
+
+def test_a_speedups_measured_plan_places_the_same_steps_on_every_rank_as_in_one_process(env, wan):
+    """With a sampler that takes no Euler steps a speed-up places its steps by the calibration's sketches and the
+    sampler's step weights: both reach the workers (the config as plain data, the weights with each call), so the
+    group computes the steps the run alone computes."""
+    from omnitest.pack import pack_module
+
+    files = pack_module("nodes.caches.calibration_files")
+    generator = torch.Generator().manual_seed(3)
+    sigmas = torch.linspace(1.0, 0.1, STEPS)
+    base = torch.randn(3, 16, generator=generator)
+    sketches = base[0] + sigmas[:, None] * base[1] + torch.relu(0.5 - sigmas)[:, None] ** 2 * 30 * base[2]
+    files.save("teacache", "sp-measured", {
+        "coefficients": [0, 0, 0, 1, 0], "family": "wan", "signal": "default",
+        "step_profile": {"sigmas": sigmas.tolist(), "changes": [0.0] + [0.1] * (STEPS - 1),
+                         "sketches": sketches.tolist()}})
+
+    def apply_cache(model):
+        from omnitest.pack import run_node
+
+        return run_node(pack_module("nodes.caches.teacache").ApplyTeaCache, node_id="21", model=model,
+                        rel_l1_thresh=-1.0, start_percent=0.0, end_percent=1.0, cache_device="compute device",
+                        model_variant="calibration: sp-measured", speedup=2.0)[0]
+
+    alone = env.tiny.sample(wan, model=apply_cache(wan.patcher), steps=STEPS, sampler_name="uni_pc")
+    alone_entry = last_entry(env)
+    got = env.tiny.sample(wan, model=apply_cache(env.sequence_parallel(wan.patcher)), steps=STEPS,
+                          sampler_name="uni_pc")
+    entry = last_entry(env)
+    assert entry["status"] == "success" and entry["world_size"] == 2
+    assert alone_entry["summary"]["budget"]["placement"] == "measured"
+    assert entry["summary"]["budget"] == alone_entry["summary"]["budget"]
+    assert reasons(entry) == reasons(alone_entry)
+    assert psnr_db(got, alone) >= MIN_PSNR_DB
