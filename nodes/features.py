@@ -37,7 +37,7 @@ import torch
 from ..omni_hooks.context import CallContext
 from . import stats_store
 from .families import DetectedModel, detect, drift
-from .samplers import step_index, step_weights, takes_euler_steps
+from .samplers import corrects_by_weights, step_index, step_weights, takes_euler_steps
 from .stats_store import FeatureReport, RunHeader
 
 log = logging.getLogger("OmniHooks")
@@ -48,6 +48,8 @@ RUN_KEY = "omni_hooks.run"  # transformer_options of a sampling run's model-opti
 EULER_KEY = "omni_hooks.euler_steps"
 # ... and how much each step's output moves the final latent on that sampler (``CallContext.step_weights``)
 WEIGHTS_KEY = "omni_hooks.step_weights"
+# ... and whether a speed-up's skip correction weighs the gaps by them (``CallContext.weighted_correction``)
+WEIGHTED_KEY = "omni_hooks.weighted_correction"
 WRAPPER_KEY = "omni_hooks"
 CATEGORY = "OmniHooks"                 # every node's menu category
 
@@ -430,6 +432,7 @@ def _outer_sample(executor, *args, **kwargs):
     guider.model_options["transformer_options"][EULER_KEY] = takes_euler_steps(sampler, model_sampling)
     guider.model_options["transformer_options"][WEIGHTS_KEY] = step_weights(sampler, sigmas, model_sampling,
                                                                             guider.model_patcher)
+    guider.model_options["transformer_options"][WEIGHTED_KEY] = corrects_by_weights(sampler)
     sampling_run.steps = max(len(sigmas) - 1, 0) if sigmas is not None else None
     status = "error"
     try:
@@ -558,7 +561,7 @@ def call_context(sampling_run: SamplingRun, options: dict) -> CallContext:
     step = step_of(options, sampling_run.schedules)
     return CallContext(branches=uuids, labels=labels, step=step.step, total_steps=step.total_steps, sigma=step.sigma,
                        schedule=step.schedule, euler_steps=options.get(EULER_KEY) is True,
-                       step_weights=options.get(WEIGHTS_KEY))
+                       step_weights=options.get(WEIGHTS_KEY), weighted_correction=options.get(WEIGHTED_KEY) is True)
 
 
 def run_call(sampling_run: SamplingRun, diffusion_model: torch.nn.Module, forward: Callable[..., Any], args: tuple,

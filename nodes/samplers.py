@@ -1,6 +1,8 @@
 """What a run's sampler does with the model's outputs: whether it takes plain Euler steps (``takes_euler_steps``:
-``CallContext.euler_steps``), which step a call belongs to (``step_index``), and how much each step's output moves the
-final latent (``step_weights``: ``CallContext.step_weights``), measured on the run's own sampler.
+``CallContext.euler_steps``), whether a speed-up's skip correction weighs its gaps by its step weights
+(``corrects_by_weights``: ``CallContext.weighted_correction``), which step a call belongs to (``step_index``), and how
+much each step's output moves the final latent (``step_weights``: ``CallContext.step_weights``), measured on the run's
+own sampler.
 
 A cache that skips step j gives the sampler an output that errs by some ``e_j`` (per unit of the model's output
 ``(x - denoised) / sigma``, through which both EPS and flow models' residuals reach the sampler). The samplers are
@@ -27,6 +29,7 @@ import math
 import types
 import warnings
 
+import comfy.extra_samplers.uni_pc
 import comfy.k_diffusion.sampling
 import comfy.model_sampling
 import comfy.samplers
@@ -44,6 +47,20 @@ def takes_euler_steps(sampler, model_sampling) -> bool:
     denoised = getattr(type(model_sampling), "calculate_denoised", None)
     return plain and denoised in (comfy.model_sampling.EPS.calculate_denoised,
                                   comfy.model_sampling.CONST.calculate_denoised)
+
+
+#: the sampler functions whose skip correction, under a speed-up, weighs a gap by their step weights
+#: (``omni_hooks.caching.skip_correction``): ComfyUI's multistep samplers, one model call per step, measured to gain on
+#: the benchmark models (docs/benchmarks.md, "A skip correction for the multistep samplers")
+WEIGHTED_CORRECTION = (comfy.extra_samplers.uni_pc.sample_unipc, comfy.k_diffusion.sampling.sample_dpmpp_2m,
+                       comfy.k_diffusion.sampling.sample_res_multistep)
+
+
+def corrects_by_weights(sampler) -> bool:
+    """True for ComfyUI's 'uni_pc', 'dpmpp_2m' and 'res_multistep' (``WEIGHTED_CORRECTION``), as KSAMPLERs with their
+    own function and no extra options."""
+    return (isinstance(sampler, comfy.samplers.KSAMPLER) and not sampler.extra_options
+            and any(sampler.sampler_function is f for f in WEIGHTED_CORRECTION))
 
 
 def step_index(values: tuple[float, ...], sigma: float) -> int | None:

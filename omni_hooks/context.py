@@ -77,7 +77,10 @@ class CallContext:
     * ``step_weights``: per step of ``schedule``, how far a unit error in that step's model output moves the final
       latent on the run's sampler, the other steps' outputs held fixed (plain Euler's are its sigma steps; a multistep
       sampler's differ, most at its last steps); a cache with a forward budget places its computed steps by them.
-      None when the host cannot tell (then the sigma steps stand in).
+      None when the host cannot tell (then the sigma steps stand in);
+    * ``weighted_correction``: the sampler is one whose skip correction, under a speed-up, adds up a gap's error by
+      ``step_weights`` (``omni_hooks.caching.skip_correction``: a multistep sampler with one model call per step, where
+      it was measured to gain); False otherwise or when the host cannot tell.
     """
 
     branches: list[str]
@@ -90,6 +93,7 @@ class CallContext:
     rank: RankView = RankView()
     euler_steps: bool = False
     step_weights: tuple[float, ...] | None = None
+    weighted_correction: bool = False
 
 
 def sigma_steps(schedule) -> list[float]:

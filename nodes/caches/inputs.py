@@ -100,7 +100,8 @@ def skip_correction_input() -> io.Float.Input:
                           "and the interpolation between the two computed steps around them. No model call, one "
                           "more tensor per branch. 0.5 gained quality at most settings on the Wan benchmark models "
                           "(see the README); it needs the sampler 'euler', with any other sampler nothing is "
-                          "corrected and the statistics say so.")
+                          "corrected and the statistics say so (the speed-up also corrects 'uni_pc', 'dpmpp_2m' "
+                          "and 'res_multistep').")
 
 
 #: a fresh node's speed-up (the widget's default: 15 of 30 steps, 58-73 dB in the benchmarks). A saved workflow or
@@ -122,12 +123,12 @@ def speedup_input() -> io.Float.Input:
                             "30. The cache chooses the rest: which steps to compute (where this model's calibration, "
                             "made with the sampler you generate with, says they matter most for that sampler; without "
                             "one, by the schedule), the forecast for the skipped ones ('1st order') and the skip "
-                            "correction (0.5, with euler), the choice that did best overall "
-                            "in the benchmarks at 2x to 3.75x. The threshold, forecast, forward budget and skip "
-                            "correction inputs are then not used and must stay at their defaults. 0 = off: the "
-                            "threshold decides, as in the original TeaCache and MagCache nodes, with those inputs. A "
-                            "run of 8 steps or fewer computes at least as many steps as the few-step rule keeps (5 of "
-                            "8).")
+                            "correction (0.5, with euler, uni_pc, dpmpp_2m and res_multistep), the choice that did "
+                            "best overall in the benchmarks at 2x to 3.75x. The threshold, forecast, forward budget "
+                            "and skip correction inputs are then not used and must stay at their defaults. 0 = off: "
+                            "the threshold decides, as in the original TeaCache and MagCache nodes, with those "
+                            "inputs. A run of 8 steps or fewer computes at least as many steps as the few-step rule "
+                            "keeps (5 of 8).")
     widget.extra_dict[SAVED_WITHOUT] = SHARED_INPUTS.default("speedup")
     return widget
 

@@ -108,14 +108,16 @@ class Corrector:
         self.streams = streams
 
     def applies(self, context: CallContext) -> bool:
-        """Whether this call takes part: the sampler takes Euler steps, the call's sigma and step within a known
-        schedule are known, and the stack has one stream. The first call that cannot says why in the run's
-        statistics (``CacheRunStats.skip_correction_note``)."""
+        """Whether this call takes part: the sampler takes Euler steps (or, under a speed-up, is one whose gaps are
+        weighed by its step weights: ``weights``), the call's sigma and step within a known schedule are known, and
+        the stack has one stream. The first call that cannot says why in the run's statistics
+        (``CacheRunStats.skip_correction_note``)."""
         why = None
-        if not context.euler_steps:
-            why = ("the sampler does not take plain Euler steps (use the sampler 'euler'; other samplers move the "
-                   "latent otherwise, with several evaluations per step or outputs combined across steps, which the "
-                   "correction does not model)")
+        if not context.euler_steps and self.weights(context) is None:
+            why = ("the sampler does not take plain Euler steps (use the sampler 'euler', or the speed-up, which also "
+                   "corrects 'uni_pc', 'dpmpp_2m' and 'res_multistep'; other samplers move the latent otherwise, with "
+                   "several evaluations per step or outputs combined across steps, which the correction does not "
+                   "model)")
         elif context.sigma is None or context.step is None or not context.schedule \
                 or context.step + 1 >= len(context.schedule):
             why = "the host could not tell this call's sigma and step"
@@ -125,6 +127,19 @@ class Corrector:
             self.stats.skip_correction_note = f"skip correction: not applied, {why}"
         return why is None
 
+    def weights(self, context: CallContext) -> tuple[float, ...] | None:
+        """The step weights a gap is weighed by (``skip_correction``): the sampler's under a speed-up with a sampler
+        of ``CallContext.weighted_correction``; None: the sigma steps (plain Euler), or no correction."""
+        usable = (not context.euler_steps and context.weighted_correction and self.config.speedup > 0
+                  and context.step_weights is not None and context.schedule is not None
+                  and len(context.step_weights) == len(context.schedule) - 1)
+        return context.step_weights if usable else None
+
+    def weight(self, context: CallContext) -> float | None:
+        """This call's step weight for ``SkipCorrection`` (None: its sigma step)."""
+        weights = self.weights(context)
+        return None if weights is None else float(weights[context.step])
+
     @staticmethod
     def next_sigma(context: CallContext) -> float:
         """The sigma the call's step moves to (its schedule is known: ``applies``)."""
@@ -132,17 +147,20 @@ class Corrector:
 
     def skipped(self, context: CallContext, states: list[CachedResidualState], residuals: list[torch.Tensor]) -> None:
         """Record, per branch, the residual a skipped call used."""
+        weight = self.weight(context)
         for st, residual in zip(states, residuals):
-            st.skips.skipped(residual, context.sigma, self.next_sigma(context))
+            st.skips.skipped(residual, context.sigma, self.next_sigma(context), weight)
 
     def corrections(self, context: CallContext, states: list[CachedResidualState],
                     parts: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """Per branch of a computed call (its new residual in ``parts``, before it is kept): what its stack output
         adds for the skipped steps before it (None: nothing)."""
         out = []
+        weight = self.weight(context)
+        self.stats.corrected_by_weights |= weight is not None
         for st, part in zip(states, parts):
             out.append(st.skips.correction(st.previous_residual, st.residual_sigma, part, context.sigma,
-                                           self.next_sigma(context), self.config.skip_correction))
+                                           self.next_sigma(context), self.config.skip_correction, weight))
             st.residual_sigma = context.sigma
         return out
 

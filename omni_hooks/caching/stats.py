@@ -121,6 +121,7 @@ class CacheRunStats:
     # skip correction (``caching.skip_correction``): computed calls whose output carried one, and why the run
     # could not correct, if it could not
     corrected_steps: int = 0
+    corrected_by_weights: bool = False  # the correction weighed the gaps by the sampler's step weights
     skip_correction_note: str | None = None
     # the run's step rules (``caching.rules.StepRule``), in the order it asks them: each is its own entry here, with
     # its ``note()`` and ``summary()``
@@ -263,8 +264,9 @@ class CacheRunStats:
         """In words, what skip correction did (None: it was off)."""
         if self.skip_correction_note is not None or not self.config.skip_correction:
             return self.skip_correction_note
-        return (f"skip correction {self.config.skip_correction:g}: {self.corrected_steps} computed step(s) also "
-                "corrected the skipped steps before them")
+        weighed = " (weighed by the sampler's step weights)" if self.corrected_by_weights else ""
+        return (f"skip correction {self.config.skip_correction:g}{weighed}: {self.corrected_steps} computed step(s) "
+                "also corrected the skipped steps before them")
 
     def rule_note(self, name: str) -> str | None:
         """What the run's step rule ``name`` did, in words (None: the run has no such rule, or it did nothing)."""

@@ -2,7 +2,8 @@
 (``nodes.samplers``): plain Euler's weights are its sigma steps; every consistent sampler's add up to the
 sigma it travels (a constant error of the output moves the latent by that much); a multistep sampler's differ from
 the sigma steps at its last steps; a stochastic sampler is measured alike twice and leaves the random state as it
-was; a sampler that cannot be measured gets None."""
+was; a sampler that cannot be measured gets None; the speed-up's skip correction weighs the gaps of
+uni_pc, dpmpp_2m and res_multistep only."""
 from __future__ import annotations
 
 import math
@@ -96,3 +97,14 @@ def test_a_sampler_that_cannot_be_measured_gets_none():
         return x * math.nan
 
     assert step_weights(comfy.samplers.KSAMPLER(nan), sigmas, model_sampling, patcher) is None
+
+
+def test_the_speedups_correction_weighs_the_gaps_of_comfyuis_multistep_samplers_only():
+    import comfy.samplers
+
+    corrects_by_weights = pack_module("nodes.samplers").corrects_by_weights
+    for name in ("uni_pc", "dpmpp_2m", "res_multistep"):
+        assert corrects_by_weights(comfy.samplers.sampler_object(name)), name
+    for name in ("euler", "heun", "uni_pc_bh2", "euler_ancestral", "dpmpp_2m_sde", "res_multistep_ancestral", "ddim"):
+        assert not corrects_by_weights(comfy.samplers.sampler_object(name)), name
+    assert not corrects_by_weights(None)

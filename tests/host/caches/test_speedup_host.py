@@ -72,7 +72,7 @@ def test_a_fresh_node_with_a_speedup_is_its_budget_with_first_order_and_the_skip
 def test_with_another_sampler_a_speedup_places_its_steps_by_the_measured_trajectory(small, cache, monkeypatch):
     """With uni_pc a speed-up computes the steps ``measured_plan`` chooses from the calibration's sketches and the
     sampler's step weights as this ComfyUI's uni_pc gives them (captured on their way into the run), not the step
-    profile's plan; nothing is corrected and the notes say so."""
+    profile's plan; the skip correction weighs each gap by those weights, and the notes say so."""
     budget = pack_module("omni_hooks.caching.budget")
     features, calibration_files = pack_module("nodes.features"), pack_module("nodes.caches.calibration_files")
     seen = []
@@ -102,9 +102,34 @@ def test_with_another_sampler_a_speedup_places_its_steps_by_the_measured_traject
         assert summary["planned"] == summary["computed"] == expected
         assert any(n.endswith("placed by the calibration's measured trajectory and the sampler's step weights")
                    for n in notes), notes
-        assert any("skip correction" in n and "euler" in n for n in notes[2:]), notes  # nothing corrected
+        (note,) = [n for n in notes if n.startswith("skip correction")]
+        assert note.startswith("skip correction 0.5 (weighed by the sampler's step weights): "), note
+        assert int(note.split(": ")[1].split(" ")[0]) >= 1, note
         differs += expected != budget.plan_steps(count, profile.changes_for(sigmas), budget.sigma_steps(sigmas))
     assert differs  # the measured plan is not the step profile's here
+
+
+@pytest.mark.parametrize("sampler", ["uni_pc", "dpmpp_2m", "res_multistep", "heun", "euler_ancestral"])
+def test_the_speedups_correction_weighs_the_multistep_samplers_gaps_and_leaves_the_others_alone(small, sampler,
+                                                                                                 monkeypatch):
+    """The speed-up's skip correction weighs the gaps by the step weights for the multistep samplers it was measured
+    to gain with (uni_pc, dpmpp_2m, res_multistep): their latent differs from the same speed-up without it. With any
+    other (one that evaluates twice per step, an ancestral one) it is the same run bit for bit, and the notes say
+    why."""
+    bench, spec, case_for = small
+    case, counter = case_for("euler")
+    latent, computed = sample(bench, spec, case, counter, bench.fresh(case, 3.0), sampler)
+    (note,) = [n for n in last_summary()["notes"] if n.startswith("skip correction")]
+    monkeypatch.setattr(pack_module("omni_hooks.caching.speedup"), "SKIP_CORRECTION", 0.0)
+    uncorrected, again = sample(bench, spec, case, counter, bench.fresh(case, 3.0), sampler)
+    assert again == computed  # the same steps (heun evaluates twice in most)
+    assert not any(n.startswith("skip correction") for n in last_summary()["notes"])
+    if sampler in ("uni_pc", "dpmpp_2m", "res_multistep"):
+        assert note.startswith("skip correction 0.5 (weighed by the sampler's step weights): "), note
+        assert not torch.equal(latent, uncorrected)
+    else:
+        assert note.startswith("skip correction: not applied, the sampler does not take plain Euler steps"), note
+        assert torch.equal(latent, uncorrected)
 
 
 def test_the_widget_offers_the_fresh_speedup_and_a_prompt_without_it_keeps_the_threshold(small):

@@ -1,6 +1,6 @@
 """Skip correction (caching.skip_correction): once the step after a run of skipped steps is computed, its stack
 output carries what interpolating the gap corrects in what the skipped steps added, for a sampler that takes Euler
-steps; nothing changes otherwise."""
+steps, and under a speed-up for a multistep sampler, weighed by its step weights; nothing changes otherwise."""
 from __future__ import annotations
 
 import math
@@ -28,20 +28,28 @@ def quadratic(s: float, row: int) -> torch.Tensor:
     return linear(s, row) + 4 * s * s * BASE.flip(1)
 
 
-def teacache(model: Model, strength: float, budget: int = 4, order: int | str = 0):
-    """TeaCache whose plan (a forward budget, threshold 0) computes ``budget`` of the steps, with skip correction."""
+#: a multistep sampler's step weights (``CallContext.step_weights``): unlike the sigma steps, and one not above 0
+WEIGHTS = (0.05, 0.09, 0.08, -0.02, 0.2, 0.23, 0.3, 0.15)
+
+
+def teacache(model: Model, strength: float, budget: int = 4, order: int | str = 0, speedup: float = 0.0):
+    """TeaCache whose plan (a forward budget, or a ``speedup``; threshold 0) computes ``budget`` of the steps, with
+    skip correction."""
     signal = StackSignal(compute=lambda block, args, kwargs, captured: kwargs["sigma"][:, None])
-    config = TeaCacheConfig(0.0, (0.0, 0.0, 0.0, 1.0, 0.0), forward_budget=budget, forecast_order=order,
-                            skip_correction=strength)
+    config = TeaCacheConfig(0.0, (0.0, 0.0, 0.0, 1.0, 0.0), forward_budget=0 if speedup else budget,
+                            forecast_order=order, skip_correction=strength, speedup=speedup)
     return apply_teacache_hook(stack_of(model), config, signal)
 
 
-def sample(model: Model, run, x: torch.Tensor, euler_steps: bool = True, branches=("c", "u")):
-    """The stack output of every step (the same input ``x`` at each: the outputs differ by their residuals)."""
+def sample(model: Model, run, x: torch.Tensor, euler_steps: bool = True, branches=("c", "u"), weights=None,
+           weighted: bool = False):
+    """The stack output of every step (the same input ``x`` at each: the outputs differ by their residuals);
+    ``weights`` / ``weighted``: the sampler's step weights and whether its correction is weighed by them."""
     outputs = []
     for step, s in enumerate(SIGMAS):
         run.begin_call(CallContext(branches=list(branches), labels=list(branches), step=step, total_steps=len(SIGMAS),
-                                   sigma=s, schedule=SCHEDULE, euler_steps=euler_steps))
+                                   sigma=s, schedule=SCHEDULE, euler_steps=euler_steps, step_weights=weights,
+                                   weighted_correction=weighted))
         try:
             outputs.append(model(x, torch.full((x.shape[0],), s, dtype=torch.float64)))
         finally:
@@ -53,12 +61,14 @@ def computed_steps(run) -> list[int]:
     return [e.step for e in run.stats.evaluations if e.computed]
 
 
-def expected_correction(residual, used, computed: list[int], step: int, row: int, strength: float) -> torch.Tensor:
+def expected_correction(residual, used, computed: list[int], step: int, row: int, strength: float,
+                        weights=None) -> torch.Tensor:
     """By hand, step by step: what a computed ``step`` adds after the skipped steps before it, with the true
-    residual (exact for a linear one) in place of the interpolation and ``used(k)`` what skipped step k used."""
+    residual (exact for a linear one) in place of the interpolation and ``used(k)`` what skipped step k used; each
+    step weighed by its sigma step, or by ``weights``."""
     before = max(c for c in computed if c < step)
     gap = range(before + 1, step)
-    h = [SCHEDULE[k] - SCHEDULE[k + 1] for k in range(len(SIGMAS))]
+    h = weights or [SCHEDULE[k] - SCHEDULE[k + 1] for k in range(len(SIGMAS))]
     total = sum((residual(SIGMAS[k], row) - used(k)) * h[k] for k in gap)
     return total * strength * (SCHEDULE[step + 1] / SCHEDULE[step]) / h[step]
 
@@ -80,6 +90,24 @@ def test_the_running_sums_give_the_step_by_step_interpolation_of_any_gap():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert gap.used is None and gap.steps == 0 and gap.moments == 0  # the gap is forgotten
     assert gap.correction(previous, 0.6, computed, 0.45, 0.3, strength=0.5) is None  # no skip since
+
+
+def test_with_step_weights_the_running_sums_weigh_each_step_by_its_weight():
+    g = torch.Generator().manual_seed(1)
+    previous, computed = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    sigmas, weights = [0.97, 0.9, 0.86], [0.02, -0.01, 0.07]
+    used = [torch.randn(3, 5, generator=g) for _ in sigmas]
+    gap = SkipCorrection()
+    for r, s, n, w in zip(used, sigmas, sigmas[1:] + [0.6], weights):
+        gap.skipped(r, s, n, w)
+    got = gap.correction(previous, 1.0, computed, 0.6, 0.45, strength=0.5, weight=0.11)
+    interpolated = [previous + (computed - previous) * (s - 1.0) / (0.6 - 1.0) for s in sigmas]
+    want = sum((i - u) * w for i, u, w in zip(interpolated, used, weights)) * 0.5 * (0.45 / 0.6) / 0.11
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for own in (0.0, -0.05):  # a step whose own weight is not above 0 cannot carry the gap: it is forgotten
+        gap.skipped(used[0], 0.9, 0.8, 0.02)
+        assert gap.correction(previous, 1.0, computed, 0.8, 0.7, strength=0.5, weight=own) is None
+        assert gap.used is None
 
 
 @pytest.mark.parametrize("why", ["no skip", "no previous", "shape", "final step", "rising sigma", "same sigma"])
@@ -167,6 +195,47 @@ def test_without_euler_steps_nothing_is_corrected_and_the_statistics_say_why():
     assert "skip correction: not applied, the sampler does not take plain Euler steps" in notes
 
 
+def test_under_a_speed_up_a_multistep_sampler_is_corrected_by_its_step_weights():
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    plain_model, model = Model(linear), Model(linear)
+    plain_run, run = teacache(plain_model, 0.0, speedup=2.0), teacache(model, 0.5, speedup=2.0)
+    plain = sample(plain_model, plain_run, x, euler_steps=False, weights=WEIGHTS, weighted=True)
+    got = sample(model, run, x, euler_steps=False, weights=WEIGHTS, weighted=True)
+    computed = computed_steps(run)
+    assert computed == computed_steps(plain_run) and len(computed) == 4
+    corrected = 0
+    for step in range(len(SIGMAS)):
+        gap = step in computed and step > 0 and step - 1 not in computed and SCHEDULE[step + 1] > 0
+        if not gap or WEIGHTS[step] <= 0:
+            assert torch.equal(got[step], plain[step]), step
+            continue
+        before = max(c for c in computed if c < step)
+        for row in range(2):
+            want = expected_correction(linear, lambda k: linear(SIGMAS[before], row), computed, step, row, 0.5,
+                                       list(WEIGHTS))
+            torch.testing.assert_close(got[step][row] - plain[step][row], want, rtol=1e-9, atol=1e-12)
+        corrected += 1
+    assert corrected >= 1 and run.stats.corrected_steps == corrected
+    notes = " ".join(run.stats.summary()["notes"])
+    assert f"skip correction 0.5 (weighed by the sampler's step weights): {corrected} computed step(s)" in notes
+
+
+@pytest.mark.parametrize("case", ["no speed-up", "not weighted", "no weights"])
+def test_a_multistep_sampler_is_not_corrected_without_a_speed_up_its_weights_or_their_use(case):
+    """A workflow saved with the skip correction and such a sampler corrected nothing; it keeps doing so."""
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    speedup = 0.0 if case == "no speed-up" else 2.0
+    plain_model, model = Model(linear), Model(linear)
+    plain_run, run = teacache(plain_model, 0.0, speedup=speedup), teacache(model, 0.5, speedup=speedup)
+    options = {"euler_steps": False, "weights": None if case == "no weights" else WEIGHTS,
+               "weighted": case != "not weighted"}
+    plain, got = sample(plain_model, plain_run, x, **options), sample(model, run, x, **options)
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))
+    assert run.stats.corrected_steps == 0
+    assert "skip correction: not applied, the sampler does not take plain Euler steps (use the sampler 'euler', or " \
+           "the speed-up" in " ".join(run.stats.summary()["notes"])
+
+
 def test_strength_zero_is_bit_identical_and_says_nothing():
     x = torch.randn(2, 4, 3, dtype=torch.float64)
     a_model, b_model = Model(linear), Model(linear)
@@ -200,3 +269,4 @@ def test_magcache_corrects_too_and_cache_bytes_count_the_open_gap():
 def test_a_strength_outside_zero_to_one_is_refused(value):
     with pytest.raises(ValueError, match="skip_correction must be a number from 0"):
         TeaCacheConfig(0.1, (0.0, 0.0, 0.0, 1.0, 0.0), skip_correction=value)
+
