@@ -24,9 +24,12 @@ A multistep sampler (``CallContext.weighted_correction``: uni_pc, dpmpp_2m, res_
 combination of this and earlier steps' outputs, so a skipped step's error reaches the final latent by the step's
 weight ``w_k`` (``CallContext.step_weights``: measured on the sampler, the model's output held fixed), not by its
 sigma step; the same holds for what step n's output adds (``w_n``). With ``h`` replaced by ``w`` the correction above
-cancels the gap's error in the final latent to first order, with the same damping. A speed-up applies it so
+cancels the gap's error in the final latent to first order, with the same damping. A weight may be negative (uni_pc's
+corrector gives one of its last steps a weight of the opposite sign): the correction then adds the opposite, as the
+first-order model says. A step whose own weight is below ``WEIGHT_FLOOR`` of the gap's largest (in magnitude) would
+blow the gap's error up: it corrects nothing, and the gap is forgotten. A speed-up applies the correction so
 (``StackCacheConfig.speedup``: a workflow saved with the skip correction set and such a sampler corrected nothing and
-keeps doing so); a step whose own weight is not above 0 corrects nothing (its gap is forgotten). On the benchmark
+keeps doing so). On the benchmark
 models, against no correction at 2x to 3.75x: uni_pc gained 2.4 dB on average (-1.0 to +6.6), dpmpp_2m and
 res_multistep 0.8 to 0.9 (-2.0 to +3.8; docs/benchmarks.md).
 
@@ -42,6 +45,10 @@ from dataclasses import dataclass
 
 import torch
 
+#: a computed step corrects a gap by its step weight only where that weight is at least this fraction of the gap's
+#: largest (both in magnitude): the correction divides by it
+WEIGHT_FLOOR = 0.25
+
 
 def wide(dtype: torch.dtype) -> torch.dtype:
     """The dtype the sums are kept in: float32, or ``dtype`` where it is wider (float64)."""
@@ -55,11 +62,13 @@ class SkipCorrection:
     used: torch.Tensor | None = None  # sum over the gap's skipped steps of h_k * the residual each used (``wide``)
     steps: float = 0.0                # sum of the gap's sigma steps h_k (or weights w_k)
     moments: float = 0.0              # sum of h_k * sigma_k
+    largest: float = 0.0              # the largest |w_k| of the gap (step weights only)
 
     def skipped(self, residual: torch.Tensor, sigma: float, next_sigma: float, weight: float | None = None) -> None:
         """Record a skipped step from ``sigma`` to ``next_sigma`` that used ``residual``; ``weight``: the step's weight
         on a multistep sampler (None: its sigma step)."""
         step_size = abs(sigma - next_sigma) if weight is None else weight
+        self.largest = max(self.largest, 0.0 if weight is None else abs(weight))
         weighted = residual.to(wide(residual.dtype)) * step_size
         self.used = weighted if self.used is None or self.used.shape != weighted.shape else self.used + weighted
         self.steps += step_size
@@ -75,13 +84,13 @@ class SkipCorrection:
         a multistep sampler (None: its sigma step; the gap's steps were recorded alike). None (nothing to add)
         when no step was skipped since the last computed one, or the gap cannot be interpolated (no previous residual,
         another shape, equal sigmas, a step that does not lower sigma, the final step to sigma 0 (it corrects nothing:
-        see the module), a weight not above 0, a sum that is not finite)."""
-        used, steps, moments = self.used, self.steps, self.moments
+        see the module), a ``weight`` below ``WEIGHT_FLOOR`` of the gap's largest, a sum that is not finite)."""
+        used, steps, moments, largest = self.used, self.steps, self.moments, self.largest
         self.reset()
         own = sigma - next_sigma if weight is None else weight
         if (used is None or previous is None or previous_sigma is None or previous.shape != computed.shape
                 or used.shape != computed.shape or sigma == previous_sigma or not 0 < next_sigma < sigma
-                or strength <= 0 or not own > 0):
+                or strength <= 0 or (weight is not None and not abs(weight) >= WEIGHT_FLOOR * largest > 0)):
             return None
         dtype = wide(computed.dtype)
         previous = previous.to(device=computed.device, dtype=dtype)
@@ -92,4 +101,4 @@ class SkipCorrection:
         return delta if math.isfinite(float(delta.abs().max())) else None
 
     def reset(self) -> None:
-        self.used, self.steps, self.moments = None, 0.0, 0.0
+        self.used, self.steps, self.moments, self.largest = None, 0.0, 0.0, 0.0

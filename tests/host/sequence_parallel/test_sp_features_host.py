@@ -422,7 +422,7 @@ def test_block_sparse_attention_on_the_same_model_is_refused_naming_both_before_
 def test_a_speedups_measured_plan_places_the_same_steps_on_every_rank_as_in_one_process(env, wan):
     """With a sampler that takes no Euler steps a speed-up places its steps by the calibration's sketches and the
     sampler's step weights: both reach the workers (the config as plain data, the weights with each call), so the
-    group computes the steps the run alone computes."""
+    group computes the steps the run alone computes, and corrects the gaps as it does, weighed by those weights."""
     from omnitest.pack import pack_module
 
     files = pack_module("nodes.caches.calibration_files")
@@ -451,4 +451,7 @@ def test_a_speedups_measured_plan_places_the_same_steps_on_every_rank_as_in_one_
     assert alone_entry["summary"]["budget"]["placement"] == "measured"
     assert entry["summary"]["budget"] == alone_entry["summary"]["budget"]
     assert reasons(entry) == reasons(alone_entry)
+    corrections = [[n for n in e["summary"]["notes"] if n.startswith("skip correction")] for e in (entry, alone_entry)]
+    assert corrections[0] == corrections[1] and len(corrections[0]) == 1, corrections
+    assert corrections[0][0].startswith("skip correction 0.5 (weighed by the sampler's step weights): "), corrections
     assert psnr_db(got, alone) >= MIN_PSNR_DB
