@@ -104,7 +104,7 @@ def skip_correction_input() -> io.Float.Input:
                           "and 'res_multistep').")
 
 
-#: a fresh node's speed-up (the widget's default: 15 of 30 steps, 58-73 dB in the benchmarks). A saved workflow or
+#: a fresh node's speed-up (the widget's default: 15 of 30 steps, 54-78 dB in the benchmarks). A saved workflow or
 #: API prompt without the input keeps the config's 0 (no speed-up: the threshold and the other inputs decide, as when
 #: it was saved; web/saved_workflows.js does the same for a workflow saved in the page)
 FRESH_SPEEDUP = 2.0

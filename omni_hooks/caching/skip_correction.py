@@ -29,9 +29,9 @@ corrector gives one of its last steps a weight of the opposite sign): the correc
 first-order model says. A step whose own weight is below ``WEIGHT_FLOOR`` of the gap's largest (in magnitude) would
 blow the gap's error up: it corrects nothing, and the gap is forgotten. A speed-up applies the correction so
 (``StackCacheConfig.speedup``: a workflow saved with the skip correction set and such a sampler corrected nothing and
-keeps doing so). On the benchmark
-models, against no correction at 2x to 3.75x: uni_pc gained 2.4 dB on average (-1.0 to +6.6), dpmpp_2m and
-res_multistep 0.8 to 0.9 (-2.0 to +3.8; docs/benchmarks.md).
+keeps doing so). On the benchmark models, against no correction at 2x to 3.75x: uni_pc gained 2.3 dB
+on average (-1.0 to +6.6), dpmpp_2m and res_multistep 0.8 to 0.9 (-2.0 to +3.8;
+docs/benchmarks.md, "A skip correction for the multistep samplers").
 
 ``SkipCorrection`` (one per branch) keeps what a gap's skips used as running sums, ``sum h_k * used_k`` (one tensor, in
 float32 or the residual's wider dtype), ``sum h_k`` and ``sum h_k * sigma_k`` (``w`` for ``h`` with a multistep

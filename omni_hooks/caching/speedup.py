@@ -15,7 +15,7 @@ forecast and correction of the sweep in 11 of 12 cells with euler, and '1st orde
 in 10 of 12 with uni_pc and 9 of 12 with dpmpp_2m and res_multistep, placed by the step profile. Where it missed,
 mostly '2nd order' was ahead (by up to 4.4 dB), which was behind by up to 6.4 on another model; 'auto' was behind by
 up to 9.4. The measured placement then moved uni_pc's speed-up up by a mean 4.0 dB over 2x to 6x, and the skip
-correction weighed by the step weights by a further 2.4 dB at 2x to 3.75x (dpmpp_2m and res_multistep: 0.8 to 0.9).
+correction weighed by the step weights by a further 2.3 dB at 2x to 3.75x (dpmpp_2m and res_multistep: 0.8 to 0.9).
 """
 from __future__ import annotations
 
