@@ -19,16 +19,17 @@ one the residual is taken to change in proportion to sigma. The schedule is the 
 
 A measured plan (``measured_plan``) replaces that model where the calibration kept a sketch of the residual itself
 (``StepProfile.sketches``: per step a fixed random projection of each branch's residual, ``residuals.sketch``) and the
-run forecasts to first order with no correction after the gap: the cost of a gap is then what the calibration's own
-trajectory says its skips would have erred, ``|sum over a < j < b of w_j * (r_j - f_j)| ** 2``, with ``r_j`` the
-sketch at step j's sigma (linear in sigma between calibrated steps), ``f_j`` its 1st-order forecast from the two
-computed steps before the gap (reuse of the first step in the first gap) and ``w_j`` the sampler's step weight
-(``CallContext.step_weights``: how far an error of step j's output moves the final latent; plain Euler's are the sigma
-steps). A speed-up places its steps so with a sampler that takes no Euler steps (docs/benchmarks.md, against the
-profile's plan at 2x to 6x: with ``uni_pc`` up to 13.3 dB ahead on three of the four benchmark models, mean +4.0 over
+run forecasts to first order: the cost of a gap is then what the calibration's own trajectory says its skips would
+have erred, ``|sum over a < j < b of w_j * (r_j - f_j)| ** 2``, with ``r_j`` the sketch at step j's sigma (linear in
+sigma between calibrated steps), ``f_j`` its 1st-order forecast from the two computed steps before the gap (reuse of
+the first step in the first gap) and ``w_j`` the sampler's step weight (``CallContext.step_weights``: how far an error
+of step j's output moves the final latent; plain Euler's are the sigma steps). A speed-up places its steps so with a
+sampler that takes no Euler steps (docs/benchmarks.md, against the profile's plan at 2x to 6x, before the speed-up
+corrected these samplers: with ``uni_pc`` up to 13.3 dB ahead on three of the four benchmark models, mean +4.0 over
 all four, up to 4.9 behind on the fourth; with ``dpmpp_2m`` and ``res_multistep`` about even at 2x to 3.75x and ahead
-at 5x and 6x; with ``euler`` the skip correction interpolates each gap afterwards, which the extrapolation's cost does
-not model).
+at 5x and 6x; with ``euler``, whose skip correction interpolates each gap afterwards, behind at every speed-up on the
+small model). The cost leaves out the skip correction that follows a gap: modelling it moved single cells by several
+dB either way and gained nothing reliable (docs/benchmarks.md, "A skip correction for the multistep samplers").
 
 ``ForwardBudget`` is a run's budget: ``decide`` answers per step, computing the planned steps and the protected ones
 (``must``), and lets the cache's policy bring the next planned compute forward (``wants``: its threshold says compute

@@ -100,8 +100,8 @@ class Budget(StepRule):
             return decisions
         if self.budget.total != total:
             outside = {s for s in range(total) if not self.config.in_window(s, total)}
-            # a speed-up places by the measured trajectory unless the skip correction interpolates the gaps afterwards
-            # (a sampler that takes Euler steps: caching/budget.py says why)
+            # a speed-up places by the measured trajectory with a sampler that takes no Euler steps, by the step
+            # profile with one that does (caching/budget.py says why)
             self.budget.start(total, list(call.context.schedule) if call.context.schedule else None, outside,
                               call.context.step_weights,
                               measured=self.config.speedup > 0 and not call.context.euler_steps)
