@@ -27,9 +27,15 @@ of step j's output moves the final latent; plain Euler's are the sigma steps). A
 sampler that takes no Euler steps (docs/benchmarks.md, against the profile's plan at 2x to 6x, before the speed-up
 corrected these samplers: with ``uni_pc`` up to 13.3 dB ahead on three of the four benchmark models, mean +4.0 over
 all four, up to 4.9 behind on the fourth; with ``dpmpp_2m`` and ``res_multistep`` about even at 2x to 3.75x and ahead
-at 5x and 6x; with ``euler``, whose skip correction interpolates each gap afterwards, behind at every speed-up on the
-small model). The cost leaves out the skip correction that follows a gap: modelling it moved single cells by several
-dB either way and gained nothing reliable (docs/benchmarks.md, "A skip correction for the multistep samplers").
+at 5x and 6x). That cost leaves out the skip correction that follows a gap: modelling it there moved single cells by
+several dB either way and gained nothing reliable (docs/benchmarks.md, "A skip correction for the multistep samplers").
+
+With a sampler that takes Euler steps a speed-up computes a tail plan (``tail_plan``): the profile's plan with its
+last k steps all computed, for the k whose gaps the measured cost rates lowest, with the skip correction that follows
+each gap modelled (``measured_costs``). One calibration's trajectory separates near-equal plans by less than another
+prompt's errors do, so the DP over all plans chose several dB wrong at times; among the ``count - 1`` plans of this
+one shape its choice held up: against the profile's plan, +2.1 dB in the mean over the four benchmark models at 2x
+to 6x, never more than 0.1 behind (docs/benchmarks.md, "The speed-up's plan with euler").
 
 ``ForwardBudget`` is a run's budget: ``decide`` answers per step, computing the planned steps and the protected ones
 (``must``), and lets the cache's policy bring the next planned compute forward (``wants``: its threshold says compute
@@ -48,7 +54,9 @@ import numpy as np
 from ..context import sigma_steps
 
 BUDGET_REASON = "budget"  # BranchDecision.reason of a step computed because the budget's plan placed it there
-PLACEMENTS = {"measured": "the calibration's measured trajectory and the sampler's step weights",
+MEASURED, TAIL = "measured", "tail"  # ForwardBudget.start's ``by``: ``measured_plan``, ``tail_plan``
+PLACEMENTS = {MEASURED: "the calibration's measured trajectory and the sampler's step weights",
+              TAIL: "the calibration's step profile, with as many of the last steps as its measured trajectory favours",
               "calibrated": "the calibration's step profile", "schedule": "the schedule (no calibration)"}
 
 
@@ -222,41 +230,72 @@ def plan_steps(count: int, changes: list[float], sizes: list[float], first: int 
     return sorted(plan)
 
 
-def measured_plan(count: int, profile: StepProfile, schedule: list[float], weights: list[float] | None,
-                  protected: frozenset[int] | set[int] = frozenset()) -> list[int] | None:
-    """The ``count`` steps of a run on ``schedule`` (its sigmas, ``steps + 1`` of them) to compute, the first, the
-    last and every ``protected`` one among them, that minimise the measured cost of the gaps (module docstring):
-    each skip's 1st-order forecast error on the profile's sketches, weighed by ``weights`` (the sampler's step
-    weights; None, or not one per step: the sigma steps). Exact dynamic programming over the last two computed
-    steps, deterministic: the same plan on every rank. None where the profile has no sketches or the run has more
-    than ``MAX_MEASURED_STEPS`` steps."""
+def measured_costs(profile: StepProfile, schedule: list[float], weights: list[float] | None,
+                   correction: float = 0.0) -> np.ndarray | None:
+    """``cost[p + 1, a, b]`` (module docstring): the measured cost of computing ``p`` and ``a`` (``p`` = -1: ``a`` is
+    the first) and then ``b``, skipping ``a + 1 .. b - 1``; inf where ``b <= a`` or ``p >= a``. Each skip's 1st-order
+    forecast error on the profile's sketches at ``schedule``'s sigmas, weighed by ``weights`` (the sampler's step
+    weights; None, or not one per step: the sigma steps). ``correction`` above 0: what the skip correction of that
+    strength (``skip_correction``, by these weights, no floor) leaves of each gap's error once ``b`` is computed:
+    ``strength * sigma_(b+1) / sigma_b * sum_j w_j * (interp_j - f_j)`` taken off it, ``interp_j`` the sketch
+    interpolated between ``a`` and ``b`` (nothing at the final step, to sigma 0). None where the profile has no
+    sketches or the run has fewer than 2 or more than ``MAX_MEASURED_STEPS`` steps."""
     steps = len(schedule) - 1
-    sketches = profile.sketches_for(schedule) if steps <= MAX_MEASURED_STEPS else None
-    if sketches is None or steps < 2:
+    sketches = profile.sketches_for(schedule) if 2 <= steps <= MAX_MEASURED_STEPS else None
+    if sketches is None:
         return None
-    must = sorted({0, steps - 1} | {p for p in protected if 0 <= p < steps})
-    count = max(len(must), min(count, steps))
-    if count >= steps:
-        return list(range(steps))
     w = np.abs(np.asarray(weights if weights is not None and len(weights) == steps else sigma_steps(schedule),
                           dtype=np.float64))
     sigma = np.asarray(schedule[:-1], dtype=np.float64)
-    # cost[p + 1, a, b]: computing p and a (p = -1: a is the first) and then b, skipping a + 1 .. b - 1
+    after = np.asarray(schedule[1:], dtype=np.float64)  # the sigma each step goes to
     cost = np.full((steps + 1, steps, steps), np.inf)
     for a in range(steps - 1):
         later = sketches[a + 1:]
+        ends = np.arange(a + 2, steps)  # row k of a gap's sums: skips a + 1 .. a + 1 + k, computed b = a + 2 + k
+        if correction > 0 and len(ends):
+            wj = w[a + 1:, None]
+            steps_sum, moments = np.cumsum(wj, axis=0)[:len(ends)], np.cumsum(wj * sigma[a + 1:, None], axis=0)
+            along = (moments[:len(ends)] - sigma[a] * steps_sum) / (sigma[ends] - sigma[a])[:, None]
+            interpolated = steps_sum * sketches[a] + (sketches[ends] - sketches[a]) * along
+            damped = np.where((after[ends] > 0) & (after[ends] < sigma[ends]),
+                              correction * after[ends] / sigma[ends], 0.0)[:, None]
         for p in range(-1, a):
             if p < 0:
-                forecast = sketches[a]
+                forecast = np.broadcast_to(sketches[a], later.shape)
             else:
                 span = sigma[a] - sigma[p]
                 if span == 0:
                     continue
                 slope = (sketches[a] - sketches[p]) / span
                 forecast = sketches[a] + (sigma[a + 1:, None] - sigma[a]) * slope
-            errors = np.cumsum(w[a + 1:, None] * (later - forecast), axis=0)  # row k: skips a + 1 .. a + 1 + k
-            gaps = np.concatenate([[0.0], np.square(errors[:-1]).sum(axis=1)])  # to b = a + 1, a + 2, ...
-            cost[p + 1, a, a + 1:] = gaps
+            errors = np.cumsum(w[a + 1:, None] * (later - forecast), axis=0)[:len(ends)]  # r - f, summed
+            if correction > 0 and len(ends):
+                used = np.cumsum(w[a + 1:, None] * forecast, axis=0)[:len(ends)]
+                errors = errors - damped * (interpolated - used)
+            cost[p + 1, a, a + 1] = 0.0
+            cost[p + 1, a, a + 2:] = np.square(errors).sum(axis=1)
+    return cost
+
+
+def plan_cost(plan: list[int], cost: np.ndarray) -> float:
+    """The summed ``measured_costs`` of ``plan``'s gaps (computed steps, ascending)."""
+    return float(sum(cost[(plan[i - 2] if i >= 2 else -1) + 1, plan[i - 1], plan[i]] for i in range(1, len(plan))))
+
+
+def measured_plan(count: int, profile: StepProfile, schedule: list[float], weights: list[float] | None,
+                  protected: frozenset[int] | set[int] = frozenset()) -> list[int] | None:
+    """The ``count`` steps of a run on ``schedule`` (its sigmas, ``steps + 1`` of them) to compute, the first, the
+    last and every ``protected`` one among them, that minimise the measured cost of the gaps (``measured_costs``,
+    no correction). Exact dynamic programming over the last two computed steps, deterministic: the same plan on every
+    rank. None where ``measured_costs`` is."""
+    steps = len(schedule) - 1
+    cost = measured_costs(profile, schedule, weights)
+    if cost is None:
+        return None
+    must = sorted({0, steps - 1} | {p for p in protected if 0 <= p < steps})
+    count = max(len(must), min(count, steps))
+    if count >= steps:
+        return list(range(steps))
     for q in must:  # a gap may not pass over a step that must compute
         cost[:, :q, q + 1:] = np.inf
     # best[p + 1, a]: the cheapest plan of k steps whose last two are p and a
@@ -277,6 +316,32 @@ def measured_plan(count: int, profile: StepProfile, schedule: list[float], weigh
         plan.append(a)
         a, b = int(chosen[a, b]) - 1, a
     return sorted(plan)
+
+
+def tail_plan(count: int, profile: StepProfile, schedule: list[float], weights: list[float] | None,
+              protected: frozenset[int] | set[int] = frozenset(), correction: float = 0.0) -> list[int] | None:
+    """The step profile's plan (``plan_steps``) with its last k steps all computed, for the k from 1 up whose gaps
+    the measured cost (``measured_costs``, the skip correction of strength ``correction`` modelled) rates lowest (the
+    smallest such k; k = 1 is the profile's own plan): a choice among ``count - 1`` plans of one shape, which the
+    measured cost, taken from one calibration's trajectory, tells apart more reliably than all plans at once
+    (``measured_plan``). Deterministic. None where ``measured_costs`` is."""
+    steps = len(schedule) - 1
+    cost = measured_costs(profile, schedule, weights, correction)
+    if cost is None:
+        return None
+    count = max(len({0, steps - 1} | {p for p in protected if 0 <= p < steps}), min(count, steps))
+    if count >= steps:
+        return list(range(steps))
+    changes, sizes = profile.changes_for(schedule), sigma_steps(schedule)
+    best: tuple[float, list[int]] | None = None
+    for k in range(1, count):
+        tail = steps - k  # the tail's first step, the head plan's last
+        head = plan_steps(count - k + 1, changes[:tail + 1], sizes[:tail + 1], 0, {p for p in protected if p <= tail})
+        plan = sorted(set(head) | set(range(tail, steps)))
+        total = plan_cost(plan, cost) if len(plan) == count else np.inf
+        if np.isfinite(total) and (best is None or total < best[0]):
+            best = (total, plan)
+    return best[1] if best is not None else None
 
 
 class BudgetSettings(Protocol):
@@ -304,7 +369,7 @@ class ForwardBudget:
     plan: list[int] = field(default_factory=list)
     planned: list[int] = field(default_factory=list)  # the first plan, for the statistics
     computed: list[int] = field(default_factory=list)  # the steps computed so far
-    placement: str = "schedule"                         # what placed the plan: "measured", "calibrated", "schedule"
+    placement: str = "schedule"                         # what placed the plan: a key of PLACEMENTS
     brought_forward: int = 0                            # computes the policy's threshold moved earlier
     held_back: int = 0                                  # steps the threshold asked for when none could move
     _changes: list[float] = field(default_factory=list)
@@ -322,11 +387,13 @@ class ForwardBudget:
         return self.config.step_profile
 
     def start(self, total: int, schedule: list[float] | None, protected: set[int] | frozenset[int] = frozenset(),
-              weights: list[float] | tuple[float, ...] | None = None, measured: bool = False) -> None:
+              weights: list[float] | tuple[float, ...] | None = None, by: str | None = None,
+              correction: float = 0.0) -> None:
         """Plan a run of ``total`` steps: ``schedule`` is its sigmas (``total + 1`` of them; None: unknown, then
-        equal steps), ``protected`` the steps that must compute. ``measured``: place them by ``measured_plan`` (with
-        the sampler's step ``weights``) where the profile has sketches, else (and on every re-plan) by the profile's
-        changes or the schedule (``plan_steps``)."""
+        equal steps), ``protected`` the steps that must compute. ``by``: ``MEASURED`` places them by
+        ``measured_plan`` (with the sampler's step ``weights``), ``TAIL`` by ``tail_plan`` (the skip correction of
+        strength ``correction`` modelled), where the profile has sketches; else (and on every re-plan) by the
+        profile's changes or the schedule (``plan_steps``)."""
         known = schedule is not None and len(schedule) == total + 1
         if not known:
             schedule = [1.0 - i / total for i in range(total + 1)]
@@ -334,10 +401,12 @@ class ForwardBudget:
         self._sizes = sigma_steps(schedule)
         self._changes = self.profile.changes_for(schedule) if self.profile is not None else steps_in_sigma(schedule)
         self._protected = frozenset(protected)
-        plan = (measured_plan(self.count, self.profile, schedule, None if weights is None else list(weights),
-                              self._protected) if measured and known and self.profile is not None else None)
-        self.placement = ("measured" if plan is not None else "calibrated" if self.profile is not None
-                          else "schedule")
+        plan = None
+        if by in (MEASURED, TAIL) and known and self.profile is not None:
+            listed = None if weights is None else list(weights)
+            plan = (measured_plan(self.count, self.profile, schedule, listed, self._protected) if by == MEASURED
+                    else tail_plan(self.count, self.profile, schedule, listed, self._protected, correction))
+        self.placement = by if plan is not None else "calibrated" if self.profile is not None else "schedule"
         self.plan = plan if plan is not None else plan_steps(self.count, self._changes, self._sizes, 0,
                                                              self._protected)
         self.planned = list(self.plan)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .budget import BUDGET_REASON, ForwardBudget
+from .budget import BUDGET_REASON, MEASURED, TAIL, ForwardBudget
 from .few_step import FEW_STEP_REASON
 from .large_steps import LARGE_STEP_REASON
 from .state import ActiveCall, Decision
@@ -100,11 +100,13 @@ class Budget(StepRule):
             return decisions
         if self.budget.total != total:
             outside = {s for s in range(total) if not self.config.in_window(s, total)}
-            # a speed-up places by the measured trajectory with a sampler that takes no Euler steps, by the step
-            # profile with one that does (caching/budget.py says why)
+            # a speed-up places by the measured trajectory: with a sampler that takes Euler steps, the step
+            # profile's plan with the tail it favours, the skip correction modelled; with any other, the plan it
+            # rates best (caching/budget.py says why)
+            euler = call.context.euler_steps
+            by = (TAIL if euler else MEASURED) if self.config.speedup > 0 else None
             self.budget.start(total, list(call.context.schedule) if call.context.schedule else None, outside,
-                              call.context.step_weights,
-                              measured=self.config.speedup > 0 and not call.context.euler_steps)
+                              call.context.step_weights, by, self.config.skip_correction if euler else 0.0)
         must = any(d.reason in NEEDED_REASONS for d in decisions)
         wants = self.config.threshold > 0 and any(d.reason == THRESHOLD for d in decisions)  # 0: the plan alone
         compute, why = self.budget.decide(step, wants, must)

@@ -419,10 +419,15 @@ def test_block_sparse_attention_on_the_same_model_is_refused_naming_both_before_
     assert psnr_db(env.tiny.sample(wan, model=env.sequence_parallel(wan.patcher), steps=2), alone) >= MIN_PSNR_DB
 
 
-def test_a_speedups_measured_plan_places_the_same_steps_on_every_rank_as_in_one_process(env, wan):
-    """With a sampler that takes no Euler steps a speed-up places its steps by the calibration's sketches and the
-    sampler's step weights: both reach the workers (the config as plain data, the weights with each call), so the
-    group computes the steps the run alone computes, and corrects the gaps as it does, weighed by those weights."""
+@pytest.mark.parametrize("sampler, placement, correction", [
+    ("uni_pc", "measured", "skip correction 0.5 (weighed by the sampler's step weights): "),
+    ("euler", "tail", "skip correction 0.5: ")])
+def test_a_speedups_measured_plan_places_the_same_steps_on_every_rank_as_in_one_process(env, wan, sampler, placement,
+                                                                                       correction):
+    """A speed-up places its steps by the calibration's sketches and the sampler's step weights (with a sampler that
+    takes no Euler steps, the plan they rate best; with euler, the step profile's plan with the tail they favour):
+    both reach the workers (the config as plain data, the weights with each call), so the group computes the steps
+    the run alone computes, and corrects the gaps as it does."""
     from omnitest.pack import pack_module
 
     files = pack_module("nodes.caches.calibration_files")
@@ -442,16 +447,16 @@ def test_a_speedups_measured_plan_places_the_same_steps_on_every_rank_as_in_one_
                         rel_l1_thresh=-1.0, start_percent=0.0, end_percent=1.0, cache_device="compute device",
                         model_variant="calibration: sp-measured", speedup=2.0)[0]
 
-    alone = env.tiny.sample(wan, model=apply_cache(wan.patcher), steps=STEPS, sampler_name="uni_pc")
+    alone = env.tiny.sample(wan, model=apply_cache(wan.patcher), steps=STEPS, sampler_name=sampler)
     alone_entry = last_entry(env)
     got = env.tiny.sample(wan, model=apply_cache(env.sequence_parallel(wan.patcher)), steps=STEPS,
-                          sampler_name="uni_pc")
+                          sampler_name=sampler)
     entry = last_entry(env)
     assert entry["status"] == "success" and entry["world_size"] == 2
-    assert alone_entry["summary"]["budget"]["placement"] == "measured"
+    assert alone_entry["summary"]["budget"]["placement"] == placement
     assert entry["summary"]["budget"] == alone_entry["summary"]["budget"]
     assert reasons(entry) == reasons(alone_entry)
     corrections = [[n for n in e["summary"]["notes"] if n.startswith("skip correction")] for e in (entry, alone_entry)]
     assert corrections[0] == corrections[1] and len(corrections[0]) == 1, corrections
-    assert corrections[0][0].startswith("skip correction 0.5 (weighed by the sampler's step weights): "), corrections
+    assert corrections[0][0].startswith(correction), corrections
     assert psnr_db(got, alone) >= MIN_PSNR_DB

@@ -9,7 +9,8 @@ import torch
 
 from omni_hooks.caching import budget as budget_module
 from omni_hooks.caching.budget import (BUDGET_REASON, SKETCH_VALUES, ForwardBudget, StepProfile, compact, gap_costs,
-                                       measured_plan, plan_steps, steps_in_sigma)
+                                       measured_costs, measured_plan, plan_cost, plan_steps, steps_in_sigma,
+                                       tail_plan)
 from omni_hooks.caching.residuals import SKETCH_ROWS_AT_ONCE, sketch
 from omni_hooks.caching.config import StackCacheConfig
 from omni_hooks.caching.few_step import FewStepRule
@@ -211,13 +212,17 @@ def test_no_budget_changes_nothing_and_a_bad_budget_is_refused():
     assert StackCacheConfig(0.1, forward_budget=4, calibrate=True).active_budget == 0
 
 
-def measured_cost(plan, sketches, sigmas, weights) -> float:
+def measured_cost(plan, sketches, sigmas, weights, strength: float = 0.0, after=None) -> float:
     """The measured plan's cost of ``plan``, summed skip by skip: per gap, the squared norm of the weighed errors of
-    reusing the first step (first gap) or extrapolating linearly in sigma from the two computed steps before it."""
+    reusing the first step (first gap) or extrapolating linearly in sigma from the two computed steps before it; with
+    a ``strength``, less what the skip correction adds at the gap's end ``b``: ``strength * after[b] / sigma_b`` times
+    the weighed differences between the interpolation from ``a`` to ``b`` and what the skips used (``after``: the
+    sigma each step goes to; nothing at the final step, to sigma 0)."""
     total = 0.0
     for k in range(1, len(plan)):
         a, b = plan[k - 1], plan[k]
         error = torch.zeros(sketches.shape[1], dtype=torch.float64)
+        moved = torch.zeros_like(error)
         for j in range(a + 1, b):
             if k == 1:
                 forecast = sketches[a]
@@ -225,6 +230,10 @@ def measured_cost(plan, sketches, sigmas, weights) -> float:
                 p = plan[k - 2]
                 forecast = sketches[a] + (sigmas[j] - sigmas[a]) / (sigmas[a] - sigmas[p]) * (sketches[a] - sketches[p])
             error += weights[j] * (sketches[j] - forecast)
+            interpolated = sketches[a] + (sigmas[j] - sigmas[a]) / (sigmas[b] - sigmas[a]) * (sketches[b] - sketches[a])
+            moved += weights[j] * (interpolated - forecast)
+        if strength and 0 < after[b] < sigmas[b]:
+            error -= strength * after[b] / sigmas[b] * moved
         total += float(error.square().sum())
     return total
 
@@ -258,6 +267,50 @@ def test_the_measured_plan_is_the_cheapest_placement_by_the_calibrations_forecas
     assert measured_plan(50, profile, schedule, weights) == list(range(steps))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_measured_cost_models_the_skip_correction_gap_by_gap(seed):
+    steps = 9
+    schedule, sigmas, sketches, weights, profile = random_trajectory(steps, seed=seed)
+    after = schedule[1:]
+    plain, corrected = measured_costs(profile, schedule, weights), measured_costs(profile, schedule, weights, 0.5)
+    differs = 0
+    for plan in itertools.combinations(range(steps), 4):
+        if plan[0] != 0 or plan[-1] != steps - 1:
+            continue
+        plan = list(plan)
+        assert plan_cost(plan, plain) == pytest.approx(measured_cost(plan, sketches, sigmas, weights), rel=1e-9)
+        expected = measured_cost(plan, sketches, sigmas, weights, 0.5, after)
+        assert plan_cost(plan, corrected) == pytest.approx(expected, rel=1e-9, abs=1e-15)
+        differs += abs(plan_cost(plan, corrected) - plan_cost(plan, plain)) > 1e-9
+    assert differs  # the correction changes what a gap costs
+    assert measured_costs(StepProfile(profile.sigmas, profile.changes), schedule, weights) is None  # no sketches
+
+
+def test_the_tail_plan_is_the_profiles_plan_with_the_tail_the_measured_cost_favours():
+    steps, chose_a_tail, chose_the_profile = 12, 0, 0
+    for seed in range(4):
+        schedule, sigmas, sketches, weights, profile = random_trajectory(steps, seed=seed)
+        changes, sizes = profile.changes_for(schedule), steps_in_sigma(schedule)[1:] + [schedule[-2] - schedule[-1]]
+        for count in range(3, 9):
+            for protected in (frozenset(), frozenset({5})):
+                family = []
+                for k in range(1, count):
+                    head = plan_steps(count - k + 1, changes[:steps - k + 1], sizes[:steps - k + 1], 0,
+                                      {p for p in protected if p <= steps - k})
+                    plan = sorted(set(head) | set(range(steps - k, steps)))
+                    if len(plan) == count:
+                        family.append((measured_cost(plan, sketches, sigmas, weights, 0.5, schedule[1:]), k, plan))
+                cost, k, expected = min(family)
+                got = tail_plan(count, profile, schedule, weights, protected, correction=0.5)
+                assert got == expected, (seed, count, protected)
+                assert len(got) == count and got[0] == 0 and got[-1] == steps - 1 and protected <= set(got)
+                chose_a_tail += k > 1
+                chose_the_profile += got == plan_steps(count, changes, sizes, 0, protected)
+    assert chose_a_tail and chose_the_profile  # both outcomes occur: the test can tell them apart
+    assert tail_plan(50, profile, schedule, weights) == list(range(steps))
+    assert tail_plan(5, StepProfile(profile.sigmas, profile.changes), schedule, weights) is None  # no sketches
+
+
 def test_the_measured_plan_computes_where_the_trajectory_bends_and_needs_sketches():
     schedule = shifted_schedule(20)
     sigmas = torch.tensor(schedule[:-1], dtype=torch.float64)
@@ -278,19 +331,25 @@ def test_a_speedup_budget_places_by_the_measured_plan_where_asked_else_by_the_pr
     schedule, _, _, weights, profile = random_trajectory(30, seed=3)
     config = StackCacheConfig(threshold=0.0, speedup=3.0, step_profile=profile)
     budget = ForwardBudget(config)
-    budget.start(30, schedule, weights=weights, measured=True)
+    budget.start(30, schedule, weights=weights, by="measured")
     assert budget.placement == "measured" and budget.plan == measured_plan(10, profile, schedule, weights)
     assert "placed by the calibration's measured trajectory" in budget.describe()
-    budget.start(30, schedule, weights=weights)  # not asked (a sampler that takes Euler steps)
+    budget.start(30, schedule, weights=weights, by="tail", correction=0.5)  # a sampler that takes Euler steps
+    assert budget.placement == "tail" and budget.plan == tail_plan(10, profile, schedule, weights, correction=0.5)
+    assert budget.describe().endswith("placed by the calibration's step profile, with as many of the last steps as "
+                                      "its measured trajectory favours")
+    budget.start(30, schedule, weights=weights)  # not asked (no speed-up)
     assert budget.placement == "calibrated"
     assert budget.plan == plan_steps(10, profile.changes_for(schedule), steps_in_sigma(schedule)[1:] + [
         schedule[-2] - schedule[-1]])
     plain = StepProfile(profile.sigmas, profile.changes)
     budget = ForwardBudget(StackCacheConfig(threshold=0.0, speedup=3.0, step_profile=plain))
-    budget.start(30, schedule, weights=weights, measured=True)  # a calibration made before sketches were kept
+    budget.start(30, schedule, weights=weights, by="measured")  # a calibration made before sketches were kept
     assert budget.placement == "calibrated" and budget.summary()["placement"] == "calibrated"
+    budget.start(30, schedule, weights=weights, by="tail", correction=0.5)
+    assert budget.placement == "calibrated"
     budget = ForwardBudget(StackCacheConfig(threshold=0.0, speedup=3.0))
-    budget.start(30, schedule, weights=weights, measured=True)
+    budget.start(30, schedule, weights=weights, by="measured")
     assert budget.placement == "schedule" and "placed by the schedule" in budget.describe()
 
 
