@@ -344,6 +344,21 @@ def tail_plan(count: int, profile: StepProfile, schedule: list[float], weights: 
     return best[1] if best is not None else None
 
 
+def measured_or_tail(count: int, profile: StepProfile, schedule: list[float], weights: list[float] | None,
+                     protected: frozenset[int] | set[int] = frozenset(), correction: float = 0.0
+                     ) -> tuple[list[int] | None, str]:
+    """``measured_plan``'s plan, or ``tail_plan``'s where the measured cost with the run's skip correction of strength
+    ``correction`` modelled (``measured_costs``) rates it lower (the DP rated its own plan without the correction):
+    (the plan, ``MEASURED`` or ``TAIL``); (None, ``MEASURED``) where ``measured_plan`` is None."""
+    plan = measured_plan(count, profile, schedule, weights, protected)
+    tail = tail_plan(count, profile, schedule, weights, protected, correction) if plan is not None else None
+    if tail is not None and tail != plan:
+        cost = measured_costs(profile, schedule, weights, correction)
+        if plan_cost(tail, cost) < plan_cost(plan, cost):
+            return tail, TAIL
+    return plan, MEASURED
+
+
 class BudgetSettings(Protocol):
     """What a budget reads of its cache's config (``StackCacheConfig``): how many steps a run of so many computes,
     and the calibration's step profile the plan places them by (None: none)."""
@@ -391,9 +406,9 @@ class ForwardBudget:
               correction: float = 0.0) -> None:
         """Plan a run of ``total`` steps: ``schedule`` is its sigmas (``total + 1`` of them; None: unknown, then
         equal steps), ``protected`` the steps that must compute. ``by``: ``MEASURED`` places them by
-        ``measured_plan`` (with the sampler's step ``weights``), ``TAIL`` by ``tail_plan`` (the skip correction of
-        strength ``correction`` modelled), where the profile has sketches; else (and on every re-plan) by the
-        profile's changes or the schedule (``plan_steps``)."""
+        ``measured_or_tail``, ``TAIL`` by ``tail_plan`` (both with the sampler's step ``weights`` and the skip
+        correction of strength ``correction`` modelled), where the profile has sketches; else (and on every re-plan)
+        by the profile's changes or the schedule (``plan_steps``)."""
         known = schedule is not None and len(schedule) == total + 1
         if not known:
             schedule = [1.0 - i / total for i in range(total + 1)]
@@ -404,8 +419,10 @@ class ForwardBudget:
         plan = None
         if by in (MEASURED, TAIL) and known and self.profile is not None:
             listed = None if weights is None else list(weights)
-            plan = (measured_plan(self.count, self.profile, schedule, listed, self._protected) if by == MEASURED
-                    else tail_plan(self.count, self.profile, schedule, listed, self._protected, correction))
+            if by == MEASURED:
+                plan, by = measured_or_tail(self.count, self.profile, schedule, listed, self._protected, correction)
+            else:
+                plan = tail_plan(self.count, self.profile, schedule, listed, self._protected, correction)
         self.placement = by if plan is not None else "calibrated" if self.profile is not None else "schedule"
         self.plan = plan if plan is not None else plan_steps(self.count, self._changes, self._sizes, 0,
                                                              self._protected)

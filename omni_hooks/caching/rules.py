@@ -101,12 +101,13 @@ class Budget(StepRule):
         if self.budget.total != total:
             outside = {s for s in range(total) if not self.config.in_window(s, total)}
             # a speed-up places by the measured trajectory: with a sampler that takes Euler steps, the step
-            # profile's plan with the tail it favours, the skip correction modelled; with any other, the plan it
-            # rates best (caching/budget.py says why)
+            # profile's plan with the tail it favours; with any other, the plan it rates best unless that tail rates
+            # better; the skip correction the run applies modelled (caching/budget.py says why)
             euler = call.context.euler_steps
+            corrects = euler or call.context.weighted_correction
             by = (TAIL if euler else MEASURED) if self.config.speedup > 0 else None
             self.budget.start(total, list(call.context.schedule) if call.context.schedule else None, outside,
-                              call.context.step_weights, by, self.config.skip_correction if euler else 0.0)
+                              call.context.step_weights, by, self.config.skip_correction if corrects else 0.0)
         must = any(d.reason in NEEDED_REASONS for d in decisions)
         wants = self.config.threshold > 0 and any(d.reason == THRESHOLD for d in decisions)  # 0: the plan alone
         compute, why = self.budget.decide(step, wants, must)

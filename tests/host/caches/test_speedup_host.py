@@ -97,9 +97,10 @@ def test_a_fresh_node_with_a_speedup_is_its_budget_with_first_order_and_the_skip
 
 @pytest.mark.parametrize("cache", ["tea", "mag"])
 def test_with_another_sampler_a_speedup_places_its_steps_by_the_measured_trajectory(small, cache, monkeypatch):
-    """With uni_pc a speed-up computes the steps ``measured_plan`` chooses from the calibration's sketches and the
-    sampler's step weights as this ComfyUI's uni_pc gives them (captured on their way into the run), not the step
-    profile's plan; the skip correction weighs each gap by those weights, and the notes say so."""
+    """With uni_pc a speed-up computes the steps ``measured_or_tail`` chooses from the calibration's sketches and the
+    sampler's step weights as this ComfyUI's uni_pc gives them (captured on their way into the run), the skip
+    correction modelled, not the step profile's plan; the correction weighs each gap by those weights, and the notes
+    say so."""
     budget = pack_module("omni_hooks.caching.budget")
     features, calibration_files = pack_module("nodes.features"), pack_module("nodes.caches.calibration_files")
     seen = []
@@ -124,11 +125,10 @@ def test_with_another_sampler_a_speedup_places_its_steps_by_the_measured_traject
         count = round(STEPS / speedup)
         ((sigmas, weights),) = seen
         assert weights is not None and len(weights) == STEPS
-        expected = budget.measured_plan(count, profile, sigmas, weights)
-        assert computed == count and summary["placement"] == "measured"
+        expected, how = budget.measured_or_tail(count, profile, sigmas, weights, correction=0.5)
+        assert computed == count and summary["placement"] == how
         assert summary["planned"] == summary["computed"] == expected
-        assert any(n.endswith("placed by the calibration's measured trajectory and the sampler's step weights")
-                   for n in notes), notes
+        assert any(n.endswith(f"placed by {budget.PLACEMENTS[how]}") for n in notes), notes
         (note,) = [n for n in notes if n.startswith("skip correction")]
         assert note.startswith("skip correction 0.5 (weighed by the sampler's step weights): "), note
         assert int(note.split(": ")[1].split(" ")[0]) >= 1, note

@@ -9,8 +9,8 @@ import torch
 
 from omni_hooks.caching import budget as budget_module
 from omni_hooks.caching.budget import (BUDGET_REASON, SKETCH_VALUES, ForwardBudget, StepProfile, compact, gap_costs,
-                                       measured_costs, measured_plan, plan_cost, plan_steps, steps_in_sigma,
-                                       tail_plan)
+                                       measured_costs, measured_or_tail, measured_plan, plan_cost, plan_steps,
+                                       steps_in_sigma, tail_plan)
 from omni_hooks.caching.residuals import SKETCH_ROWS_AT_ONCE, sketch
 from omni_hooks.caching.config import StackCacheConfig
 from omni_hooks.caching.few_step import FewStepRule
@@ -311,6 +311,25 @@ def test_the_tail_plan_is_the_profiles_plan_with_the_tail_the_measured_cost_favo
     assert tail_plan(5, StepProfile(profile.sigmas, profile.changes), schedule, weights) is None  # no sketches
 
 
+def test_a_sampler_without_euler_steps_gets_the_measured_plan_unless_the_tail_plan_rates_better_corrected():
+    steps, outcomes = 12, set()
+    for seed in range(6):
+        schedule, sigmas, sketches, weights, profile = random_trajectory(steps, seed=seed)
+        for count in range(3, 9):
+            plan, how = measured_or_tail(count, profile, schedule, weights, correction=0.5)
+            dp, tail = measured_plan(count, profile, schedule, weights), tail_plan(count, profile, schedule, weights,
+                                                                                 correction=0.5)
+            corrected = [measured_cost(p, sketches, sigmas, weights, 0.5, schedule[1:]) for p in (dp, tail)]
+            expected = (tail, "tail") if corrected[1] < corrected[0] * (1 - 1e-9) else (dp, "measured")
+            assert (plan, how) == expected, (seed, count)
+            outcomes.add(how)
+            # without a correction to model, the plan the DP rates best over all plans stays
+            assert measured_or_tail(count, profile, schedule, weights) == (dp, "measured")
+    assert outcomes == {"measured", "tail"}  # both occur: the test can tell them apart
+    plain = StepProfile(profile.sigmas, profile.changes)
+    assert measured_or_tail(5, plain, schedule, weights, correction=0.5) == (None, "measured")
+
+
 def test_the_measured_plan_computes_where_the_trajectory_bends_and_needs_sketches():
     schedule = shifted_schedule(20)
     sigmas = torch.tensor(schedule[:-1], dtype=torch.float64)
@@ -334,6 +353,9 @@ def test_a_speedup_budget_places_by_the_measured_plan_where_asked_else_by_the_pr
     budget.start(30, schedule, weights=weights, by="measured")
     assert budget.placement == "measured" and budget.plan == measured_plan(10, profile, schedule, weights)
     assert "placed by the calibration's measured trajectory" in budget.describe()
+    plan, how = budget_module.measured_or_tail(10, profile, schedule, weights, correction=0.5)
+    budget.start(30, schedule, weights=weights, by="measured", correction=0.5)  # the tail plan may rate better
+    assert (budget.plan, budget.placement) == (plan, how)
     budget.start(30, schedule, weights=weights, by="tail", correction=0.5)  # a sampler that takes Euler steps
     assert budget.placement == "tail" and budget.plan == tail_plan(10, profile, schedule, weights, correction=0.5)
     assert budget.describe().endswith("placed by the calibration's step profile, with as many of the last steps as "
