@@ -35,7 +35,9 @@ last k steps all computed, for the k whose gaps the measured cost rates lowest, 
 each gap modelled (``measured_costs``). One calibration's trajectory separates near-equal plans by less than another
 prompt's errors do, so the DP over all plans chose several dB wrong at times; among the ``count - 1`` plans of this
 one shape its choice held up: against the profile's plan, +2.1 dB in the mean over the four benchmark models at 2x
-to 6x, never more than 0.1 behind (docs/benchmarks.md, "The speed-up's plan with euler").
+to 6x, never more than 0.1 behind (docs/benchmarks.md, "The speed-up's plan with euler"). With any other sampler the
+tail plan replaces the measured plan only where the measured cost with that sampler's correction modelled rates it
+lower (``measured_or_tail``): the tail plan in its place everywhere lost with ``uni_pc``.
 
 ``ForwardBudget`` is a run's budget: ``decide`` answers per step, computing the planned steps and the protected ones
 (``must``), and lets the cache's policy bring the next planned compute forward (``wants``: its threshold says compute
