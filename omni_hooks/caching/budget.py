@@ -327,10 +327,14 @@ def tail_plan(count: int, profile: StepProfile, schedule: list[float], weights: 
     smallest such k; k = 1 is the profile's own plan): a choice among ``count - 1`` plans of one shape, which the
     measured cost, taken from one calibration's trajectory, tells apart more reliably than all plans at once
     (``measured_plan``). Deterministic. None where ``measured_costs`` is."""
-    steps = len(schedule) - 1
     cost = measured_costs(profile, schedule, weights, correction)
-    if cost is None:
-        return None
+    return None if cost is None else cheapest_tail(count, profile, schedule, protected, cost)
+
+
+def cheapest_tail(count: int, profile: StepProfile, schedule: list[float], protected: frozenset[int] | set[int],
+                  cost: np.ndarray) -> list[int] | None:
+    """``tail_plan``'s choice by the cost table ``cost`` (``measured_costs``)."""
+    steps = len(schedule) - 1
     count = max(len({0, steps - 1} | {p for p in protected if 0 <= p < steps}), min(count, steps))
     if count >= steps:
         return list(range(steps))
@@ -350,14 +354,16 @@ def measured_or_tail(count: int, profile: StepProfile, schedule: list[float], we
                      protected: frozenset[int] | set[int] = frozenset(), correction: float = 0.0
                      ) -> tuple[list[int] | None, str]:
     """``measured_plan``'s plan, or ``tail_plan``'s where the measured cost with the run's skip correction of strength
-    ``correction`` modelled (``measured_costs``) rates it lower (the DP rated its own plan without the correction):
-    (the plan, ``MEASURED`` or ``TAIL``); (None, ``MEASURED``) where ``measured_plan`` is None."""
+    ``correction`` modelled (``measured_costs``) rates it lower (the DP rated its own plan without the correction; with
+    none to model, its plan stands): (the plan, ``MEASURED`` or ``TAIL``); (None, ``MEASURED``) where
+    ``measured_plan`` is None."""
     plan = measured_plan(count, profile, schedule, weights, protected)
-    tail = tail_plan(count, profile, schedule, weights, protected, correction) if plan is not None else None
-    if tail is not None and tail != plan:
-        cost = measured_costs(profile, schedule, weights, correction)
-        if plan_cost(tail, cost) < plan_cost(plan, cost):
-            return tail, TAIL
+    if plan is None or correction <= 0:
+        return plan, MEASURED
+    cost = measured_costs(profile, schedule, weights, correction)
+    tail = cheapest_tail(count, profile, schedule, protected, cost)
+    if tail is not None and plan_cost(tail, cost) < plan_cost(plan, cost):
+        return tail, TAIL
     return plan, MEASURED
 
 
