@@ -49,23 +49,29 @@ def sample(bench, spec, case, counter, model, sampler: str = "euler") -> tuple[t
     return latent, computed
 
 
-@pytest.mark.parametrize("cache", ["tea", "mag"])
-def test_a_fresh_node_with_a_speedup_is_its_budget_with_first_order_and_the_skip_correction(small, cache, monkeypatch):
-    """With euler (a sampler that takes Euler steps) a speed-up is its forward budget with '1st order' and skip
-    correction 0.5, its steps the step profile's plan with the tail the calibration's measured trajectory favours
-    (``tail_plan``, the correction modelled, the step weights as the run gets them): where that is the profile's own
-    plan, the same run bit for bit as those inputs set by hand; on this model at 5x it is not."""
-    budget = pack_module("omni_hooks.caching.budget")
-    features, calibration_files = pack_module("nodes.features"), pack_module("nodes.caches.calibration_files")
-    seen = []
+def captured_step_weights(monkeypatch) -> list:
+    """The (sigmas, step weights) of each run from now on, as the run gets them (``nodes.features.step_weights``
+    wrapped)."""
+    features = pack_module("nodes.features")
+    step_weights, seen = features.step_weights, []
 
     def measured(sampler, sigmas, model_sampling, patcher):
         weights = step_weights(sampler, sigmas, model_sampling, patcher)
         seen.append((sigmas.tolist(), weights))
         return weights
 
-    step_weights = features.step_weights
     monkeypatch.setattr(features, "step_weights", measured)
+    return seen
+
+
+@pytest.mark.parametrize("cache", ["tea", "mag"])
+def test_a_fresh_node_with_a_speedup_is_its_budget_with_first_order_and_the_skip_correction(small, cache, monkeypatch):
+    """With euler (a sampler that takes Euler steps) a speed-up is its forward budget with '1st order' and skip
+    correction 0.5, its steps the step profile's plan with the tail the calibration's measured trajectory favours
+    (``tail_plan``, the correction modelled, the step weights as the run gets them): where that is the profile's own
+    plan, the same run bit for bit as those inputs set by hand; on this model at 5x it is not."""
+    budget, calibration_files = pack_module("omni_hooks.caching.budget"), pack_module("nodes.caches.calibration_files")
+    seen = captured_step_weights(monkeypatch)
     bench, spec, case_for = small
     case, counter = case_for("euler")
     profile = budget.StepProfile.from_data(
@@ -101,17 +107,8 @@ def test_with_another_sampler_a_speedup_places_its_steps_by_the_measured_traject
     sampler's step weights as this ComfyUI's uni_pc gives them (captured on their way into the run), the skip
     correction modelled, not the step profile's plan; the correction weighs each gap by those weights, and the notes
     say so."""
-    budget = pack_module("omni_hooks.caching.budget")
-    features, calibration_files = pack_module("nodes.features"), pack_module("nodes.caches.calibration_files")
-    seen = []
-
-    def measured(sampler, sigmas, model_sampling, patcher):
-        weights = step_weights(sampler, sigmas, model_sampling, patcher)
-        seen.append((sigmas.tolist(), weights))
-        return weights
-
-    step_weights = features.step_weights
-    monkeypatch.setattr(features, "step_weights", measured)
+    budget, calibration_files = pack_module("omni_hooks.caching.budget"), pack_module("nodes.caches.calibration_files")
+    seen = captured_step_weights(monkeypatch)
     bench, spec, case_for = small
     case, counter = case_for("uni_pc")
     kind = "teacache" if cache == "tea" else "magcache"
