@@ -110,8 +110,9 @@ def sample_all(spec: cqm.QualityModel, case, model, counter: Evaluations, steps:
 
 
 def calibrated_case(spec: cqm.QualityModel, steps: int, sampler: str = "euler"):
-    """The model built, both caches calibrated on it (class 0, seed 100, ``steps``, ``sampler``: the ``calibration:
-    quality`` entries) and its evaluation counter: ``(case, counter)``."""
+    """The model built, both caches calibrated on it as a fresh Calibrate node does (class 0, seed 100, ``steps``,
+    ``sampler``, the speed-up's trial: the ``calibration: quality`` entries) and its evaluation counter:
+    ``(case, counter)``."""
     torch.set_num_threads(1)
     folder_paths.set_user_directory(tempfile.mkdtemp(prefix="omnihooks-quality-"))
     teacache, magcache = pack_module("nodes.caches.teacache"), pack_module("nodes.caches.magcache")
@@ -120,7 +121,7 @@ def calibrated_case(spec: cqm.QualityModel, steps: int, sampler: str = "euler"):
     for node in (teacache.TeaCacheCalibrate, magcache.MagCacheCalibrate):
         run_node(node, model=case.patcher, seed=100, steps=steps, cfg=CFG, sampler_name=sampler, scheduler="simple",
                  positive=spec.conditioning(0), negative=spec.conditioning(None),
-                 latent_image={"samples": torch.zeros(spec.latent_shape)}, name="quality")
+                 latent_image={"samples": torch.zeros(spec.latent_shape)}, name="quality", try_speedups=True)
     return case, counter
 
 

@@ -3,7 +3,8 @@
 Starts the ComfyUI that tools/comfy_host.py finds (`./run demo` fetches one when there is none) on a free loopback
 port with this pack and a tiny Wan 2.1 checkpoint it writes itself, then, through ComfyUI's HTTP API (/prompt,
 /history, the websocket):
-  1. runs TeaCache Calibrate once (random tiny weights fit no published polynomial, as with any new model);
+  1. runs TeaCache Calibrate once, as a fresh node does (random tiny weights fit no published polynomial, as with any
+     new model), which also tries the speed-up's forecasts;
   2. runs the Wan example workflow's sampling chain (UNETLoader -> KSampler -> SaveLatent) without a cache node;
   3. runs it again with Apply TeaCache between the loader and the sampler;
 and prints what the cache did (from the pack's /omni_hooks/runs route), the speedup and the latent difference.
@@ -65,8 +66,9 @@ def run(server, opts, sampling: dict) -> None:
     calibrate = tiny_wan_graph(**sampling)
     calibrate.sampler.class_type = "OmniHooks.TeaCacheCalibrate"  # same inputs as KSampler, plus a name
     calibrate.sampler.set_input("name", "tiny-wan-demo")
+    calibrate.sampler.set_input("try_speedups", True)  # a fresh node's default
     client.run(calibrate.prompt(), timeout=600)
-    print("1. TeaCache Calibrate fitted the tiny model and saved 'tiny-wan-demo'")
+    print("1. TeaCache Calibrate fitted the tiny model, tried the speed-up's forecasts and saved 'tiny-wan-demo'")
 
     timings, latents = {}, {}
     threshold_path = opts.threshold is not None

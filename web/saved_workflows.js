@@ -1,7 +1,8 @@
 // OmniHooks: a workflow saved before an input existed keeps doing what it did when it is opened in the page.
-// An input whose definition carries "omnihooks_saved_without" (nodes/caches/inputs.py: the caches' speed-up) shows
-// its default on a node the user adds, but takes that value on a node loaded without it: a saved workflow whose
-// widget values end before it (or whose named values lack it), and an API-format workflow whose inputs lack it.
+// An input whose definition carries "omnihooks_saved_without" (nodes/caches/inputs.py: the caches' speed-up, the
+// Calibrate nodes' trial of it) shows its default on a node the user adds, but takes that value on a node loaded
+// without it: a saved workflow whose widget values end before it (or whose named values lack it), and an API-format
+// workflow whose inputs lack it.
 // A prompt queued from the API without it gets the same value from the node itself, so all three agree.
 import { app } from "../../scripts/app.js";
 

@@ -12,10 +12,11 @@ node does (a KSampler that records, then saves a named file). Each node declares
 from __future__ import annotations
 
 import abc
+import dataclasses
 import json
 import logging
 import time
-from typing import Any, ClassVar, Mapping, Protocol
+from typing import Any, Callable, ClassVar, Mapping, Protocol
 
 import torch
 from comfy_api.latest import io
@@ -26,7 +27,8 @@ from ...omni_hooks.caching.config import StackCacheConfig
 from ...omni_hooks.caching.few_step import FewStepRule
 from ...omni_hooks.caching.large_steps import LargeStepRule
 from ...omni_hooks.caching.run import StackCacheRun
-from ...omni_hooks.caching.speedup import describe as describe_speedup, recipe as speedup_recipe
+from ...omni_hooks.caching.speedup import (SpeedupTrials, TRIAL_ORDERS, TRIAL_SPEEDUPS, describe as describe_speedup,
+                                           psnr_db, recipe as speedup_recipe)
 from ...omni_hooks.caching.stats import DISABLED, BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
 from .compiler import CompilerDrift, CompilerLeftOut
@@ -36,7 +38,7 @@ from ..families.drift import ModelDriftError
 from ..families import DetectedModel
 from ..features import AppliedFeature, Category, ConfigInputs, FeatureSession, FeatureSpec, attach_feature, named
 from ..stats_store import FeatureReport
-from .inputs import calibration_name, sample_calibrating, validate_calibration_name
+from .inputs import calibration_name, sample_calibrating, sample_with, validate_calibration_name
 
 log = logging.getLogger("OmniHooks")
 
@@ -184,8 +186,9 @@ class BlockStackCache(abc.ABC):
                           notes=self.auto_notes(detected) if auto else ())
             if tuning.get("speedup"):
                 self.check_left_to_speedup(inputs, tuning["speedup"])
-                tuning.update(speedup_recipe(tuning["speedup"]))
-                shared["notes"] = (*shared["notes"], describe_speedup(tuning["speedup"]))
+                trials = None if calibrate else self.speedup_trials(value)
+                tuning.update(speedup_recipe(tuning["speedup"], trials))
+                shared["notes"] = (*shared["notes"], describe_speedup(tuning["speedup"], trials))
             # inputs a workflow saved before them lacks: such a run keeps the config's defaults
             for optional in ("forecast_order", "forward_budget", "skip_correction", "speedup"):
                 if optional in tuning:
@@ -212,16 +215,28 @@ class BlockStackCache(abc.ABC):
 
     def step_profile(self, value: str) -> StepProfile | None:
         """The step profile a calibration file holds (a forward budget places its steps by it); None for a published
-        entry or a file made before calibrations recorded one. ValueError naming the file for a malformed one."""
+        entry or a file made before calibrations recorded one."""
+        return self.calibration_part(value, "step_profile", StepProfile.from_data,
+                                     "run the Calibrate node again, or set forward_budget to 0")
+
+    def speedup_trials(self, value: str) -> SpeedupTrials | None:
+        """The speed-up's trial a calibration file holds (``SpeedupTrials``); None for a published entry or a file
+        made without one."""
+        return self.calibration_part(value, "speedup_trials", SpeedupTrials.from_data, "run the Calibrate node again")
+
+    def calibration_part(self, value: str, key: str, parse: Callable[[Any], Any], fix: str) -> Any:
+        """``parse`` of the part ``key`` of the calibration file the widget ``value`` names; None for a published
+        entry or a file without that part. ValueError naming the file and the part, and saying ``fix``, for a part
+        ``parse`` refuses."""
         name = calibration_files.parse_option(value)
         if name is None:
             return None
-        data = calibration_files.load(self.kind, name).get("step_profile")
+        data = calibration_files.load(self.kind, name).get(key)
         try:
-            return None if data is None else StepProfile.from_data(data)
+            return None if data is None else parse(data)
         except ValueError as e:
             raise ValueError(f"calibration {name!r} ({calibration_files.directory(self.kind)}) has a bad "
-                             f"'step_profile': {e}; run the Calibrate node again, or set forward_budget to 0") from None
+                             f"{key!r}: {e}; {fix}") from None
 
     def applied(self, node_title: str, node_id: str | None, config: StackCacheConfig) -> AppliedFeature:
         """The marker a node of this cache leaves on its MODEL clone: it carries ``config`` to the run's hooks."""
@@ -347,7 +362,7 @@ class CalibrateCacheNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, seed: int, steps: int, cfg: float, sampler_name: str, scheduler: str, positive,
-                negative, latent_image, name: str) -> io.NodeOutput:
+                negative, latent_image, name: str, try_speedups: bool = False) -> io.NodeOutput:
         cache, title = cls.cache, cls.title
         calibration = cache.calibration
         name = calibration_name(title, name)
@@ -372,6 +387,31 @@ class CalibrateCacheNode(io.ComfyNode):
             path = calibration_files.save(cache.kind, name, data)
         except ValueError as e:  # non-finite results (a NaN cfg, a model producing NaN): the old file stays
             raise named(title, e) from None
+        if try_speedups:  # saved again with the trial: an interrupted trial leaves the file without one
+            sampling = (seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image)
+            data["speedup_trials"] = cls.try_speedups(model, detected, name, latent, sampling).to_data()
+            path = calibration_files.save(cache.kind, name, data)
         what = calibration.describe(data)
         log.info("OmniHooks %s: %s on %s, saved to %s", title, what, detected.describe(), path)
         return io.NodeOutput(latent, json.dumps(data, indent=1), ui={"text": [f"saved {path.name}: {what}"]})
+
+    @classmethod
+    def try_speedups(cls, model, detected: DetectedModel, name: str, latent: dict, sampling: tuple) -> SpeedupTrials:
+        """The speed-up's trial on the calibration just saved as ``name``: the Apply node's speed-up at each of
+        ``TRIAL_SPEEDUPS`` with each forecast of ``TRIAL_ORDERS``, sampled on the calibration's own inputs
+        (``sampling``), each latent's PSNR against the calibration's ``latent`` (every step computed)."""
+        cache = cls.cache
+        chosen = speedup_recipe(TRIAL_SPEEDUPS[0])  # the fields a speed-up sets: their inputs stay out
+        inputs = {name: value for name, value in cache.calibrate_inputs.items()
+                  if cache.config_inputs.input(name).field not in chosen}
+        inputs[cache.variant_input] = calibration_files.option(name)
+        rows = []
+        for speedup in TRIAL_SPEEDUPS:
+            config = cache.config_for(model, detected, {**inputs, "speedup": speedup})
+            row = []
+            for order in TRIAL_ORDERS:
+                tried = dataclasses.replace(config, forecast_order=order)
+                got = sample_with(model, cache.applied(cls.title, cls.hidden.unique_id, tried), *sampling)
+                row.append(psnr_db(got["samples"], latent["samples"]))
+            rows.append(tuple(row))
+        return SpeedupTrials(sampling[1], TRIAL_SPEEDUPS, TRIAL_ORDERS, tuple(rows))

@@ -10,7 +10,8 @@ import torch
 from comfy_api.latest import io
 
 from ...omni_hooks.caching.config import MAX_SPEEDUP, StackCacheConfig
-from ...omni_hooks.caching.forecast import AUTO
+from ...omni_hooks.caching.forecast import AUTO, CANDIDATE_NAMES
+from ...omni_hooks.caching.speedup import TRIAL_MARGIN_DB, TRIAL_ORDERS, TRIAL_SPEEDUPS
 from . import calibration_files
 from ..families import model_input
 from ..features import RUN_KEY, AppliedFeature, ConfigInput, ConfigInputs, FeatureSession, SamplingRun, attach_feature
@@ -153,6 +154,24 @@ CACHE_INPUTS = {
 SHARED_INPUTS = ConfigInputs(StackCacheConfig, CACHE_INPUTS)
 
 
+def speedup_trial_input() -> io.Boolean.Input:
+    """A Calibrate node's ``try_speedups``: optional and last, so that a calibration workflow (or API prompt) saved
+    without it loads and saves the file it did (the page sets it off in a workflow saved without it:
+    ``SAVED_WITHOUT``)."""
+    widget = io.Boolean.Input("try_speedups", display_name="try the speed-up's forecasts", default=True,
+                              optional=True,
+                              tooltip="After the calibration run, run the speed-up at "
+                              f"{', '.join(f'{s:g}x' for s in TRIAL_SPEEDUPS)} with each forecast "
+                              f"({', '.join(repr(CANDIDATE_NAMES[o]) for o in TRIAL_ORDERS)}) on the same inputs "
+                              "(about 3 times the calibration's sampling time in all) and save how close each came "
+                              "to this run. A speed-up on this calibration then takes the forecast that came "
+                              f"{TRIAL_MARGIN_DB:g} dB or more closer at the tried speed-up nearest its own (else "
+                              f"'{CANDIDATE_NAMES[TRIAL_ORDERS[0]]}'). Off: the speed-up always forecasts "
+                              f"'{CANDIDATE_NAMES[TRIAL_ORDERS[0]]}'.")
+    widget.extra_dict[SAVED_WITHOUT] = False
+    return widget
+
+
 def calibration_name_input(kind: str, what: str) -> io.String.Input:
     """A Calibrate node's ``name``: the file ``what`` (its contents, in words) is saved under."""
     return io.String.Input("name", default="my-model", tooltip=(
@@ -221,3 +240,11 @@ def sample_calibrating(model, feature: AppliedFeature, seed: int, steps: int, cf
     (latent,) = comfy_nodes.common_ksampler(calibrating, seed, steps, cfg, sampler_name, scheduler, positive,
                                             negative, latent_image)
     return latent, sessions
+
+
+def sample_with(model, feature: AppliedFeature, seed: int, steps: int, cfg: float, sampler_name: str, scheduler: str,
+                positive, negative, latent_image) -> dict:
+    """The LATENT of the KSampler node's own path with ``feature`` attached to a clone of ``model``."""
+    (latent,) = comfy_nodes.common_ksampler(attach_feature(model, feature), seed, steps, cfg, sampler_name, scheduler,
+                                            positive, negative, latent_image)
+    return latent

@@ -37,7 +37,7 @@ from . import calibration_files
 from .base import AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
                      CACHE_INPUTS, forecast_input, forward_budget_input, skip_correction_input, speedup_input,
-                     window_inputs)
+                     speedup_trial_input, window_inputs)
 from ..features import CATEGORY, ConfigInputs, display_name
 from ..families import DetectedModel
 from .magcache_curves import PUBLISHED, MagCacheCurve, for_family
@@ -253,6 +253,7 @@ class MagCacheCalibrate(CalibrateCacheNode):
                     sampler_tooltip="The sampler you will generate with; one that evaluates the model once per step "
                     "(euler, ...) gives exactly one ratio per step."),
                 calibration_name_input(KIND, "curve"),
+                speedup_trial_input(),
             ],
             outputs=[io.Latent.Output(tooltip="The sampled latent (every step computed)."),
                      io.String.Output(display_name="curve", tooltip="The recorded curve as JSON: mag_ratios, std and "

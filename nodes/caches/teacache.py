@@ -15,7 +15,7 @@ from . import calibration_files
 from .base import AUTO, ApplyCacheNode, BlockStackCache, CacheCalibration, CacheSession, CalibrateCacheNode
 from .inputs import (cache_device_input, cache_model_input, calibration_name_input, calibration_sampler_inputs,
                      CACHE_INPUTS, SHARED_INPUTS, forecast_input, forward_budget_input, skip_correction_input,
-                     speedup_input, window_inputs)
+                     speedup_input, speedup_trial_input, window_inputs)
 from ..features import CATEGORY, ConfigInputs, display_name
 from .teacache_coefficients import PUBLISHED, TeaCacheCoefficients
 from ..families import DEFAULT_SIGNAL, DetectedModel
@@ -208,6 +208,7 @@ class TeaCacheCalibrate(CalibrateCacheNode):
                     f"branch (at least {MIN_CALIBRATION_STEPS}).",
                     sampler_tooltip="The sampler you will generate with."),
                 calibration_name_input(KIND, "fitted coefficients"),
+                speedup_trial_input(),
             ],
             outputs=[io.Latent.Output(tooltip="The sampled latent (every step computed)."),
                      io.String.Output(display_name="coefficients",

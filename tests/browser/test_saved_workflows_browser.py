@@ -2,7 +2,8 @@
 (web/saved_workflows.js), while a node the user adds shows the fresh speed-up: a saved UI workflow (two example
 workflows as an earlier release shipped them, their widget values ending before the input: ``data/``), an API-format
 workflow without the input, and one saved by this release (its value kept), each queued as the Run button queues
-it; this release's example workflows open at the fresh speed-up."""
+it; this release's example workflows open at the fresh speed-up. The Calibrate nodes' trial of the speed-up
+(``try_speedups``) alike."""
 from __future__ import annotations
 
 import json
@@ -82,3 +83,21 @@ def test_an_api_format_workflow_without_the_speedup_opens_with_it_off(page):
     by_id = page.evaluate("""() => Object.fromEntries(window.app.graph._nodes.map(n => [String(n.id),
         n.widgets.find(w => w.name === 'speedup').value]))""")
     assert by_id == {"5": 0, "6": 3.0}
+
+
+def test_a_calibrate_workflow_saved_before_the_trial_opens_without_it_and_this_releases_example_with_it(page):
+    """The Calibrate nodes' ``try_speedups`` (the speed-up's trial) the same way: a calibration workflow saved before
+    the input (the example as the release before it shipped it) opens and queues with it off, so it saves the file it
+    did; this release's example and a node the user adds have it on."""
+    node_type = "OmniHooks.MagCacheCalibrate"
+    before = json.loads((SAVED_BEFORE / "magcache_calibrate_wan21_saved_before_trial.json").read_text())
+    now = json.loads((PACK_ROOT / "example_workflows" / "magcache_calibrate_wan21.json").read_text())
+    for workflow, expected in ((before, False), (now, True)):
+        page.evaluate("async (w) => { await window.app.loadGraphData(w, true, true, 'calibrate'); }", workflow)
+        assert [w["try_speedups"] for w in widgets_of(page, node_type)] == [expected]
+        assert [inputs["try_speedups"] for inputs in queued_inputs(page, node_type)] == [expected]
+    page.evaluate("""() => {
+        window.app.graph.clear();
+        window.app.graph.add(window.LiteGraph.createNode('OmniHooks.TeaCacheCalibrate'));
+    }""")
+    assert [w["try_speedups"] for w in widgets_of(page, "OmniHooks.TeaCacheCalibrate")] == [True]

@@ -133,6 +133,74 @@ def test_with_another_sampler_a_speedup_places_its_steps_by_the_measured_traject
     assert differs  # the measured plan is not the step profile's here
 
 
+@pytest.mark.parametrize("cache", ["tea", "mag"])
+def test_the_calibrations_trial_is_the_speedups_own_runs_and_the_speedup_takes_the_forecast_it_favours(
+        small, cache, monkeypatch):
+    """A Calibrate node with ``try_speedups`` (a fresh node's default, as the benchmark calibrates) saves the speed-up's
+    trial: at each tried speed-up and forecast, the PSNR of the fresh Apply node's run at that speed-up with that
+    forecast, on the calibration's own inputs, against the calibration's own run. A speed-up on the calibration
+    takes the forecast ``SpeedupTrials.order_for`` names and its notes say why; on this model with uni_pc that is
+    '2nd order' at one speed-up at least."""
+    speedup = pack_module("omni_hooks.caching.speedup")
+    from omnitest import tiny_models
+
+    calibration_files = pack_module("nodes.caches.calibration_files")
+    bench, spec, case_for = small
+    case, counter = case_for("uni_pc")
+    trials = speedup.SpeedupTrials.from_data(
+        calibration_files.load("teacache" if cache == "tea" else "magcache", "quality")["speedup_trials"])
+    assert (trials.steps, trials.speedups, trials.orders) == (STEPS, speedup.TRIAL_SPEEDUPS, speedup.TRIAL_ORDERS)
+
+    def calibration_inputs(model) -> torch.Tensor:  # bench.calibrated_case's: class 0, seed 100
+        case.positive, case.negative = spec.conditioning(0), spec.conditioning(None)
+        return tiny_models.sample(case, model=model, steps=STEPS, cfg=bench.CFG, seed=100, sampler_name="uni_pc")
+
+    reference = calibration_inputs(case.patcher)
+    chose_second = False
+    for i, rate in enumerate(trials.speedups):
+        order, why = trials.order_for(rate)
+        chosen = calibration_inputs(bench.fresh(case, rate, cache))
+        assert any(f"forecast '{speedup.CANDIDATE_NAMES[order]}' ({why})" in n for n in last_summary()["notes"])
+        for j, tried in enumerate(trials.orders):
+            with monkeypatch.context() as forced:
+                forced.setattr(speedup.SpeedupTrials, "order_for", lambda self, s, tried=tried: (tried, "forced"))
+                latent = calibration_inputs(bench.fresh(case, rate, cache))
+            assert round(speedup.psnr_db(latent, reference), 3) == trials.psnr[i][j], (rate, tried)
+            if tried == order:
+                assert torch.equal(latent, chosen)
+        chose_second |= order == 2
+    assert chose_second
+
+
+def test_a_calibration_without_the_trial_leaves_the_speedup_at_first_order(small):
+    """A Calibrate node queued without ``try_speedups`` (an API prompt saved before it) saves the file it did, with
+    no trial, and a speed-up on it forecasts '1st order', as before."""
+    calibration_files = pack_module("nodes.caches.calibration_files")
+    bench, spec, case_for = small
+    case, counter = case_for("uni_pc")
+    for module, node in (("teacache", "TeaCacheCalibrate"), ("magcache", "MagCacheCalibrate")):
+        run_node(getattr(pack_module(f"nodes.caches.{module}"), node), model=case.patcher, seed=100, steps=STEPS,
+                 cfg=bench.CFG, sampler_name="uni_pc", scheduler="simple", positive=spec.conditioning(0),
+                 negative=spec.conditioning(None), latent_image={"samples": torch.zeros(spec.latent_shape)},
+                 name="no-trial")
+        assert "speedup_trials" not in calibration_files.load(module, "no-trial")
+    model = run_node(pack_module("nodes.caches.teacache").ApplyTeaCache, model=case.patcher,
+                     model_variant="calibration: no-trial", speedup=3.75, rel_l1_thresh=-1.0, start_percent=0.0,
+                     end_percent=1.0, cache_device="compute device")[0]
+    sample(bench, spec, case, counter, model, "uni_pc")
+    (note,) = [n for n in last_summary()["notes"] if n.startswith("speed-up 3.75x")]
+    assert "forecast '1st order' and skip correction" in note, note
+
+
+def test_the_calibrate_nodes_offer_the_trial_and_a_workflow_saved_without_it_keeps_none():
+    inputs = pack_module("nodes.caches.inputs")
+    for module, node in (("teacache", "TeaCacheCalibrate"), ("magcache", "MagCacheCalibrate")):
+        schema = getattr(pack_module(f"nodes.caches.{module}"), node).define_schema()
+        trial = schema.inputs[-1]
+        assert trial.id == "try_speedups" and trial.optional and trial.default is True
+        assert trial.extra_dict[inputs.SAVED_WITHOUT] is False
+
+
 @pytest.mark.parametrize("sampler", ["uni_pc", "dpmpp_2m", "res_multistep", "heun", "euler_ancestral"])
 def test_the_speedups_correction_weighs_the_multistep_samplers_gaps_and_leaves_the_others_alone(small, sampler,
                                                                                                  monkeypatch):
