@@ -1,8 +1,8 @@
 """The speed-up through Apply TeaCache and Apply MagCache on this ComfyUI, on the quality benchmark's small trained
 model (``benchmarks/cache_quality_model.py``, calibrated as the benchmark calibrates it): a fresh node (only its
-speed-up set) runs the recipe (``omni_hooks.caching.speedup``) and says so; an input the speed-up chooses
-but the user changed is refused in the node's words; and prompts saved before the input existed compute the same steps
-and give the same latent as in the release that saved them."""
+speed-up set) runs the recipe (``omni_hooks.caching.speedup``) and says so, its forecast the one the calibration's
+trial favours; an input the speed-up chooses but the user changed is refused in the node's words; and prompts saved
+before the input existed compute the same steps and give the same latent as in the release that saved them."""
 from __future__ import annotations
 
 import json
@@ -190,6 +190,33 @@ def test_a_calibration_without_the_trial_leaves_the_speedup_at_first_order(small
     sample(bench, spec, case, counter, model, "uni_pc")
     (note,) = [n for n in last_summary()["notes"] if n.startswith("speed-up 3.75x")]
     assert "forecast '1st order' and skip correction" in note, note
+
+
+def test_an_interrupted_trial_leaves_the_calibration_saved_without_one(small, monkeypatch):
+    """An interrupt (or any error) during the trial's runs reaches the executor as it comes, and the calibration file
+    is the one saved before the trial began: complete, without a trial, so a speed-up on it forecasts '1st order'."""
+    import comfy.model_management
+
+    calibration_files, inputs = pack_module("nodes.caches.calibration_files"), pack_module("nodes.caches.inputs")
+    base = pack_module("nodes.caches.base")
+    bench, spec, case_for = small
+    case, _ = case_for("euler")
+    runs = []
+
+    def interrupted(*args, **kwargs):
+        runs.append(args)
+        if len(runs) == 2:
+            raise comfy.model_management.InterruptProcessingException()
+        return inputs.sample_with(*args, **kwargs)
+
+    monkeypatch.setattr(base, "sample_with", interrupted)
+    with pytest.raises(comfy.model_management.InterruptProcessingException):
+        run_node(pack_module("nodes.caches.teacache").TeaCacheCalibrate, model=case.patcher, seed=100, steps=STEPS,
+                 cfg=bench.CFG, sampler_name="euler", scheduler="simple", positive=spec.conditioning(0),
+                 negative=spec.conditioning(None), latent_image={"samples": torch.zeros(spec.latent_shape)},
+                 name="interrupted", try_speedups=True)
+    saved = calibration_files.load("teacache", "interrupted")
+    assert len(runs) == 2 and "speedup_trials" not in saved and "step_profile" in saved
 
 
 def test_the_calibrate_nodes_offer_the_trial_and_a_workflow_saved_without_it_keeps_none():
