@@ -163,7 +163,7 @@ def speedup_trial_input() -> io.Boolean.Input:
                               tooltip="After the calibration run, run the speed-up at "
                               f"{', '.join(f'{s:g}x' for s in TRIAL_SPEEDUPS)} with each forecast "
                               f"({', '.join(repr(CANDIDATE_NAMES[o]) for o in TRIAL_ORDERS)}) on the same inputs "
-                              "(about 3 times the calibration's sampling time in all) and save how close each came "
+                              "(together about 3 times as long as the calibration run) and save how close each came "
                               "to this run. A speed-up on this calibration then takes the forecast that came "
                               f"{TRIAL_MARGIN_DB:g} dB or more closer at the tried speed-up nearest its own (else "
                               f"'{CANDIDATE_NAMES[TRIAL_ORDERS[0]]}'). Off: the speed-up always forecasts "
