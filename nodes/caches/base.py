@@ -329,6 +329,12 @@ def computed_record(context: CallContext, threshold: float, seconds: float) -> E
                                                      threshold=threshold) for label in labels])
 
 
+def latent_values(samples) -> torch.Tensor:
+    """A LATENT's samples as one tensor: an audio-video latent's (ComfyUI's NestedTensor, LTX-2) streams flattened and
+    joined."""
+    return torch.cat([t.flatten() for t in samples.unbind()]) if getattr(samples, "is_nested", False) else samples
+
+
 class ApplyCacheNode(io.ComfyNode):
     """An Apply node: MODEL in, the same MODEL with ``cache`` attached for its sampling runs out. A subclass names
     its cache, declares its schema (``define_schema``) and is the node ComfyUI registers."""
@@ -412,6 +418,6 @@ class CalibrateCacheNode(io.ComfyNode):
             for order in TRIAL_ORDERS:
                 tried = dataclasses.replace(config, forecast_order=order)
                 got = sample_with(model, cache.applied(cls.title, cls.hidden.unique_id, tried), *sampling)
-                row.append(psnr_db(got["samples"], latent["samples"]))
+                row.append(psnr_db(latent_values(got["samples"]), latent_values(latent["samples"])))
             rows.append(tuple(row))
         return SpeedupTrials(sampling[1], TRIAL_SPEEDUPS, TRIAL_ORDERS, tuple(rows))
