@@ -27,8 +27,8 @@ from ...omni_hooks.caching.config import StackCacheConfig
 from ...omni_hooks.caching.few_step import FewStepRule
 from ...omni_hooks.caching.large_steps import LargeStepRule
 from ...omni_hooks.caching.run import StackCacheRun
-from ...omni_hooks.caching.speedup import (SpeedupTrials, TRIAL_ORDERS, TRIAL_SPEEDUPS, describe as describe_speedup,
-                                           psnr_db, recipe as speedup_recipe)
+from ...omni_hooks.caching.speedup import (SpeedupTrials, TRIAL_CORRECTIONS, TRIAL_ORDERS, TRIAL_SPEEDUPS,
+                                           describe as describe_speedup, psnr_db, recipe as speedup_recipe)
 from ...omni_hooks.caching.stats import DISABLED, BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
 from .compiler import CompilerDrift, CompilerLeftOut
@@ -404,8 +404,9 @@ class CalibrateCacheNode(io.ComfyNode):
     @classmethod
     def try_speedups(cls, model, detected: DetectedModel, name: str, latent: dict, sampling: tuple) -> SpeedupTrials:
         """The speed-up's trial on the calibration just saved as ``name``: the Apply node's speed-up at each of
-        ``TRIAL_SPEEDUPS`` with each forecast of ``TRIAL_ORDERS``, sampled on the calibration's own inputs
-        (``sampling``), each latent's PSNR against the calibration's ``latent`` (every step computed)."""
+        ``TRIAL_SPEEDUPS`` with each forecast and skip correction of ``TRIAL_ORDERS`` and ``TRIAL_CORRECTIONS``,
+        sampled on the calibration's own inputs (``sampling``), each latent's PSNR against the calibration's
+        ``latent`` (every step computed)."""
         cache = cls.cache
         chosen = speedup_recipe(TRIAL_SPEEDUPS[0])  # the fields a speed-up sets: their inputs stay out
         inputs = {name: value for name, value in cache.calibrate_inputs.items()
@@ -415,9 +416,9 @@ class CalibrateCacheNode(io.ComfyNode):
         for speedup in TRIAL_SPEEDUPS:
             config = cache.config_for(model, detected, {**inputs, "speedup": speedup})
             row = []
-            for order in TRIAL_ORDERS:
-                tried = dataclasses.replace(config, forecast_order=order)
+            for order, correction in zip(TRIAL_ORDERS, TRIAL_CORRECTIONS):
+                tried = dataclasses.replace(config, forecast_order=order, skip_correction=correction)
                 got = sample_with(model, cache.applied(cls.title, cls.hidden.unique_id, tried), *sampling)
                 row.append(psnr_db(latent_values(got["samples"]), latent_values(latent["samples"])))
             rows.append(tuple(row))
-        return SpeedupTrials(sampling[1], TRIAL_SPEEDUPS, TRIAL_ORDERS, tuple(rows))
+        return SpeedupTrials(sampling[1], TRIAL_SPEEDUPS, TRIAL_ORDERS, tuple(rows), TRIAL_CORRECTIONS)

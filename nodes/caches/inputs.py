@@ -10,8 +10,9 @@ import torch
 from comfy_api.latest import io
 
 from ...omni_hooks.caching.config import MAX_SPEEDUP, StackCacheConfig
-from ...omni_hooks.caching.forecast import AUTO, CANDIDATE_NAMES
-from ...omni_hooks.caching.speedup import TRIAL_MARGIN_DB, TRIAL_ORDERS, TRIAL_SPEEDUPS
+from ...omni_hooks.caching.forecast import AUTO
+from ...omni_hooks.caching.speedup import (FORECAST, SKIP_CORRECTION, TRIAL_CORRECTIONS, TRIAL_MARGIN_DB, TRIAL_ORDERS,
+                                           TRIAL_SPEEDUPS, pair_words)
 from . import calibration_files
 from ..families import model_input
 from ..features import RUN_KEY, AppliedFeature, ConfigInput, ConfigInputs, FeatureSession, SamplingRun, attach_feature
@@ -161,13 +162,13 @@ def speedup_trial_input() -> io.Boolean.Input:
     widget = io.Boolean.Input("try_speedups", display_name="try the speed-up's forecasts", default=True,
                               optional=True,
                               tooltip="After the calibration run, run the speed-up at "
-                              f"{', '.join(f'{s:g}x' for s in TRIAL_SPEEDUPS)} with each forecast "
-                              f"({', '.join(repr(CANDIDATE_NAMES[o]) for o in TRIAL_ORDERS)}) on the same inputs "
-                              "(together about 3 times as long as the calibration run) and save how close each came "
-                              "to this run. A speed-up on this calibration then takes the forecast that came "
-                              f"{TRIAL_MARGIN_DB:g} dB or more closer at the tried speed-up nearest its own (else "
-                              f"'{CANDIDATE_NAMES[TRIAL_ORDERS[0]]}'). Off: the speed-up always forecasts "
-                              f"'{CANDIDATE_NAMES[TRIAL_ORDERS[0]]}'.")
+                              f"{', '.join(f'{s:g}x' for s in TRIAL_SPEEDUPS)} with each forecast and skip "
+                              f"correction ({', '.join(pair_words(*p) for p in zip(TRIAL_ORDERS, TRIAL_CORRECTIONS))}) "
+                              "on the same inputs (together about 4 times as long as the calibration run) and save "
+                              "how close each came to this run. A speed-up on this calibration then takes the pair "
+                              f"that came {TRIAL_MARGIN_DB:g} dB or more closer at the tried speed-up nearest its own "
+                              f"(else {pair_words(FORECAST, SKIP_CORRECTION)} with skip correction "
+                              f"{SKIP_CORRECTION:g}). Off: the speed-up always takes that pair.")
     widget.extra_dict[SAVED_WITHOUT] = False
     return widget
 

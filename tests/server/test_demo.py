@@ -27,7 +27,7 @@ def test_the_demo_runs_a_fresh_node_and_every_path_it_prints_exists_afterwards()
     assert "Apply TeaCache (speedup 2)" in out, out
     assert re.search(r"TeaCache: reused [1-9]\d* of 8 model evaluations", out), out
     assert "note: speed-up 2x" in out, out
-    assert "(the calibration's trial at 2x: '1st order' " in out, out  # the calibration tried the speed-up
+    assert "as the calibration's trial at 2x found: '1st order' " in out, out  # the calibration tried the speed-up
     paths = re.findall(r"(/[\w./-]+\.log)", out)
     assert paths, out
     for path in paths:

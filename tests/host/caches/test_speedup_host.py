@@ -134,13 +134,13 @@ def test_with_another_sampler_a_speedup_places_its_steps_by_the_measured_traject
 
 
 @pytest.mark.parametrize("cache", ["tea", "mag"])
-def test_the_calibrations_trial_is_the_speedups_own_runs_and_the_speedup_takes_the_forecast_it_favours(
+def test_the_calibrations_trial_is_the_speedups_own_runs_and_the_speedup_takes_the_pair_it_favours(
         small, cache, monkeypatch):
     """A Calibrate node with ``try_speedups`` (a fresh node's default, as the benchmark calibrates) saves the speed-up's
-    trial: at each tried speed-up and forecast, the PSNR of the fresh Apply node's run at that speed-up with that
-    forecast, on the calibration's own inputs, against the calibration's own run. A speed-up on the calibration
-    takes the forecast ``SpeedupTrials.order_for`` names and its notes say why; on this model with uni_pc that is
-    '2nd order' at one speed-up at least."""
+    trial: at each tried speed-up, forecast and skip correction, the PSNR of the fresh Apply node's run at that
+    speed-up with that pair, on the calibration's own inputs, against the calibration's own run. A speed-up on the
+    calibration takes the pair ``SpeedupTrials.choice_for`` names and its notes say why; on this model with uni_pc
+    that is another pair than the recipe's at one speed-up at least."""
     speedup = pack_module("omni_hooks.caching.speedup")
     from omnitest import tiny_models
 
@@ -149,27 +149,29 @@ def test_the_calibrations_trial_is_the_speedups_own_runs_and_the_speedup_takes_t
     case, counter = case_for("uni_pc")
     trials = speedup.SpeedupTrials.from_data(
         calibration_files.load("teacache" if cache == "tea" else "magcache", "quality")["speedup_trials"])
-    assert (trials.steps, trials.speedups, trials.orders) == (STEPS, speedup.TRIAL_SPEEDUPS, speedup.TRIAL_ORDERS)
+    assert (trials.steps, trials.speedups, trials.orders, trials.corrections) == (
+        STEPS, speedup.TRIAL_SPEEDUPS, speedup.TRIAL_ORDERS, speedup.TRIAL_CORRECTIONS)
 
     def calibration_inputs(model) -> torch.Tensor:  # bench.calibrated_case's: class 0, seed 100
         case.positive, case.negative = spec.conditioning(0), spec.conditioning(None)
         return tiny_models.sample(case, model=model, steps=STEPS, cfg=bench.CFG, seed=100, sampler_name="uni_pc")
 
     reference = calibration_inputs(case.patcher)
-    chose_second = False
+    chose_another = False
     for i, rate in enumerate(trials.speedups):
-        order, why = trials.order_for(rate)
+        order, correction, why = trials.choice_for(rate)
         chosen = calibration_inputs(bench.fresh(case, rate, cache))
-        assert any(f"forecast '{speedup.CANDIDATE_NAMES[order]}' ({why})" in n for n in last_summary()["notes"])
-        for j, tried in enumerate(trials.orders):
+        words = f"forecast '{speedup.CANDIDATE_NAMES[order]}' and skip correction {correction:g} "
+        assert any(words in n and f"as {why};" in n for n in last_summary()["notes"])
+        for j, tried in enumerate(trials.pairs):
             with monkeypatch.context() as forced:
-                forced.setattr(speedup.SpeedupTrials, "order_for", lambda self, s, tried=tried: (tried, "forced"))
+                forced.setattr(speedup.SpeedupTrials, "choice_for", lambda self, s, tried=tried: (*tried, "forced"))
                 latent = calibration_inputs(bench.fresh(case, rate, cache))
             assert round(speedup.psnr_db(latent, reference), 3) == trials.psnr[i][j], (rate, tried)
-            if tried == order:
+            if tried == (order, correction):
                 assert torch.equal(latent, chosen)
-        chose_second |= order == 2
-    assert chose_second
+        chose_another |= (order, correction) != (speedup.FORECAST, speedup.SKIP_CORRECTION)
+    assert chose_another
 
 
 def test_a_calibration_without_the_trial_leaves_the_speedup_at_first_order(small):
@@ -235,11 +237,13 @@ def test_the_speedups_correction_weighs_the_multistep_samplers_gaps_and_leaves_t
     to gain with (uni_pc, dpmpp_2m, res_multistep): their latent differs from the same speed-up without it. With any
     other (one that evaluates twice per step, an ancestral one) it is the same run bit for bit, and the notes say
     why."""
+    trials = pack_module("omni_hooks.caching.speedup").SpeedupTrials
     bench, spec, case_for = small
     case, counter = case_for("euler")
+    monkeypatch.setattr(trials, "choice_for", lambda self, s: (1, 0.5, "forced"))
     latent, computed = sample(bench, spec, case, counter, bench.fresh(case, 3.0), sampler)
     (note,) = [n for n in last_summary()["notes"] if n.startswith("skip correction")]
-    monkeypatch.setattr(pack_module("omni_hooks.caching.speedup"), "SKIP_CORRECTION", 0.0)
+    monkeypatch.setattr(trials, "choice_for", lambda self, s: (1, 0.0, "forced"))
     uncorrected, again = sample(bench, spec, case, counter, bench.fresh(case, 3.0), sampler)
     assert again == computed  # the same steps (heun evaluates twice in most)
     assert not any(n.startswith("skip correction") for n in last_summary()["notes"])
