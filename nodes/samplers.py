@@ -63,6 +63,13 @@ def corrects_by_weights(sampler) -> bool:
             and any(sampler.sampler_function is f for f in WEIGHTED_CORRECTION))
 
 
+def skip_corrected(sampler_name: str, model_sampling) -> bool:
+    """Whether a speed-up's skip correction reaches a run of ComfyUI's sampler ``sampler_name`` at all: one that takes
+    plain Euler steps, or one of ``WEIGHTED_CORRECTION``."""
+    sampler = comfy.samplers.sampler_object(sampler_name)
+    return takes_euler_steps(sampler, model_sampling) or corrects_by_weights(sampler)
+
+
 def step_index(values: tuple[float, ...], sigma: float) -> int | None:
     """The step of schedule ``values`` (its sigmas, the last one after the final step) a model call at ``sigma``
     belongs to: the step that starts at ``sigma``, else the interval that holds it (samplers that evaluate between

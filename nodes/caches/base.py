@@ -27,8 +27,9 @@ from ...omni_hooks.caching.config import StackCacheConfig
 from ...omni_hooks.caching.few_step import FewStepRule
 from ...omni_hooks.caching.large_steps import LargeStepRule
 from ...omni_hooks.caching.run import StackCacheRun
-from ...omni_hooks.caching.speedup import (SpeedupTrials, TRIAL_CORRECTIONS, TRIAL_ORDERS, TRIAL_SPEEDUPS,
-                                           describe as describe_speedup, psnr_db, recipe as speedup_recipe)
+from ...omni_hooks.caching.speedup import (SKIP_CORRECTION, SpeedupTrials, TRIAL_CORRECTIONS, TRIAL_ORDERS,
+                                           TRIAL_SPEEDUPS, describe as describe_speedup, psnr_db,
+                                           recipe as speedup_recipe)
 from ...omni_hooks.caching.stats import DISABLED, BranchDecision, CacheRunStats, EvaluationRecord
 from . import calibration_files
 from .compiler import CompilerDrift, CompilerLeftOut
@@ -37,6 +38,7 @@ from .. import stats_store
 from ..families.drift import ModelDriftError
 from ..families import DetectedModel
 from ..features import AppliedFeature, Category, ConfigInputs, FeatureSession, FeatureSpec, attach_feature, named
+from ..samplers import skip_corrected
 from ..stats_store import FeatureReport
 from .inputs import calibration_name, sample_calibrating, sample_with, validate_calibration_name
 
@@ -404,7 +406,8 @@ class CalibrateCacheNode(io.ComfyNode):
     @classmethod
     def try_speedups(cls, model, detected: DetectedModel, name: str, latent: dict, sampling: tuple) -> SpeedupTrials:
         """The speed-up's trial on the calibration just saved as ``name``: the Apply node's speed-up at each of
-        ``TRIAL_SPEEDUPS`` with each forecast and skip correction of ``TRIAL_ORDERS`` and ``TRIAL_CORRECTIONS``,
+        ``TRIAL_SPEEDUPS`` with each forecast and skip correction of ``TRIAL_ORDERS`` and ``TRIAL_CORRECTIONS``
+        (those with another correction than ``SKIP_CORRECTION`` only where the sampler takes one: ``skip_corrected``),
         sampled on the calibration's own inputs (``sampling``), each latent's PSNR against the calibration's
         ``latent`` (every step computed)."""
         cache = cls.cache
@@ -412,13 +415,17 @@ class CalibrateCacheNode(io.ComfyNode):
         inputs = {name: value for name, value in cache.calibrate_inputs.items()
                   if cache.config_inputs.input(name).field not in chosen}
         inputs[cache.variant_input] = calibration_files.option(name)
+        # without a correction to drop (a sampler it does not reach) a pair differing only in it is the same run
+        corrected = skip_corrected(sampling[3], model.get_model_object("model_sampling"))
+        pairs = [(o, c) for o, c in zip(TRIAL_ORDERS, TRIAL_CORRECTIONS) if corrected or c == SKIP_CORRECTION]
         rows = []
         for speedup in TRIAL_SPEEDUPS:
             config = cache.config_for(model, detected, {**inputs, "speedup": speedup})
             row = []
-            for order, correction in zip(TRIAL_ORDERS, TRIAL_CORRECTIONS):
+            for order, correction in pairs:
                 tried = dataclasses.replace(config, forecast_order=order, skip_correction=correction)
                 got = sample_with(model, cache.applied(cls.title, cls.hidden.unique_id, tried), *sampling)
                 row.append(psnr_db(latent_values(got["samples"]), latent_values(latent["samples"])))
             rows.append(tuple(row))
-        return SpeedupTrials(sampling[1], TRIAL_SPEEDUPS, TRIAL_ORDERS, tuple(rows), TRIAL_CORRECTIONS)
+        orders, corrections = zip(*pairs)
+        return SpeedupTrials(sampling[1], TRIAL_SPEEDUPS, orders, tuple(rows), corrections)

@@ -164,8 +164,9 @@ def speedup_trial_input() -> io.Boolean.Input:
                               tooltip="After the calibration run, run the speed-up at "
                               f"{', '.join(f'{s:g}x' for s in TRIAL_SPEEDUPS)} with each forecast and skip "
                               f"correction ({', '.join(pair_words(*p) for p in zip(TRIAL_ORDERS, TRIAL_CORRECTIONS))}) "
-                              "on the same inputs (together about 4 times as long as the calibration run) and save "
-                              "how close each came to this run. A speed-up on this calibration then takes the pair "
+                              "on the same inputs (together about 4 times as many steps as the calibration run; the "
+                              "pair without the correction only with a sampler that takes it) and save how close "
+                              "each came to this run. A speed-up on this calibration then takes the pair "
                               f"that came {TRIAL_MARGIN_DB:g} dB or more closer at the tried speed-up nearest its own "
                               f"(else {pair_words(FORECAST, SKIP_CORRECTION)} with skip correction "
                               f"{SKIP_CORRECTION:g}). Off: the speed-up always takes that pair.")

@@ -174,6 +174,25 @@ def test_the_calibrations_trial_is_the_speedups_own_runs_and_the_speedup_takes_t
     assert chose_another
 
 
+def test_the_trial_drops_the_correction_only_where_the_sampler_takes_one(small):
+    """The trial's pair without the skip correction is run only with a sampler the correction reaches (plain Euler
+    steps, or 'uni_pc', 'dpmpp_2m', 'res_multistep'); with any other it would be the recipe's run again, so a
+    calibration with such a sampler saves the forecasts with the correction alone."""
+    speedup, samplers = pack_module("omni_hooks.caching.speedup"), pack_module("nodes.samplers")
+    calibration_files = pack_module("nodes.caches.calibration_files")
+    bench, spec, case_for = small
+    case, _ = case_for("euler_ancestral")
+    model_sampling = case.patcher.get_model_object("model_sampling")
+    reached = {name: samplers.skip_corrected(name, model_sampling)
+               for name in ("euler", "uni_pc", "dpmpp_2m", "res_multistep", "heun", "euler_ancestral", "dpmpp_2m_sde")}
+    assert reached == {"euler": True, "uni_pc": True, "dpmpp_2m": True, "res_multistep": True, "heun": False,
+                       "euler_ancestral": False, "dpmpp_2m_sde": False}
+    for kind in ("teacache", "magcache"):
+        trials = speedup.SpeedupTrials.from_data(calibration_files.load(kind, "quality")["speedup_trials"])
+        assert trials.pairs == [(1, speedup.SKIP_CORRECTION), (2, speedup.SKIP_CORRECTION)]
+        assert all(len(row) == 2 for row in trials.psnr)
+
+
 def test_a_calibration_without_the_trial_leaves_the_speedup_at_first_order(small):
     """A Calibrate node queued without ``try_speedups`` (an API prompt saved before it) saves the file it did, with
     no trial, and a speed-up on it forecasts '1st order', as before."""
