@@ -20,8 +20,10 @@ Run: COMFYUI_PATH=... .venv/bin/python benchmarks/bench_cache_quality.py [--mode
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
+import shutil
 import sys
 import tempfile
 from functools import partial
@@ -112,9 +114,11 @@ def sample_all(spec: cqm.QualityModel, case, model, counter: Evaluations, steps:
 def calibrated_case(spec: cqm.QualityModel, steps: int, sampler: str = "euler"):
     """The model built, both caches calibrated on it as a fresh Calibrate node does (class 0, seed 100, ``steps``,
     ``sampler``, the speed-up's trial: the ``calibration: quality`` entries) and its evaluation counter:
-    ``(case, counter)``."""
+    ``(case, counter)``. The user directory they are saved in is removed when the process exits."""
     torch.set_num_threads(1)
-    folder_paths.set_user_directory(tempfile.mkdtemp(prefix="omnihooks-quality-"))
+    directory = tempfile.mkdtemp(prefix="omnihooks-quality-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    folder_paths.set_user_directory(directory)
     teacache, magcache = pack_module("nodes.caches.teacache"), pack_module("nodes.caches.magcache")
     case = spec.build()
     counter = Evaluations(case.patcher.model.diffusion_model)
