@@ -260,7 +260,7 @@ def test_an_interrupt_inside_a_model_call_unblocks_the_workers_at_once(sp, wan, 
 
 
 def test_a_remote_rank_started_by_torchrun_joins_equals_one_process_and_rejoins_the_next_group(
-        sp, wan, ports_before, monkeypatch):
+        sp, wan, ports_before, monkeypatch, tmp_path):
     from omnitest.comfy_path import comfyui_path
     from omnitest.tiny_models import sample
 
@@ -269,9 +269,10 @@ def test_a_remote_rank_started_by_torchrun_joins_equals_one_process_and_rejoins_
     monkeypatch.setenv("OMNIHOOKS_SP_SECRET", REMOTE_SECRET["OMNIHOOKS_SP_SECRET"])
     port = free_port()
     model = with_sequence_parallel(case, devices=("cpu",), port=port)  # rank 1 is remote
+    logs = tmp_path / "torchrun"  # torchrun's own logs: by default a directory in the temp directory, never removed
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               str(group.WORKER_SCRIPT), "--join", f"{LOOPBACK}:{port}", "--first-rank", "1", "--world-size", "2",
-               "--comfyui", str(comfyui_path())]
+               "--log-dir", str(logs), str(group.WORKER_SCRIPT), "--join", f"{LOOPBACK}:{port}", "--first-rank", "1",
+               "--world-size", "2", "--comfyui", str(comfyui_path())]
     worker_join_s = 30  # how long the remote rank waits for rank 0's next group
     with deadline(TEST_DEADLINE_S, "torchrun remote rank"):
         torchrun = subprocess.Popen(command, stdin=subprocess.DEVNULL,
@@ -286,6 +287,7 @@ def test_a_remote_rank_started_by_torchrun_joins_equals_one_process_and_rejoins_
             assert group.active_group() is not first and group.active_group().port == port
             group.close_group()
             assert torchrun.wait(timeout=worker_join_s + 60) == 0  # no next group: the remote rank and torchrun end
+            assert any(logs.iterdir())
         finally:
             if torchrun.poll() is None:
                 torchrun.kill()
